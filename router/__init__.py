@@ -1,0 +1,1 @@
+"""llama-router: one endpoint for many local GGUF models."""

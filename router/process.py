@@ -1,0 +1,218 @@
+"""One llama-server child: spawn, readiness, output capture, stop, exit.
+
+Contract:
+
+* ``start()`` spawns the binary in its own process group (``start_new_session``) with
+  ``PR_SET_PDEATHSIG = SIGKILL`` on Linux, so a router killed with SIGKILL takes its children
+  with it. stdin is /dev/null; stdout and stderr are merged and read line by line into a
+  ``LogRing`` and the router's log (prefixed with the model id).
+* ``wait_ready(timeout)`` polls ``GET /health`` every ``HEALTH_POLL_INTERVAL_S`` until 200,
+  racing the process's exit; it raises ``ChildExited`` or ``ChildTimeout`` (the caller stops it).
+* ``stop(timeout)`` sends SIGTERM to the group, waits ``timeout``, then SIGKILLs the group, and
+  reaps. It is idempotent and safe to call at any point, including mid-start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import httpx
+
+from .settings import HEALTH_POLL_INTERVAL_S
+
+log = logging.getLogger("router.child")
+
+PR_SET_PDEATHSIG = 1
+SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
+                              "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE"})
+SECRET_ENV_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
+_BIND_FAILURE_MARKERS = ("couldn't bind", "address already in use", "failed to bind")
+
+
+class ChildError(Exception):
+    """Base for child failures; carries the last output lines."""
+
+    def __init__(self, message: str, last_lines: list[str]) -> None:
+        super().__init__(message)
+        self.last_lines = last_lines
+
+
+class ChildExited(ChildError):
+    def __init__(self, message: str, last_lines: list[str], exit_code: int) -> None:
+        super().__init__(message, last_lines)
+        self.exit_code = exit_code
+
+    @property
+    def port_in_use(self) -> bool:
+        text = "\n".join(self.last_lines).lower()
+        return any(marker in text for marker in _BIND_FAILURE_MARKERS)
+
+
+class ChildTimeout(ChildError):
+    pass
+
+
+class LogRing:
+    """The last ``maxlen`` output lines of a child, with their wall-clock times."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.lines: deque[tuple[float, str]] = deque(maxlen=maxlen)
+
+    def append(self, line: str) -> None:
+        self.lines.append((time.time(), line))
+
+    def tail(self, n: int) -> list[str]:
+        return [line for _, line in list(self.lines)[-n:]] if n > 0 else []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def child_environment() -> dict[str, str]:
+    """The router's environment minus every API key and TLS secret."""
+    return {k: v for k, v in os.environ.items()
+            if k not in SECRET_ENV_NAMES and not k.startswith(SECRET_ENV_PREFIXES)}
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ChildProcess:
+    """A llama-server process serving one model on 127.0.0.1:``port``."""
+
+    def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
+                 client: httpx.AsyncClient, env: dict[str, str] | None = None) -> None:
+        self.model_id = model_id
+        self.argv = list(argv)
+        self.port = port
+        self.logs = logs
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._client = client
+        self._env = env if env is not None else child_environment()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self.started_at: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"<ChildProcess {self.model_id} pid={self.pid} port={self.port} "
+                f"rc={self.returncode}>")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    async def start(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=self._env, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        log.info("spawned", extra={"model": self.model_id, "pid": self._proc.pid,
+                                   "port": self.port})
+        self._reader = asyncio.create_task(self._read_output(), name=f"log:{self.model_id}")
+
+    async def _read_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        stream = self._proc.stdout
+        prefix = f"[{self.model_id}] "
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the stream limit: skip it
+                continue
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.logs.append(line)
+            log.debug("%s%s", prefix, line)
+
+    async def wait_exit(self) -> int:
+        """Wait for the process to exit and its output to be drained; the exit code."""
+        assert self._proc is not None
+        code = await self._proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+        return code
+
+    async def wait_ready(self, timeout: float) -> None:
+        exit_task = asyncio.ensure_future(self.wait_exit())
+        poll_task = asyncio.ensure_future(self._poll_health())
+        try:
+            done, _ = await asyncio.wait({exit_task, poll_task}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poll_task.cancel()
+            exit_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poll_task
+            with contextlib.suppress(asyncio.CancelledError):
+                await exit_task
+        if poll_task in done and not poll_task.cancelled() and poll_task.exception() is None:
+            return
+        if exit_task in done:
+            code = exit_task.result()
+            raise ChildExited(f"llama-server exited with code {code} while loading",
+                              self.logs.tail(20), code)
+        raise ChildTimeout(f"llama-server did not become healthy within {timeout:g} s",
+                           self.logs.tail(20))
+
+    async def _poll_health(self) -> None:
+        url = self.base_url + "/health"
+        while True:
+            try:
+                response = await self._client.get(url, timeout=2.0)
+                if response.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+
+    async def stop(self, timeout: float) -> int | None:
+        """SIGTERM the group, SIGKILL after ``timeout``, reap. Returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+            except TimeoutError:
+                log.warning("did not stop within %.1f s; killing", timeout,
+                            extra={"model": self.model_id, "pid": proc.pid})
+                self._signal_group(signal.SIGKILL)
+        code = await self.wait_exit()
+        self._signal_group(signal.SIGKILL)  # grandchildren, if any, go with it
+        log.info("stopped", extra={"model": self.model_id, "pid": proc.pid, "exit_code": code})
+        return code
+
+    def kill_now(self) -> None:
+        """SIGKILL the group without waiting (used during interpreter shutdown)."""
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)

@@ -1,0 +1,109 @@
+"""Assemble and run the router: validate config, then serve with uvicorn.
+
+Everything that can be wrong with the configuration (no binary, a bad preset, a bad
+pass-through arg) is found by ``prepare()`` before a socket is opened or a child started.
+The lifespan owns the HTTP client and the supervisor; on shutdown every child is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+
+from .app import State, create_app
+from .events import EventBus
+from .flags import FlagTable, load_flag_table
+from .install import cache_root, find_llama_server
+from .settings import Settings
+from .sources import Catalogue, build_catalogue
+from .supervisor import Supervisor
+
+log = logging.getLogger("router.server")
+
+CHILD_CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Prepared:
+    settings: Settings
+    binary: Path
+    table: FlagTable
+    catalogue: Catalogue
+    api_keys: list[str]
+    build_info: str
+
+
+def prepare(settings: Settings) -> Prepared:
+    """Resolve the binary, learn its flags, load and validate every model source."""
+    binary = find_llama_server(settings.llama_server)
+    table = load_flag_table(binary, cache_root() / "flags")
+    try:
+        overrides = table.parse_argv(settings.child_args)
+    except ValueError as exc:
+        raise SystemExit(f"llama-router: pass-through args after --: {exc}") from None
+    catalogue = build_catalogue(settings.presets, settings.models_dir, table, overrides)
+    for warning in catalogue.warnings:
+        log.warning("%s", warning)
+    return Prepared(settings, binary, table, catalogue, settings.all_api_keys(),
+                    _build_info(binary))
+
+
+def _build_info(binary: Path) -> str:
+    try:
+        result = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    for line in (result.stdout + result.stderr).splitlines():
+        if "build" in line and "(" in line:
+            build = line.split("(build", 1)[-1].split(",", 1)[0].strip()
+            return f"b{build}"
+    return "unknown"
+
+
+def build_app(prepared: Prepared) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                              keepalive_expiry=30.0)
+        timeout = httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+            events = EventBus()
+            supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
+                                    prepared.binary, client, events)
+            app.state.router = State(supervisor, client, events, prepared.build_info)
+            atexit.register(supervisor.kill_all_now)
+            startup = asyncio.create_task(supervisor.load_startup_models())
+            startup.add_done_callback(_log_startup_failure)
+            try:
+                yield
+            finally:
+                startup.cancel()
+                await supervisor.close()
+                atexit.unregister(supervisor.kill_all_now)
+
+    return create_app(lifespan, prepared.api_keys)
+
+
+def _log_startup_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a load-on-startup model failed: %s", task.exception())
+
+
+def serve(settings: Settings) -> None:
+    prepared = prepare(settings)
+    app = build_app(prepared)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=30, log_config=None)
+    uvicorn.Server(config).run()

@@ -1,0 +1,67 @@
+"""Process-level settings: command-line flags over environment (``LLAMA_ROUTER_*``) over defaults.
+
+Per-model behaviour lives in presets (``presets.py``); this module holds only what the router
+process itself needs. Defaults are named constants so docs and code agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_MODELS_MAX = 4
+DEFAULT_LOAD_TIMEOUT_S = 300.0
+DEFAULT_STOP_TIMEOUT_S = 10.0
+DEFAULT_WAIT_BUDGET_S = 120.0
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+DEFAULT_LOG_LINES = 1000
+HEALTH_POLL_INTERVAL_S = 0.02
+
+
+class Settings(BaseSettings):
+    """Everything ``llama-router serve`` is configured by.
+
+    Environment variables use the prefix ``LLAMA_ROUTER_`` (``LLAMA_ROUTER_PORT=9000``); list
+    values are comma separated. Command-line flags win over the environment.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LLAMA_ROUTER_", extra="forbid")
+
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    presets: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    models_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    models_max: int = Field(DEFAULT_MODELS_MAX, description="<= 0 means unlimited")
+    models_autoload: bool = True
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    api_key_file: Path | None = None
+    llama_server: Path | None = None
+    load_timeout: float = Field(DEFAULT_LOAD_TIMEOUT_S, gt=0)
+    stop_timeout: float = Field(DEFAULT_STOP_TIMEOUT_S, ge=0)
+    wait_budget: float = Field(DEFAULT_WAIT_BUDGET_S, gt=0)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
+    log_lines: int = Field(DEFAULT_LOG_LINES, gt=0)
+    log_level: str = "info"
+    child_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("presets", "models_dir", "api_key", "child_args", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def all_api_keys(self) -> list[str]:
+        """Keys from ``--api-key`` plus ``--api-key-file`` (one per line, ``#`` comments)."""
+        keys = list(self.api_key)
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.append(line)
+        return keys

@@ -1,0 +1,151 @@
+"""Where models come from: preset files and models directories, merged into one catalogue.
+
+Merge order (as llama.cpp): models-dir entries first; a preset section with the same id merges
+into that entry key by key (source becomes ``preset``); ``[*]`` sits under every model; the
+router's pass-through args (after ``--`` on its command line) override everything.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+
+from .flags import FlagTable, Option
+from .presets import (
+    SOURCE_KEYS,
+    ModelPreset,
+    Origin,
+    PresetFile,
+    PresetProblem,
+    PresetsInvalid,
+    load_preset_file,
+)
+
+_DRAFT_PREFIXES = ("mtp-", "dspark-", "dflash-")
+
+
+def scan_models_dir(directory: Path) -> list[ModelPreset]:
+    """Models in ``directory`` by llama.cpp's layout rules.
+
+    * a top-level ``NAME.gguf`` is model ``NAME`` (``mmproj*`` and draft files skipped);
+    * a subfolder ``NAME/`` is model ``NAME``: its ``*-00001-of-N.gguf`` first shard or its one
+      other GGUF is the model, a file with ``mmproj`` in its name is the projector.
+    """
+    directory = directory.expanduser().absolute()
+    if not directory.is_dir():
+        raise PresetsInvalid([PresetProblem(Origin(directory, 0),
+                                            "models directory does not exist")])
+    models: list[ModelPreset] = []
+    for entry in sorted(directory.iterdir()):
+        args: dict[str, str] = {}
+        if entry.is_file() and entry.name.endswith(".gguf"):
+            if "mmproj" in entry.name or entry.name.startswith(_DRAFT_PREFIXES):
+                continue
+            model_id = entry.name.replace(".gguf", "")
+            args["model"] = str(entry)
+        elif entry.is_dir():
+            model_id = entry.name
+            ggufs = sorted(p for p in entry.iterdir() if p.name.endswith(".gguf"))
+            mains = [p for p in ggufs
+                     if "mmproj" not in p.name and not p.name.startswith(_DRAFT_PREFIXES)]
+            shards = [p for p in mains if "-00001-of-" in p.name]
+            unsplit = [p for p in mains if "-of-" not in p.name]
+            main = shards[0] if shards else (unsplit[0] if unsplit else None)
+            if main is None:
+                continue
+            args["model"] = str(main)
+            projectors = [p for p in ggufs if "mmproj" in p.name]
+            if projectors:
+                args["mmproj"] = str(projectors[0])
+        else:
+            continue
+        models.append(ModelPreset(id=model_id, args=MappingProxyType(args), source="models_dir",
+                                  origin=Origin(entry, 0)))
+    return models
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """Every known model by id, plus the alias → id map used for routing."""
+
+    models: dict[str, ModelPreset]
+    aliases: dict[str, str] = field(default_factory=dict)
+    warnings: tuple[PresetProblem, ...] = ()
+
+    def resolve(self, name: str) -> str | None:
+        """Canonical id for a model id or alias, or None."""
+        if name in self.models:
+            return name
+        return self.aliases.get(name)
+
+    def close_matches(self, name: str) -> list[str]:
+        return difflib.get_close_matches(name, [*self.models, *self.aliases], n=3, cutoff=0.5)
+
+
+def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
+                    table: FlagTable, overrides: list[tuple[Option, str]] | None = None
+                    ) -> Catalogue:
+    """Load every source and merge them; raise PresetsInvalid listing every problem."""
+    problems: list[PresetProblem] = []
+    files: list[PresetFile] = []
+    for path in preset_paths:
+        try:
+            files.append(load_preset_file(path, table))
+        except PresetsInvalid as exc:
+            problems.extend(exc.problems)
+    merged: dict[str, ModelPreset] = {}
+    for directory in models_dirs:
+        try:
+            for model in scan_models_dir(directory):
+                merged[model.id] = model
+        except PresetsInvalid as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise PresetsInvalid(problems)
+
+    global_args: dict[str, str] = {}
+    for preset_file in files:
+        if preset_file.defaults is not None:
+            global_args.update(preset_file.defaults.args)
+    seen_in: dict[str, Origin] = {}
+    for preset_file in files:
+        for section in preset_file.models:
+            if section.name in seen_in:
+                problems.append(PresetProblem(
+                    section.origin, f"model also defined at {seen_in[section.name]}",
+                    section.name))
+                continue
+            seen_in[section.name] = section.origin
+            own = preset_file.merged(section)
+            base = merged.get(section.name)
+            if base is not None:
+                own = replace(own, args=MappingProxyType({**base.args, **own.args}))
+            merged[section.name] = own
+
+    override_args = {option.key: value for option, value in overrides or []}
+    final: dict[str, ModelPreset] = {}
+    aliases: dict[str, str] = {}
+    for model_id in sorted(merged):
+        model = merged[model_id]
+        args = {**global_args, **model.args, **override_args}
+        if not any(key in args for key in SOURCE_KEYS) and model.origin is not None:
+            problems.append(PresetProblem(
+                model.origin, "no model source: set 'model = /path/file.gguf' or "
+                "'hf-repo = owner/repo:QUANT'", model_id))
+        final[model_id] = replace(model, args=MappingProxyType(args))
+        for alias in model.aliases:
+            if alias in merged or alias in aliases:
+                owner = alias if alias in merged else aliases[alias]
+                problems.append(PresetProblem(
+                    model.origin or Origin(Path("?"), 0),
+                    f"alias '{alias}' is already the name or an alias of model '{owner}'",
+                    model_id, "alias"))
+            else:
+                aliases[alias] = model_id
+    if problems:
+        raise PresetsInvalid(problems)
+    warnings = tuple(w for f in files for w in f.warnings)
+    return Catalogue(final, aliases, warnings)
