@@ -166,12 +166,18 @@ def _parse_spec(spec: str) -> tuple[list[str], list[str], bool]:
         spellings.append(word)
         if hint.strip():
             takes_value = True
-    positives = [s for s in spellings if not s.lstrip("-").startswith("no-")]
-    negatives = [s for s in spellings if s.lstrip("-").startswith("no-")]
-    if not positives:  # a flag whose only name starts with --no- (e.g. --no-webui) is positive
-        positives, negatives = negatives, []
-    elif takes_value:
-        positives, negatives = spellings, []
+    if takes_value:
+        return spellings, [], True
+    # llama.cpp prints positive spellings, then negative ones (``-kvo, --kv-offload, -nkvo,
+    # --no-kv-offload``): the negatives start after the last long positive spelling that
+    # precedes the first ``no-`` spelling, which also catches short forms like ``-nkvo``.
+    first_no = next((i for i, s in enumerate(spellings) if s.lstrip("-").startswith("no-")),
+                    None)
+    if first_no is None or first_no == 0:  # e.g. --no-webui alone is a positive flag
+        return spellings, [], False
+    last_long = max((i for i in range(first_no) if spellings[i].startswith("--")),
+                    default=first_no - 1)
+    positives, negatives = spellings[:last_long + 1], spellings[last_long + 1:]
     return positives, negatives, takes_value
 
 

@@ -25,6 +25,7 @@ Differences from llama.cpp, all in the direction of fewer surprises:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -225,8 +226,8 @@ def _parse_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"bad number of seconds {value!r}") from None
-    if seconds < 0:
-        raise ValueError(f"seconds must be >= 0, got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"seconds must be a finite number >= 0, got {value!r}")
     return seconds
 
 
@@ -256,8 +257,16 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
     for section in sections:
         args: dict[str, str] = {}
         options: dict[str, object] = {}
+        origins: dict[str, Origin] = {}
         for key, value, origin in section.entries:
+            if key == "version":
+                problems.append(PresetProblem(
+                    origin, "'version' belongs before the first section", section.name, key))
+                continue
             preset_key = _PRESET_ONLY_ENV.get(key, key)
+            resolved = table.lookup(key)
+            if resolved is not None and resolved.option.key in PRESET_ONLY:
+                preset_key = resolved.option.key  # a, LLAMA_ARG_ALIAS, LLAMA_ARG_TAGS
             if preset_key in PRESET_ONLY:
                 parser, attr = PRESET_ONLY[preset_key]
                 try:
@@ -268,7 +277,6 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
                     if attr != "_ignored":
                         options[attr] = parsed
                 continue
-            resolved = table.lookup(key)
             if resolved is None:
                 close = table.suggest(key, extra=list(PRESET_ONLY))
                 hint = f"; did you mean {' or '.join(close)}?" if close else ""
@@ -295,12 +303,13 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
                     problems.append(PresetProblem(origin, f"file does not exist: {value}",
                                                   section.name, key))
             args[option.key] = value
+            origins[option.key] = origin
         parsed_section = ParsedSection(section.name, section.origin, args, options)
         if section.name == GLOBAL_SECTION:
             for key in SOURCE_KEYS:
                 if key in args:
                     problems.append(PresetProblem(
-                        section.origin, f"'{key}' cannot be a default for every model",
+                        origins[key], f"'{key}' cannot be a default for every model",
                         section.name, key))
             defaults = parsed_section
         else:

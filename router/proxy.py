@@ -55,8 +55,10 @@ class StreamedResponse:
         headers = [(k.lower(), v) for k, v in upstream.headers.raw
                    if k.lower() not in RESPONSE_DROP]
         if self.is_sse:
-            headers.append((b"x-accel-buffering", b"no"))
-            headers.append((b"cache-control", b"no-cache"))
+            present = {k for k, _ in headers}
+            for name, value in ((b"x-accel-buffering", b"no"), (b"cache-control", b"no-cache")):
+                if name not in present:
+                    headers.append((name, value))
         self.headers = headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,7 +92,5 @@ class StreamedResponse:
 
 
 async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass

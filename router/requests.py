@@ -37,7 +37,7 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
     Multipart bodies are scanned for a ``model`` form field; anything else must be a JSON
     object (an empty body has no model).
     """
-    if content_type.startswith("multipart/form-data"):
+    if content_type.lower().startswith("multipart/form-data"):
         return _multipart_model(content_type, body), None
     if not body.strip():
         return None, None

@@ -107,9 +107,13 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
         raise PresetsInvalid(problems)
 
     global_args: dict[str, str] = {}
+    global_options: dict[str, object] = {}
     for preset_file in files:
         if preset_file.defaults is not None:
             global_args.update(preset_file.defaults.args)
+            global_options.update(preset_file.defaults.options)
+    for model_id, model in merged.items():  # models-dir entries get [*]'s preset-only keys too
+        merged[model_id] = replace(model, **global_options)  # type: ignore[arg-type]
     seen_in: dict[str, Origin] = {}
     for preset_file in files:
         for section in preset_file.models:

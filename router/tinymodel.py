@@ -3,7 +3,8 @@
 The files are a few hundred KB, load in a real ``llama-server`` and serve chat completions
 (ChatML template), streaming, ``/completion``, ``/tokenize``/``/detokenize`` and, when the
 server is started with ``--embeddings --pooling mean``, embeddings. The weights are random,
-so the generated text is gibberish; only the plumbing is meaningful.
+so the generated text is gibberish; only the plumbing is meaningful. The LM head is shaped so
+that sampled text is printable ASCII and runs to ``max_tokens`` (see ``_output_head``).
 
 Tokenizer: byte-level BPE (``tokenizer.ggml.model = "gpt2"``, pre-tokenizer ``"qwen2"``)
 with the 256 GPT-2 byte tokens, a handful of merges (llama.cpp requires the merges key and
@@ -79,6 +80,9 @@ _MERGES: tuple[tuple[str, str], ...] = (
 )
 
 
+_LOGIT_STD = 6.0
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character mapping."""
     printable = (
@@ -124,6 +128,30 @@ def _tensor_name(kind: Any, bid: int | None = None) -> str:
         raise AssertionError(f"{kind} is not a llama tensor")
     base: str = gguf.TENSOR_NAMES[kind]
     return (base.format(bid=bid) if bid is not None else base) + ".weight"
+
+
+def _output_head(
+    weights: np.ndarray[Any, np.dtype[np.float32]], tokens: list[str]
+) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Make the LM head emit only printable ASCII text.
+
+    Rows of every other token (control bytes, bytes >= 0x80, newline, special tokens) are
+    zeroed, so their logit is exactly 0, while the printable rows are scaled so their logits
+    have a standard deviation of about ``_LOGIT_STD``. With llama-server's default samplers
+    (top-k 40, min-p 0.05) the zero-logit tokens are then never sampled: replies are valid
+    ASCII, never contain special tokens and never stop early on ``<|im_end|>`` (generation
+    runs to ``max_tokens``, finish_reason "length").
+    """
+    byte_map = _bytes_to_unicode()
+    printable = {byte_map[b] for b in range(0x20, 0x7F)}
+    allowed = np.array(
+        [all(ch in printable for ch in tok) and tok not in SPECIAL_TOKENS for tok in tokens]
+    )
+    # output_norm leaves each hidden component ~N(0, 1); rows from mat() have unit norm.
+    scale = np.float32(_LOGIT_STD)
+    out: np.ndarray[Any, np.dtype[np.float32]] = weights * scale
+    out[~allowed] = 0.0
+    return out
 
 
 def _validate(n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ctx_train: int) -> None:
@@ -187,7 +215,7 @@ def write_tiny_model(
         ]
     tensors += [
         (_tensor_name(t.OUTPUT_NORM), ones(n_embd)),
-        (_tensor_name(t.OUTPUT), mat(n_vocab, n_embd)),
+        (_tensor_name(t.OUTPUT), _output_head(mat(n_vocab, n_embd), tokens)),
     ]
 
     out.parent.mkdir(parents=True, exist_ok=True)

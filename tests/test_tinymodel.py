@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
@@ -131,6 +132,17 @@ def test_tensors(model: Path) -> None:
         }
     assert shapes == expected
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in r.tensors)
+
+
+def test_output_head_only_emits_printable_ascii(model: Path) -> None:
+    r = gguf.GGUFReader(model)
+    tokens = _str_list(r, "tokenizer.ggml.tokens")
+    (head,) = [t for t in r.tensors if t.name == "output.weight"]
+    rows = np.asarray(head.data).reshape(len(tokens), -1)
+    printable = {tokens[b] for b in range(0x20, 0x7F)}
+    for i, tok in enumerate(tokens):
+        ok = tok not in (IM_START, IM_END, "<|endoftext|>") and all(c in printable for c in tok)
+        assert bool(np.any(rows[i] != 0)) == ok, tok
 
 
 def test_custom_shape_and_name(tmp_path: Path) -> None:

@@ -1,0 +1,124 @@
+"""Helpers for tests that run the router and children as processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from router.process import free_port
+
+TESTS = Path(__file__).parent
+FAKE_SERVER = TESTS / "fake_llama_server.py"
+STARTUP_DEADLINE_S = 30.0
+
+
+def fake_binary(directory: Path, *knobs: str, name: str = "fake-llama-server") -> Path:
+    """An executable that runs tests/fake_llama_server.py with fault ``knobs``."""
+    script = directory / name
+    quoted = " ".join(f"'{k}'" for k in knobs)
+    script.write_text(f"#!/bin/sh\nexec '{sys.executable}' '{FAKE_SERVER}' {quoted} \"$@\"\n")
+    script.chmod(0o755)
+    return script
+
+
+@dataclass
+class RouterProcess:
+    """A ``llama-router serve`` subprocess on a free port, logging to ``log_path``."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    seen_children: set[int] = field(default_factory=set)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0, **kw)  # type: ignore[arg-type]
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            found = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self.seen_children.update(p.pid for p in found)
+        return found
+
+    def models(self) -> dict[str, dict[str, object]]:
+        with self.client() as client:
+            data = client.get("/models").json()["data"]
+        return {m["id"]: m for m in data}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+@contextlib.contextmanager
+def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                 child_args: tuple[str, ...] = ()) -> Iterator[RouterProcess]:
+    port = free_port()
+    log_path = tmp_path / f"router-{port}.log"
+    argv = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), *args]
+    if child_args:
+        argv += ["--", *child_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    router = RouterProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"router exited with {proc.returncode}:\n{router.log()}")
+            try:
+                if httpx.get(router.url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"router did not start:\n{router.log()}")
+            time.sleep(0.02)
+        yield router
+    finally:
+        router.children()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        leftovers = [pid for pid in router.seen_children if alive(pid)]
+        for pid in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+        assert not leftovers, f"children left behind: {leftovers}\n{router.log()}"
+
+
+def write_presets(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

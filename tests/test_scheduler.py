@@ -1,0 +1,161 @@
+"""Exhaustive unit tests for router.scheduler.plan_admission (a pure function)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from router.scheduler import Admission, ModelSnapshot, Status, plan_admission
+
+U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
+
+
+def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0.0
+         ) -> ModelSnapshot:
+    return ModelSnapshot(model_id, status, in_flight, last_used)
+
+
+def test_status_values_and_holds_process() -> None:
+    assert [s.value for s in Status] == ["unloaded", "loading", "loaded", "stopping"]
+    assert not U.holds_process
+    assert LOADING.holds_process and L.holds_process and S.holds_process
+    assert Admission(admit=True).evict == ()
+
+
+@pytest.mark.parametrize("models_max", [0, -1])
+def test_unlimited(models_max: int) -> None:
+    models = [snap(f"m{i}", L) for i in range(50)]
+    assert plan_admission(models, "new", models_max) == Admission(admit=True)
+
+
+def test_empty_snapshot() -> None:
+    assert plan_admission([], "new", 1) == Admission(admit=True)
+
+
+def test_room_available() -> None:
+    models = [snap("a", L), snap("b", LOADING), snap("c", U), snap("d", U)]
+    assert plan_admission(models, "new", 3) == Admission(admit=True)
+
+
+def test_unloaded_models_use_no_slot() -> None:
+    models = [snap(f"u{i}", U) for i in range(10)]
+    assert plan_admission(models, "new", 1) == Admission(admit=True)
+
+
+def test_full_evicts_least_recently_used_idle() -> None:
+    models = [snap("a", L, last_used=30.0), snap("b", L, last_used=10.0),
+              snap("c", L, last_used=20.0)]
+    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=("b",))
+
+
+def test_lru_ties_broken_by_id() -> None:
+    models = [snap("zeta", L, last_used=5.0), snap("alpha", L, last_used=5.0),
+              snap("mid", L, last_used=9.0)]
+    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=("alpha",))
+    assert plan_admission(list(reversed(models)), "new", 3).evict == ("alpha",)
+
+
+def test_never_evicts_loading_models() -> None:
+    models = [snap("loading", LOADING, last_used=0.0), snap("old", L, last_used=5.0)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("old",))
+
+
+def test_never_evicts_models_with_requests_in_flight() -> None:
+    models = [snap("busy", L, in_flight=1, last_used=0.0), snap("idle", L, last_used=99.0)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("idle",))
+
+
+def test_all_busy_admits_nothing_and_evicts_nothing() -> None:
+    models = [snap("a", L, in_flight=2), snap("b", LOADING), snap("c", L, in_flight=1)]
+    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=())
+
+
+def test_stopping_model_holds_a_slot() -> None:
+    models = [snap("a", L, in_flight=1), snap("s", S)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
+
+
+def test_stopping_models_reduce_what_must_be_evicted() -> None:
+    # 3 slots used of 2: one must go for the target; the stopping one is already going.
+    models = [snap("a", L, last_used=1.0), snap("b", L, last_used=2.0), snap("s", S)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("a",))
+
+
+def test_stopping_model_alone_covers_the_need() -> None:
+    models = [snap("a", L, last_used=1.0), snap("s", S)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
+
+
+def test_stopping_models_are_never_evicted_again() -> None:
+    models = [snap("s1", S, last_used=0.0), snap("s2", S, last_used=0.0), snap("a", L)]
+    # 3 used of 1: both stopping ones are already going, so only "a" must be evicted.
+    assert plan_admission(models, "new", 1) == Admission(admit=False, evict=("a",))
+
+
+def test_over_capacity_needs_several_evictions() -> None:
+    # models_max was lowered to 2 while 5 were loaded: 5 - 2 + 1 = 4 must go.
+    models = [snap(f"m{i}", L, last_used=float(i)) for i in range(5)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False,
+                                                         evict=("m0", "m1", "m2", "m3"))
+
+
+def test_over_capacity_evicts_only_what_is_idle() -> None:
+    models = [snap("m0", L, last_used=0.0, in_flight=1), snap("m1", L, last_used=1.0),
+              snap("m2", LOADING), snap("m3", L, last_used=3.0), snap("m4", L, last_used=4.0)]
+    assert plan_admission(models, "new", 2) == Admission(admit=False,
+                                                         evict=("m1", "m3", "m4"))
+
+
+@pytest.mark.parametrize("target_status", list(Status))
+def test_target_itself_is_not_counted(target_status: Status) -> None:
+    models = [snap("target", target_status, last_used=0.0), snap("a", L, last_used=5.0)]
+    assert plan_admission(models, "target", 2) == Admission(admit=True)
+
+
+@pytest.mark.parametrize("target_status", list(Status))
+def test_target_itself_is_never_evicted(target_status: Status) -> None:
+    models = [snap("target", target_status, last_used=0.0), snap("a", L, last_used=5.0)]
+    assert plan_admission(models, "target", 1) == Admission(admit=False, evict=("a",))
+
+
+def test_models_max_one() -> None:
+    assert plan_admission([snap("a", L)], "b", 1) == Admission(admit=False, evict=("a",))
+    assert plan_admission([snap("a", U)], "b", 1) == Admission(admit=True)
+    assert plan_admission([snap("a", LOADING)], "b", 1) == Admission(admit=False)
+
+
+def _reference(models: list[ModelSnapshot], target: str, models_max: int) -> Admission:
+    """An independent restatement of the policy, used to check every small snapshot."""
+    if models_max <= 0:
+        return Admission(True)
+    others = [m for m in models if m.id != target]
+    using = [m for m in others if m.status is not Status.UNLOADED]
+    if len(using) < models_max:
+        return Admission(True)
+    going = [m for m in others if m.status is Status.STOPPING]
+    must_go = len(using) + 1 - models_max - len(going)
+    if must_go <= 0:
+        return Admission(False)
+    candidates = [m for m in others if m.status is Status.LOADED and not m.in_flight]
+    candidates.sort(key=lambda m: (m.last_used, m.id))
+    return Admission(False, tuple(m.id for m in candidates[:must_go]))
+
+
+def test_exhaustive_small_snapshots() -> None:
+    kinds = [(U, 0), (LOADING, 0), (L, 0), (L, 1), (S, 0)]
+    checked = 0
+    for n in range(4):
+        for combo in itertools.product(kinds, repeat=n):
+            models = [snap(f"m{i}", status, in_flight, last_used=float((i * 7) % 3))
+                      for i, (status, in_flight) in enumerate(combo)]
+            for models_max in range(4):
+                plan = plan_admission(models, "target", models_max)
+                assert plan == _reference(models, "target", models_max), (models, models_max)
+                # invariants: evictions are idle loaded models, never the target
+                idle = {m.id for m in models if m.status is L and m.in_flight == 0}
+                assert set(plan.evict) <= idle
+                assert "target" not in plan.evict
+                assert not (plan.admit and plan.evict)
+                checked += 1
+    assert checked == 4 * sum(5 ** n for n in range(4))
