@@ -156,7 +156,8 @@ class ChildProcess:
                 await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
         return code
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float, total: float | None = None) -> None:
+        """Wait up to ``timeout`` s for health; ``total`` is the whole budget, for messages."""
         exit_task = asyncio.ensure_future(self.wait_exit())
         poll_task = asyncio.ensure_future(self._poll_health())
         try:
@@ -175,7 +176,7 @@ class ChildProcess:
             code = exit_task.result()
             raise ChildExited(f"llama-server exited with code {code} while loading",
                               self.logs.tail(20), code)
-        raise ChildTimeout(f"llama-server did not become healthy within {timeout:g} s",
+        raise ChildTimeout(f"llama-server did not become healthy within {total or timeout:g} s",
                            self.logs.tail(20))
 
     async def _poll_health(self) -> None:

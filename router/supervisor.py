@@ -197,7 +197,7 @@ class Supervisor:
                 runtime.child = child
                 await child.start()
                 try:
-                    await child.wait_ready(timeout - (time.monotonic() - started))
+                    await child.wait_ready(timeout - (time.monotonic() - started), timeout)
                     break
                 except ChildExited as exc:
                     if not exc.port_in_use or attempt == PORT_RETRIES - 1:

@@ -1,0 +1,95 @@
+"""The command line as users run it: help, configuration errors, missing binary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import start_router
+
+CLI = [sys.executable, "-m", "router.cli"]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_help() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    assert "serve" in result.stdout and "install-llama-server" in result.stdout
+    serve = run("serve", "--help")
+    assert serve.returncode == 0 and "--models-max" in serve.stdout
+    install = run("install-llama-server", "--help")
+    assert install.returncode == 0 and "CMAKE_ARGS" in install.stdout
+
+
+def test_missing_binary_says_how_to_install(tmp_path: Path) -> None:
+    env = {"PATH": "/nonexistent", "XDG_CACHE_HOME": str(tmp_path), "LLAMA_SERVER_BIN": ""}
+    result = run("serve", "--port", "0", env=env)
+    assert result.returncode == 2
+    assert "llama-router install-llama-server" in result.stderr
+
+
+def test_llama_server_flag_must_be_executable(tmp_path: Path) -> None:
+    result = run("serve", "--llama-server", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "not an executable file" in result.stderr
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[m]\nmodel = {model}\nctx-sise = 512\n",
+     "bad.ini:3: [m] ctx-sise: unknown key (not a llama-server flag nor a preset key); "
+     "did you mean ctx-size?"),
+    ("[m]\nmodel = {model}\nembeddings = maybe\n",
+     "bad.ini:3: [m] embeddings: bad boolean 'maybe'"),
+    ("[*]\nctx-size = 512\n[m]\nctx-size = 1024\n",
+     "bad.ini:3: [m]: no model source"),
+    ("[m]\nmodel = missing.gguf\n", "bad.ini:2: [m] model: file does not exist"),
+    ("ctx-size = 512\n", "bad.ini:1: ctx-size: key outside any section"),
+])
+def test_bad_presets_exit_before_serving(tmp_path: Path, llama_server: Path, text: str,
+                                         expected: str) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    bad = tmp_path / "bad.ini"
+    bad.write_text(text.format(model=model))
+    result = run("serve", "--presets", str(bad), "--port", "0")
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.real
+def test_missing_preset_file(tmp_path: Path, llama_server: Path) -> None:
+    result = run("serve", "--presets", str(tmp_path / "nope.ini"), "--port", "0")
+    assert result.returncode == 2
+    assert "nope.ini:0: file does not exist" in result.stderr
+
+
+@pytest.mark.real
+def test_bad_pass_through_arg(tmp_path: Path, llama_server: Path) -> None:
+    result = run("serve", "--port", "0", "--", "--no-such-flag")
+    assert result.returncode != 0
+    assert "unknown llama-server argument '--no-such-flag'" in result.stderr
+
+
+@pytest.mark.real
+def test_models_dir_source(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    models = tmp_path / "models"
+    (models / "sub").mkdir(parents=True)
+    (models / "flat.gguf").write_bytes(tiny_models["alpha"].read_bytes())
+    (models / "sub" / "sub-model.gguf").write_bytes(tiny_models["beta"].read_bytes())
+    with start_router(tmp_path, "--models-dir", str(models)) as router, \
+            router.client() as client:
+        assert set(router.models()) == {"flat", "sub"}
+        assert router.models()["flat"]["source"] == "models_dir"
+        for name in ("flat", "sub"):
+            response = client.post("/v1/chat/completions", json={
+                "model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+            assert response.status_code == 200, response.text
