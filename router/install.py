@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -189,8 +190,16 @@ def _verify_sha256(archive: Path) -> None:
 
 
 def _run(argv: list[str], log: Log) -> None:
+    """Run a build step, streaming its output (a build takes minutes: show progress)."""
     log("+ " + shlex.join(argv))
-    result = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if result.returncode != 0:
-        tail = "\n".join(result.stdout.splitlines()[-40:])
-        raise InstallError(f"command failed with exit code {result.returncode}:\n{tail}")
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            log(line)
+    if proc.returncode != 0:
+        raise InstallError(f"command failed with exit code {proc.returncode}:\n"
+                           + "\n".join(tail))
