@@ -31,6 +31,9 @@ import httpx
 from .settings import HEALTH_POLL_INTERVAL_S
 
 log = logging.getLogger("router.child")
+output_log = logging.getLogger("router.child.output")
+# llama.cpp log lines look like "0.00.003.284 W srv  llama_server: ..."; keep their level.
+_LLAMA_LEVELS = {"W": logging.WARNING, "E": logging.ERROR, "D": logging.DEBUG}
 
 PR_SET_PDEATHSIG = 1
 SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
@@ -73,6 +76,13 @@ class LogRing:
 
     def tail(self, n: int) -> list[str]:
         return [line for _, line in list(self.lines)[-n:]] if n > 0 else []
+
+
+def _level_of(line: str) -> int:
+    parts = line.split(" ", 2)
+    if len(parts) >= 2 and len(parts[1]) == 1:
+        return _LLAMA_LEVELS.get(parts[1], logging.INFO)
+    return logging.INFO
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,7 +155,7 @@ class ChildProcess:
                 return
             line = raw.decode("utf-8", "replace").rstrip()
             self.logs.append(line)
-            log.debug("%s%s", prefix, line)
+            output_log.log(_level_of(line), "%s%s", prefix, line)
 
     async def wait_exit(self) -> int:
         """Wait for the process to exit and its output to be drained; the exit code."""
