@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -28,6 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import BadRequest, ModelMissing, NotFound, RouterError, envelope, envelope_bytes
 from .events import EventBus
+from .logs import LogRing
+from .metrics import CONTENT_TYPE, RouterMetrics
 from .proxy import StreamedResponse, open_upstream, upstream_headers
 from .requests import model_from_body, read_body
 from .scheduler import Status
@@ -39,6 +41,17 @@ PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 # GET endpoints of llama-server that need a model: without ?model= they are a 400, not a 404.
 CHILD_GET_PATHS = frozenset({"/slots", "/metrics", "/lora-adapters", "/props", "/v1/props"})
 SSE_KEEPALIVE_S = 15.0
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+# Endpoint label values for metrics; any other path is counted as "other".
+KNOWN_ENDPOINTS = frozenset({
+    "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
+    "/models/unload", "/models/sse", "/metrics", "/logs", "/logs/stream", "/slots",
+    "/lora-adapters", "/v1/chat/completions", "/chat/completions", "/v1/completions",
+    "/completions", "/completion", "/v1/responses", "/responses", "/v1/embeddings",
+    "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking",
+    "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
+    "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions"})
 WAIT_BUDGET_HEADER = "x-wait-budget"
 
 
@@ -46,11 +59,13 @@ class State:
     """What the routes share; built by the lifespan (see ``server.py``)."""
 
     def __init__(self, supervisor: Supervisor, client: httpx.AsyncClient, events: EventBus,
-                 build_info: str) -> None:
+                 build_info: str, metrics: RouterMetrics, router_log: LogRing) -> None:
         self.supervisor = supervisor
         self.client = client
         self.events = events
         self.build_info = build_info
+        self.metrics = metrics
+        self.router_log = router_log
         self.started = int(time.time())
 
 
@@ -161,13 +176,13 @@ class EventStream:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
         async with self.state.events.subscribe() as subscription:
+            # The snapshot is queued in the same loop step as the subscription, so every
+            # later change follows it and none is missed.
             for runtime in self.state.supervisor.models.values():
                 subscription.offer({"model": runtime.preset.id, "event": "model_status",
                                     "data": {"status": runtime.status.value}})
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
             async def pump() -> None:
                 while True:
@@ -178,17 +193,76 @@ class EventStream:
                         body = b": keep-alive\n\n"
                     await send({"type": "http.response.body", "body": body, "more_body": True})
 
-            pump_task = asyncio.ensure_future(pump())
-            watch_task = asyncio.ensure_future(_wait_disconnect(receive))
-            await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (pump_task, watch_task):
-                task.cancel()
-            await asyncio.gather(pump_task, watch_task, return_exceptions=True)
+            await _until_disconnect(pump(), receive)
+
+
+async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
+    """Run ``work`` until it ends or the client disconnects, whichever comes first."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_disconnect(receive))
+    await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (work_task, watch_task):
+        task.cancel()
+    await asyncio.gather(work_task, watch_task, return_exceptions=True)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def metrics(request: Request) -> Response:
+    if request.query_params.get("model"):
+        return await proxy(request)
+    state = _state(request)
+    body = await state.metrics.exposition(state.supervisor, state.client)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+def _log_source(request: Request) -> tuple[str, LogRing]:
+    state = _state(request)
+    name = request.query_params.get("model")
+    if not name:
+        return "router", state.router_log
+    runtime = state.supervisor.resolve(name)
+    return runtime.preset.id, runtime.logs
+
+
+async def logs(request: Request) -> Response:
+    """Recent log lines: a model's llama-server output, or the router's own without model."""
+    _, ring = _log_source(request)
+    raw = request.query_params.get("lines", "100")
+    if not raw.isdigit():
+        raise BadRequest(f"lines must be a non-negative integer, got {raw!r}")
+    lines = ring.tail(int(raw))
+    return Response("".join(line + "\n" for line in lines), media_type="text/plain")
+
+
+async def logs_stream(request: Request) -> Response:
+    _, ring = _log_source(request)
+    return LogStream(ring)  # type: ignore[return-value]
+
+
+class LogStream:
+    """``/logs/stream``: each new log line as an SSE ``data:`` event, with keep-alives."""
+
+    def __init__(self, ring: LogRing) -> None:
+        self.ring = ring
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self.ring.follow() as queue:  # follow first: no line is missed after the headers
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+            async def pump() -> None:
+                while True:
+                    try:
+                        line = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+                        body = b"data: " + line.encode() + b"\n\n"
+                    except TimeoutError:
+                        body = b": keep-alive\n\n"
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+            await _until_disconnect(pump(), receive)
 
 
 # --------------------------------------------------------------------------- proxy
@@ -229,8 +303,12 @@ async def proxy(request: Request) -> Response:
     budget = _budget(request)
     if budget is not None:
         budget = min(budget, sup.settings.wait_budget)
+    runtime = sup.resolve(model)
+    request.state.model = runtime.preset.id
+    waited = time.perf_counter()
     lease = await sup.acquire(model, autoload=_autoload(request, sup.settings.models_autoload),
                               budget=budget)
+    state.metrics.queue_seconds.labels(runtime.preset.id).observe(time.perf_counter() - waited)
     try:
         url = lease.child.base_url + request.url.path
         if request.url.query:
@@ -277,6 +355,39 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+class RequestMetricsMiddleware:
+    """Count every request by model, endpoint and status, and time it to the last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None]) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            metrics = self.metrics()
+            if metrics is not None:
+                path = scope["path"]
+                endpoint = path if path in KNOWN_ENDPOINTS else "other"
+                model = scope.get("state", {}).get("model", "")
+                metrics.requests.labels(model, endpoint, str(status)).inc()
+                metrics.request_seconds.labels(model, endpoint).observe(
+                    time.perf_counter() - started)
+
+
 async def _router_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RouterError)
     return error_response(exc)
@@ -309,12 +420,21 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
         Route("/models/load", load_model, methods=["POST"]),
         Route("/models/unload", unload_model, methods=["POST"]),
         Route("/models/sse", models_sse, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/logs", logs, methods=["GET"]),
+        Route("/logs/stream", logs_stream, methods=["GET"]),
         Route("/{path:path}", proxy, methods=METHODS),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+
+    def current_metrics() -> RouterMetrics | None:
+        state = getattr(app.state, "router", None)
+        return state.metrics if state is not None else None
+
+    app.add_middleware(RequestMetricsMiddleware, metrics=current_metrics)
     return app
 
 

@@ -8,7 +8,7 @@ router down.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,11 +40,15 @@ class EventBus:
     def __init__(self, maxsize: int = SUBSCRIBER_QUEUE_SIZE) -> None:
         self._subscribers: set[Subscription] = set()
         self._maxsize = maxsize
+        # Called synchronously with every event (metrics); must be quick and never raise.
+        self.listeners: list[Callable[[Event], None]] = []
 
     def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
         payload: Event = {"model": model, "event": event}
         if data is not None:
             payload["data"] = data
+        for listener in self.listeners:
+            listener(payload)
         for subscriber in self._subscribers:
             subscriber.offer(payload)
 

@@ -23,11 +23,11 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import httpx
 
+from .logs import LogRing
 from .settings import HEALTH_POLL_INTERVAL_S
 
 log = logging.getLogger("router.child")
@@ -63,19 +63,6 @@ class ChildExited(ChildError):
 
 class ChildTimeout(ChildError):
     pass
-
-
-class LogRing:
-    """The last ``maxlen`` output lines of a child, with their wall-clock times."""
-
-    def __init__(self, maxlen: int) -> None:
-        self.lines: deque[tuple[float, str]] = deque(maxlen=maxlen)
-
-    def append(self, line: str) -> None:
-        self.lines.append((time.time(), line))
-
-    def tail(self, n: int) -> list[str]:
-        return [line for _, line in list(self.lines)[-n:]] if n > 0 else []
 
 
 def _level_of(line: str) -> int:
@@ -138,8 +125,8 @@ class ChildProcess:
             stderr=asyncio.subprocess.STDOUT, env=self._env, start_new_session=True,
             preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
-        log.info("spawned", extra={"model": self.model_id, "pid": self._proc.pid,
-                                   "port": self.port})
+        log.info("spawned", extra={"event": "spawned", "model": self.model_id,
+                                   "pid": self._proc.pid, "port": self.port})
         self._reader = asyncio.create_task(self._read_output(), name=f"log:{self.model_id}")
 
     async def _read_output(self) -> None:
@@ -211,11 +198,12 @@ class ChildProcess:
                 await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
             except TimeoutError:
                 log.warning("did not stop within %.1f s; killing", timeout,
-                            extra={"model": self.model_id, "pid": proc.pid})
+                            extra={"event": "kill", "model": self.model_id, "pid": proc.pid})
                 self._signal_group(signal.SIGKILL)
         code = await self.wait_exit()
         self._signal_group(signal.SIGKILL)  # grandchildren, if any, go with it
-        log.info("stopped", extra={"model": self.model_id, "pid": proc.pid, "exit_code": code})
+        log.info("stopped", extra={"event": "stopped", "model": self.model_id, "pid": proc.pid,
+                                   "exit_code": code})
         return code
 
     def kill_now(self) -> None:

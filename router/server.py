@@ -24,6 +24,8 @@ from .app import State, create_app
 from .events import EventBus
 from .flags import FlagTable, load_flag_table
 from .install import cache_root, find_llama_server
+from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
+from .metrics import RouterMetrics
 from .settings import Settings
 from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
@@ -81,7 +83,15 @@ def build_app(prepared: Prepared) -> Starlette:
             events = EventBus()
             supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
                                     prepared.binary, client, events)
-            app.state.router = State(supervisor, client, events, prepared.build_info)
+            metrics = RouterMetrics()
+            metrics.attach(supervisor)
+            router_log = LogRing(prepared.settings.log_lines)
+            ring_handler = RingHandler(router_log, asyncio.get_running_loop())
+            ring_handler.setFormatter(KeyValueFormatter(FORMAT))
+            ring_handler.addFilter(lambda record: record.name != "router.child.output")
+            logging.getLogger().addHandler(ring_handler)
+            app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
+                                     router_log)
             atexit.register(supervisor.kill_all_now)
             startup = asyncio.create_task(supervisor.load_startup_models())
             startup.add_done_callback(_log_startup_failure)
@@ -91,6 +101,7 @@ def build_app(prepared: Prepared) -> Starlette:
                 startup.cancel()
                 await supervisor.close()
                 atexit.unregister(supervisor.kill_all_now)
+                logging.getLogger().removeHandler(ring_handler)
 
     return create_app(lifespan, prepared.api_keys)
 

@@ -27,8 +27,9 @@ import httpx
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
+from .logs import LogRing
 from .presets import ModelPreset
-from .process import ChildError, ChildExited, ChildProcess, LogRing, free_port
+from .process import ChildError, ChildExited, ChildProcess, free_port
 from .scheduler import ModelSnapshot, Status, plan_admission
 from .settings import Settings
 from .sources import Catalogue
@@ -63,6 +64,7 @@ class ModelRuntime:
     failure: Failure | None = None
     info: dict[str, Any] | None = None
     loaded_at: float | None = None
+    waiting: int = 0  # requests waiting for this model to become loaded
 
     def __repr__(self) -> str:
         child = self.child
@@ -144,10 +146,13 @@ class Supervisor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._budget_exceeded(runtime, budget)
+            runtime.waiting += 1
             try:
                 await asyncio.wait_for(asyncio.shield(task), remaining)
             except TimeoutError:
                 raise self._budget_exceeded(runtime, budget) from None
+            finally:
+                runtime.waiting -= 1
 
     def _budget_exceeded(self, runtime: ModelRuntime, budget: float | None) -> WaitBudgetExceeded:
         seconds = budget if budget is not None else self.settings.wait_budget
@@ -213,15 +218,17 @@ class Supervisor:
                 raise
             runtime.failure = _failure_from(exc)
             self._set_status(runtime, Status.UNLOADED)
-            log.error("load failed: %s", runtime.failure.message, extra={"model": preset.id})
+            log.error("load failed: %s", runtime.failure.message,
+                      extra={"event": "load_failed", "model": preset.id})
             raise LoadFailed(_load_failed_message(preset.id, runtime.failure)) from exc
         assert child is not None
         runtime.info = await self._fetch_info(child)
         runtime.loaded_at = time.time()
         runtime.last_used = time.monotonic()
-        self._set_status(runtime, Status.LOADED)
-        log.info("loaded in %.2f s", time.monotonic() - started,
-                 extra={"model": preset.id, "pid": child.pid, "port": child.port})
+        duration = round(time.monotonic() - started, 4)
+        self._set_status(runtime, Status.LOADED, duration=duration)
+        log.info("loaded", extra={"event": "loaded", "model": preset.id, "pid": child.pid,
+                                  "port": child.port, "duration": duration})
         watcher = asyncio.create_task(self._watch_exit(runtime, child), name=f"exit:{preset.id}")
         watcher.add_done_callback(_consume_exception)
         return child
@@ -235,7 +242,8 @@ class Supervisor:
             if plan.admit:
                 return
             for victim in plan.evict:
-                log.info("evicting least recently used", extra={"model": victim})
+                log.info("evicting least recently used", extra={"event": "evict",
+                                                                "model": victim})
                 self._begin_stop(self.models[victim], "evicted")
             await self._capacity_changed.wait()
 
@@ -292,7 +300,8 @@ class Supervisor:
         runtime.failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
                                   runtime.logs.tail(FAILURE_LOG_LINES))
         log.error("child exited unexpectedly with code %s", code,
-                  extra={"model": runtime.preset.id, "pid": child.pid})
+                  extra={"event": "crashed", "model": runtime.preset.id, "pid": child.pid,
+                         "exit_code": code})
         await child.stop(0)  # reap the group
         self._set_status(runtime, Status.UNLOADED)
 
@@ -315,11 +324,13 @@ class Supervisor:
     # ----------------------------------------------------------------- state
 
     def _set_status(self, runtime: ModelRuntime, status: Status, **extra: Any) -> None:
-        runtime.status = status
+        previous, runtime.status = runtime.status, status
         data: dict[str, Any] = {"status": status.value, **extra}
-        if status is Status.UNLOADED and runtime.failure is not None:
-            data["failed"] = True
-            data["exit_code"] = runtime.failure.exit_code
+        if status is Status.UNLOADED:
+            data["was_running"] = previous.holds_process
+            if runtime.failure is not None:
+                data["failed"] = True
+                data["exit_code"] = runtime.failure.exit_code
         self.events.publish(runtime.preset.id, "status_change", data)
         if status in (Status.UNLOADED, Status.LOADED):
             self._notify_capacity()

@@ -82,7 +82,7 @@ def test_crash_mid_request_is_a_502_and_the_next_request_restarts(tmp_path: Path
         # The router is still up and the next request starts a fresh child.
         assert client.get("/health").status_code == 200
         client.post("/v1/chat/completions", json={"model": "m", **CHAT})
-        assert router.log().count("spawned model=m") == 2
+        assert router.log().count("event=spawned model=m") == 2
 
 
 def test_crash_of_an_idle_child_is_noticed(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_concurrent_requests_share_one_spawn(tmp_path: Path, presets: Path) -> N
         for thread in threads:
             thread.join(60)
         assert results == [200] * 6
-        assert router.log().count("spawned model=gamma") == 1
+        assert router.log().count("event=spawned model=gamma") == 1
 
 
 def test_every_endpoint_passes_through(tmp_path: Path, presets: Path) -> None:

@@ -1,0 +1,179 @@
+"""``GET /metrics``: the router's own metrics plus every loaded child's, in one exposition.
+
+The router's metrics live in a prometheus-client registry of their own. Children (always
+started with ``--metrics``) are scraped concurrently with a short timeout; each sample gains a
+``model="<id>"`` label and samples of the same family from every child are written under one
+``# HELP``/``# TYPE`` header. Only loaded children are scraped (scraping never loads or wakes a
+model); a child that fails to answer is left out and counted in
+``llamarouter_child_scrape_errors_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from .events import Event
+from .scheduler import Status
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+SCRAPE_TIMEOUT_S = 2.0
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                   60, 120, 300)
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    """The router's own counters and histograms, plus live gauges read from the supervisor."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("llamarouter_requests", "Requests answered, by model, endpoint "
+                                "and HTTP status", ["model", "endpoint", "status"], registry=r)
+        self.request_seconds = Histogram(
+            "llamarouter_request_duration_seconds", "Time from request to the end of the "
+            "response body", ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram(
+            "llamarouter_queue_wait_seconds", "Time a request waited for its model to be ready",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.loads = Counter("llamarouter_model_loads", "Models that became loaded", ["model"],
+                             registry=r)
+        self.unloads = Counter("llamarouter_model_unloads", "Children that stopped or exited",
+                               ["model"], registry=r)
+        self.failures = Counter("llamarouter_model_failures", "Failed loads and crashes",
+                                ["model"], registry=r)
+        self.load_seconds = Histogram("llamarouter_model_load_duration_seconds",
+                                      "Time from spawn to healthy", ["model"],
+                                      buckets=LOAD_BUCKETS, registry=r)
+        self.scrape_errors = Counter("llamarouter_child_scrape_errors",
+                                     "Child /metrics scrapes that failed", ["model"], registry=r)
+
+    def attach(self, supervisor: Supervisor) -> None:
+        self.registry.register(_LiveGauges(supervisor))
+        supervisor.events.listeners.append(self.on_event)
+
+    def on_event(self, event: Event) -> None:
+        """Count lifecycle transitions from the supervisor's status events."""
+        if event.get("event") != "status_change":
+            return
+        model, data = event["model"], event.get("data") or {}
+        status = data.get("status")
+        if status == Status.LOADED.value:
+            self.loads.labels(model).inc()
+            if "duration" in data:
+                self.load_seconds.labels(model).observe(data["duration"])
+        elif status == Status.UNLOADED.value:
+            if data.get("was_running"):
+                self.unloads.labels(model).inc()
+            if data.get("failed"):
+                self.failures.labels(model).inc()
+
+    async def exposition(self, supervisor: Supervisor, client: httpx.AsyncClient) -> bytes:
+        loaded = [r for r in supervisor.models.values()
+                  if r.status is Status.LOADED and r.child is not None]
+        texts = await asyncio.gather(*(self._scrape(client, r.preset.id, r.child.base_url)
+                                       for r in loaded if r.child is not None))
+        own = generate_latest(self.registry)
+        children = "".join(render_merged(merge_child_metrics(
+            [(mid, text) for mid, text in texts if text is not None])))
+        return own + children.encode()
+
+    async def _scrape(self, client: httpx.AsyncClient, model: str,
+                      base_url: str) -> tuple[str, str | None]:
+        try:
+            response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
+            response.raise_for_status()
+            return model, response.text
+        except httpx.HTTPError:
+            self.scrape_errors.labels(model).inc()
+            return model, None
+
+
+class _LiveGauges(Collector):
+    """Gauges computed at scrape time from the supervisor's state."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily("llamarouter_children_running",
+                                    "llama-server processes alive")
+        status = GaugeMetricFamily("llamarouter_model_status",
+                                   "1 for the model's current status", labels=["model", "status"])
+        in_flight = GaugeMetricFamily("llamarouter_requests_in_flight",
+                                      "Requests being proxied", labels=["model"])
+        queued = GaugeMetricFamily("llamarouter_queue_depth",
+                                   "Requests waiting for their model", labels=["model"])
+        memory = GaugeMetricFamily("llamarouter_model_memory_bytes",
+                                   "Resident memory of the model's llama-server", labels=["model"])
+        alive = 0
+        for runtime in self.supervisor.models.values():
+            model = runtime.preset.id
+            status.add_metric([model, runtime.status.value], 1)
+            in_flight.add_metric([model], runtime.in_flight)
+            queued.add_metric([model], runtime.waiting)
+            rss = child_rss(runtime.child.pid if runtime.child else None)
+            if rss is not None:
+                alive += 1
+                memory.add_metric([model], rss)
+        running.add_metric([], alive)
+        yield from (running, status, in_flight, queued, memory)
+
+
+def child_rss(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        rss: int = psutil.Process(pid).memory_info().rss
+        return rss
+    except psutil.Error:
+        return None
+
+
+def merge_child_metrics(texts: Iterable[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """Parse each child's exposition and group samples by family, labelled with the model."""
+    families: dict[str, dict[str, Any]] = {}
+    for model, text in texts:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for family in parsed:
+            names = {s.name for s in family.samples}
+            # Counters lose "_total" in the parser; expose the family by its sample name.
+            name = names.pop() if len(names) == 1 else family.name
+            kind = "untyped" if family.type == "unknown" else family.type
+            entry = families.setdefault(name, {"type": kind,
+                                               "help": family.documentation, "samples": []})
+            for sample in family.samples:
+                entry["samples"].append((sample.name, {**sample.labels, "model": model},
+                                         sample.value))
+    return families
+
+
+def render_merged(families: dict[str, dict[str, Any]]) -> Iterator[str]:
+    for name, family in families.items():
+        help_text = family["help"].replace("\\", "\\\\").replace("\n", "\\n")
+        yield f"# HELP {name} {help_text}\n# TYPE {name} {family['type']}\n"
+        for sample_name, labels, value in family["samples"]:
+            rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            value_text = floatToGoString(value)  # type: ignore[no-untyped-call]
+            yield f"{sample_name}{{{rendered}}} {value_text}\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
