@@ -32,8 +32,9 @@ from .logs import LogRing
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .proxy import StreamedResponse, open_upstream, upstream_headers
 from .requests import model_from_body, read_body
+from .runtime import Lease, ModelRuntime
 from .scheduler import Status
-from .supervisor import ModelRuntime, Supervisor
+from .supervisor import Supervisor
 
 log = logging.getLogger("router.app")
 
@@ -67,6 +68,9 @@ class State:
         self.metrics = metrics
         self.router_log = router_log
         self.started = int(time.time())
+        # Set when the router starts shutting down: endless streams (events, log follow) end
+        # so that shutdown waits only for real requests.
+        self.closing = asyncio.Event()
 
 
 def _state(request: Request) -> State:
@@ -105,15 +109,30 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         "value": runtime.status.value,
         "args": child.argv if child else supervisor.child_argv(preset, 0),
         "in_flight": runtime.in_flight,
+        "waiting": runtime.waiting,
     }
     if child is not None:
         status.update(pid=child.pid, port=child.port)
+    if preset.replicas > 1 or len(runtime.replicas) > 1:
+        status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
+                               "in_flight": r.in_flight} for r in runtime.replicas]
+    if runtime.draining:
+        status["draining"] = True
+    position = supervisor.queue_position(runtime)
+    if position is not None:
+        status["queue_position"] = position
+    memory: dict[str, Any] = {"estimate": runtime.estimate or None}
+    if runtime.replicas:
+        memory["measured"] = supervisor.measured(runtime)
+    status["memory"] = memory
     if preset.model_path is None and preset.hf_repo:
         status.update(downloaded=False,
                       message=f"not downloaded: hf-repo = {preset.hf_repo}")
-    if runtime.status is Status.UNLOADED and runtime.failure is not None:
+    if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
         status.update(failed=True, exit_code=runtime.failure.exit_code,
                       message=runtime.failure.message, last_lines=runtime.failure.last_lines)
+    if runtime.crash_loop:
+        status["crash_loop"] = True
     entry: dict[str, Any] = {
         "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
         "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
@@ -193,17 +212,25 @@ class EventStream:
                         body = b": keep-alive\n\n"
                     await send({"type": "http.response.body", "body": body, "more_body": True})
 
-            await _until_disconnect(pump(), receive)
+            await _until_disconnect(pump(), receive, self.state.closing)
+        await _end_stream(send)
 
 
-async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive) -> None:
-    """Run ``work`` until it ends or the client disconnects, whichever comes first."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_wait_disconnect(receive))
-    await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (work_task, watch_task):
+async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive,
+                            closing: asyncio.Event) -> None:
+    """Run ``work`` until it ends, the client disconnects or the router shuts down."""
+    tasks = {asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(receive)),
+             asyncio.ensure_future(closing.wait())}
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
         task.cancel()
-    await asyncio.gather(work_task, watch_task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _end_stream(send: Send) -> None:
+    """Close the chunked body cleanly (the client may already be gone)."""
+    with contextlib.suppress(Exception):
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -240,14 +267,15 @@ async def logs(request: Request) -> Response:
 
 async def logs_stream(request: Request) -> Response:
     _, ring = _log_source(request)
-    return LogStream(ring)  # type: ignore[return-value]
+    return LogStream(ring, _state(request).closing)  # type: ignore[return-value]
 
 
 class LogStream:
     """``/logs/stream``: each new log line as an SSE ``data:`` event, with keep-alives."""
 
-    def __init__(self, ring: LogRing) -> None:
+    def __init__(self, ring: LogRing, closing: asyncio.Event) -> None:
         self.ring = ring
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with self.ring.follow() as queue:  # follow first: no line is missed after the headers
@@ -262,10 +290,39 @@ class LogStream:
                         body = b": keep-alive\n\n"
                     await send({"type": "http.response.body", "body": body, "more_body": True})
 
-            await _until_disconnect(pump(), receive)
+            await _until_disconnect(pump(), receive, self.closing)
+        await _end_stream(send)
 
 
 # --------------------------------------------------------------------------- proxy
+
+class ClientGone(RouterError):
+    """The client disconnected while waiting for its model (never sent: nobody listens)."""
+
+    status = 499
+    type = "client_closed_request"
+
+
+async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
+                                       receive: Receive) -> Lease:
+    """Wait for a lease, but leave the queue at once if the client goes away."""
+    acquire_task = asyncio.ensure_future(acquire)
+    watch_task = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({acquire_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone = watch_task.done() and not watch_task.cancelled()
+        watch_task.cancel()
+        if gone or not acquire_task.done():
+            acquire_task.cancel()
+        results = await asyncio.gather(watch_task, acquire_task, return_exceptions=True)
+    lease = results[1]
+    if gone or not acquire_task.done():
+        if isinstance(lease, Lease):  # granted in the same instant: give it back
+            lease.release()
+        raise ClientGone("client disconnected while waiting for its model")
+    return acquire_task.result()
+
 
 def _autoload(request: Request, default: bool) -> bool:
     value = request.query_params.get("autoload")
@@ -305,10 +362,15 @@ async def proxy(request: Request) -> Response:
         budget = min(budget, sup.settings.wait_budget)
     runtime = sup.resolve(model)
     request.state.model = runtime.preset.id
-    waited = time.perf_counter()
-    lease = await sup.acquire(model, autoload=_autoload(request, sup.settings.models_autoload),
-                              budget=budget)
-    state.metrics.queue_seconds.labels(runtime.preset.id).observe(time.perf_counter() - waited)
+    autoload = _autoload(request, sup.settings.models_autoload)
+    if runtime.serving:  # hot path: no waiting, no tasks
+        lease = await sup.acquire(model, autoload=autoload, budget=budget)
+    else:
+        waited = time.perf_counter()
+        lease = await _acquire_unless_disconnected(
+            sup.acquire(model, autoload=autoload, budget=budget), request.receive)
+        state.metrics.queue_seconds.labels(runtime.preset.id).observe(
+            time.perf_counter() - waited)
     try:
         url = lease.child.base_url + request.url.path
         if request.url.query:

@@ -46,6 +46,15 @@ def _serve_parser(sub: Any) -> None:
                    help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
     p.add_argument("--wait-budget", type=float, default=S, metavar="S",
                    help="seconds a request may wait for its model (default 120)")
+    p.add_argument("--idle-timeout", type=float, default=S, metavar="S",
+                   help="unload a model idle this many seconds (default 0: never; preset: ttl)")
+    p.add_argument("--memory-budget", default=S, metavar="SIZE",
+                   help="memory all children may use, e.g. 24G (default: RAM minus "
+                   "max(1 GiB, 10%%); 'off' to count models only)")
+    p.add_argument("--max-queue", type=int, default=S, metavar="N",
+                   help="requests that may wait for models at once; more get 429 (default 1000)")
+    p.add_argument("--fairness", type=float, default=S, metavar="S",
+                   help="a swap waiting this long drains the busy model in its way (default 10)")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
 
 

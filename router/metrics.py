@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,24 +81,31 @@ class RouterMetrics:
                 self.failures.labels(model).inc()
 
     async def exposition(self, supervisor: Supervisor, client: httpx.AsyncClient) -> bytes:
-        loaded = [r for r in supervisor.models.values()
-                  if r.status is Status.LOADED and r.child is not None]
-        texts = await asyncio.gather(*(self._scrape(client, r.preset.id, r.child.base_url)
-                                       for r in loaded if r.child is not None))
+        targets: list[tuple[dict[str, str], str]] = []
+        for runtime in supervisor.models.values():
+            if runtime.status is not Status.LOADED:
+                continue
+            for index, replica in enumerate(runtime.replicas):
+                labels = {"model": runtime.id}
+                if len(runtime.replicas) > 1:
+                    labels["replica"] = str(index)
+                targets.append((labels, replica.child.base_url))
+        texts = await asyncio.gather(*(self._scrape(client, labels, url)
+                                       for labels, url in targets))
         own = generate_latest(self.registry)
         children = "".join(render_merged(merge_child_metrics(
-            [(mid, text) for mid, text in texts if text is not None])))
+            [(labels, text) for labels, text in texts if text is not None])))
         return own + children.encode()
 
-    async def _scrape(self, client: httpx.AsyncClient, model: str,
-                      base_url: str) -> tuple[str, str | None]:
+    async def _scrape(self, client: httpx.AsyncClient, labels: dict[str, str],
+                      base_url: str) -> tuple[dict[str, str], str | None]:
         try:
             response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
             response.raise_for_status()
-            return model, response.text
+            return labels, response.text
         except httpx.HTTPError:
-            self.scrape_errors.labels(model).inc()
-            return model, None
+            self.scrape_errors.labels(labels["model"]).inc()
+            return labels, None
 
 
 class _LiveGauges(Collector):
@@ -125,28 +131,20 @@ class _LiveGauges(Collector):
             status.add_metric([model, runtime.status.value], 1)
             in_flight.add_metric([model], runtime.in_flight)
             queued.add_metric([model], runtime.waiting)
-            rss = child_rss(runtime.child.pid if runtime.child else None)
+            rss = self.supervisor.measured(runtime)
+            alive += len(runtime.replicas) + len(runtime.spawning)
             if rss is not None:
-                alive += 1
                 memory.add_metric([model], rss)
         running.add_metric([], alive)
         yield from (running, status, in_flight, queued, memory)
 
 
-def child_rss(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        rss: int = psutil.Process(pid).memory_info().rss
-        return rss
-    except psutil.Error:
-        return None
-
-
-def merge_child_metrics(texts: Iterable[tuple[str, str]]) -> dict[str, dict[str, Any]]:
-    """Parse each child's exposition and group samples by family, labelled with the model."""
+def merge_child_metrics(texts: Iterable[tuple[dict[str, str], str]]
+                        ) -> dict[str, dict[str, Any]]:
+    """Parse each child's exposition and group samples by family, adding the child's labels
+    (``model``, and ``replica`` for models with several)."""
     families: dict[str, dict[str, Any]] = {}
-    for model, text in texts:
+    for extra, text in texts:
         try:
             parsed = list(text_string_to_metric_families(text))
         except ValueError:
@@ -159,7 +157,7 @@ def merge_child_metrics(texts: Iterable[tuple[str, str]]) -> dict[str, dict[str,
             entry = families.setdefault(name, {"type": kind,
                                                "help": family.documentation, "samples": []})
             for sample in family.samples:
-                entry["samples"].append((sample.name, {**sample.labels, "model": model},
+                entry["samples"].append((sample.name, {**sample.labels, **extra},
                                          sample.value))
     return families
 

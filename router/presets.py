@@ -98,6 +98,9 @@ class ModelPreset:
     load_on_startup: bool = False
     stop_timeout: float | None = None
     load_timeout: float | None = None
+    wait_budget: float | None = None
+    ttl: float | None = None
+    replicas: int = 1
 
     @property
     def model_path(self) -> str | None:
@@ -231,6 +234,12 @@ def _parse_seconds(value: str) -> float:
     return seconds
 
 
+def _parse_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"expected a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def _parse_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
@@ -240,6 +249,9 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "load-on-startup": (_parse_bool, "load_on_startup"),
     "stop-timeout": (_parse_seconds, "stop_timeout"),
     "load-timeout": (_parse_seconds, "load_timeout"),
+    "wait-budget": (_parse_seconds, "wait_budget"),
+    "ttl": (_parse_seconds, "ttl"),
+    "replicas": (_parse_count, "replicas"),
     "alias": (_parse_list, "aliases"),
     "tags": (_parse_list, "tags"),
     "dedup-cache-models": (_parse_bool, "_ignored"),

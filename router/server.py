@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -83,6 +84,7 @@ def build_app(prepared: Prepared) -> Starlette:
             events = EventBus()
             supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
                                     prepared.binary, client, events)
+            supervisor.start()
             metrics = RouterMetrics()
             metrics.attach(supervisor)
             router_log = LogRing(prepared.settings.log_lines)
@@ -111,10 +113,25 @@ def _log_startup_failure(task: asyncio.Task[None]) -> None:
         log.error("a load-on-startup model failed: %s", task.exception())
 
 
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown starts (endless streams then end)."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self.router_app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        state = getattr(self.router_app.state, "router", None)
+        if state is not None:
+            asyncio.get_event_loop().call_soon_threadsafe(state.closing.set)
+        super().handle_exit(sig, frame)
+
+
 def serve(settings: Settings) -> None:
     prepared = prepare(settings)
     app = build_app(prepared)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=30, log_config=None)
-    uvicorn.Server(config).run()
+                            timeout_graceful_shutdown=round(settings.shutdown_grace),
+                            log_config=None)
+    RouterServer(config, app).run()

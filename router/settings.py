@@ -20,6 +20,10 @@ DEFAULT_STOP_TIMEOUT_S = 10.0
 DEFAULT_WAIT_BUDGET_S = 120.0
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 DEFAULT_LOG_LINES = 1000
+DEFAULT_MAX_QUEUE = 1000
+DEFAULT_FAIRNESS_S = 10.0
+DEFAULT_CRASH_LOOP_LIMIT = 5
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 HEALTH_POLL_INTERVAL_S = 0.02
 
 
@@ -47,6 +51,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     log_lines: int = Field(DEFAULT_LOG_LINES, gt=0)
     log_level: str = "info"
+    idle_timeout: float = Field(0.0, ge=0, description="unload models idle this long; 0: never")
+    memory_budget: str | None = Field(
+        None, description="bytes all children may use (e.g. 24G); default: RAM minus a "
+        "margin; 'off' disables the check")
+    max_queue: int = Field(DEFAULT_MAX_QUEUE, gt=0)
+    fairness: float = Field(DEFAULT_FAIRNESS_S, gt=0)
+    crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1)
+    shutdown_grace: float = Field(DEFAULT_SHUTDOWN_GRACE_S, gt=0,
+                                  description="seconds in-flight requests get at shutdown")
     child_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("presets", "models_dir", "api_key", "child_args", mode="before")
@@ -55,6 +68,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    def memory_budget_bytes(self) -> int | None:
+        """The memory budget in bytes, or None when disabled."""
+        from .memory import default_budget_bytes, parse_size
+
+        if self.memory_budget is None:
+            return default_budget_bytes()
+        if self.memory_budget.strip().lower() in ("off", "none", "0"):
+            return None
+        return parse_size(self.memory_budget)
 
     def all_api_keys(self) -> list[str]:
         """Keys from ``--api-key`` plus ``--api-key-file`` (one per line, ``#`` comments)."""

@@ -1,15 +1,18 @@
-"""Carries out model lifecycles: load on demand, evict, stop, notice crashes.
+"""Carries out model lifecycles: load on demand, admit, evict, drain, stop, notice crashes.
 
 Concurrency model (one asyncio loop, no threads):
 
-* Only this module changes a model's ``status``; every change publishes one event.
-* ``acquire`` is the hot path: for a loaded model it bumps ``in_flight`` and returns without
-  awaiting anything, so no eviction can slip in between "is loaded" and "is in use".
+* Only this module changes a model's ``status``; every change publishes one event and wakes
+  everything waiting for a change (``_wait_change``).
+* ``acquire`` is the hot path: for a serving model it picks a replica and bumps ``in_flight``
+  without awaiting anything, so no eviction can slip in between "is loaded" and "is in use".
 * Each model has at most one load task; every request for that model awaits it (shielded, so
-  a waiter that gives up never cancels a load others share).
-* A load first asks the pure planner (``scheduler.plan_admission``) for room, stops the idle
-  victims it names, and waits for capacity changes until admitted. Admission and the switch
-  to ``loading`` happen in the same loop step, so two loads cannot both take the last slot.
+  a waiter that gives up never cancels a load others share). A load waits for the model's old
+  child to be gone, sits out the crash backoff, then queues for admission.
+* Admission is FIFO across models: only the head of ``_admissions`` asks the pure planner
+  (``scheduler.plan_admission``) for room, stops the idle victims and drains the busy ones it
+  names, and waits for changes until admitted. Admission and the switch to ``loading`` happen
+  in the same loop step, so two loads cannot both take the last slot.
 """
 
 from __future__ import annotations
@@ -18,19 +21,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, WaitBudgetExceeded
+from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
 from .logs import LogRing
+from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
 from .process import ChildError, ChildExited, ChildProcess, free_port
-from .scheduler import ModelSnapshot, Status, plan_admission
+from .runtime import Failure, Lease, ModelRuntime, Replica
+from .scheduler import Status, plan_admission
 from .settings import Settings
 from .sources import Catalogue
 
@@ -38,58 +42,14 @@ log = logging.getLogger("router.supervisor")
 
 PORT_RETRIES = 3
 FAILURE_LOG_LINES = 20
+STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the crash count
+BACKOFF_CAP_S = 30.0
+REAPER_INTERVAL_S = 1.0
 
 
-@dataclass
-class Failure:
-    """Why the last run of a model ended badly."""
-
-    message: str
-    exit_code: int | None
-    last_lines: list[str]
-    at: float = field(default_factory=time.time)
-
-
-@dataclass
-class ModelRuntime:
-    """Mutable run state of one model. Written only by the Supervisor."""
-
-    preset: ModelPreset
-    logs: LogRing
-    status: Status = Status.UNLOADED
-    child: ChildProcess | None = None
-    in_flight: int = 0
-    last_used: float = 0.0
-    load_task: asyncio.Task[ChildProcess] | None = None
-    failure: Failure | None = None
-    info: dict[str, Any] | None = None
-    loaded_at: float | None = None
-    waiting: int = 0  # requests waiting for this model to become loaded
-
-    def __repr__(self) -> str:
-        child = self.child
-        return (f"<Model {self.preset.id} {self.status.value} pid={child and child.pid} "
-                f"port={child and child.port} in_flight={self.in_flight}>")
-
-    def snapshot(self) -> ModelSnapshot:
-        return ModelSnapshot(self.preset.id, self.status, self.in_flight, self.last_used)
-
-
-class Lease:
-    """A request's hold on a loaded child; ``release()`` exactly once when the response ends."""
-
-    __slots__ = ("_released", "_supervisor", "child", "runtime")
-
-    def __init__(self, supervisor: Supervisor, runtime: ModelRuntime, child: ChildProcess):
-        self._supervisor = supervisor
-        self.runtime = runtime
-        self.child = child
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._supervisor._release(self.runtime)
+def backoff_s(failures_in_row: int) -> float:
+    """Delay before the next load after ``failures_in_row`` consecutive failures: 0, 1, 2, 4…"""
+    return 0.0 if failures_in_row <= 1 else min(2.0 ** (failures_in_row - 2), BACKOFF_CAP_S)
 
 
 class Supervisor:
@@ -104,8 +64,12 @@ class Supervisor:
         self.models: dict[str, ModelRuntime] = {
             mid: ModelRuntime(preset, LogRing(settings.log_lines))
             for mid, preset in catalogue.models.items()}
-        self._capacity_changed = asyncio.Event()
-        self._closing = False
+        self.memory_budget = settings.memory_budget_bytes()
+        self._admissions: list[ModelRuntime] = []
+        self._changed = asyncio.Event()
+        self._estimated: set[str] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._last_failure_at: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lookups
 
@@ -127,125 +91,251 @@ class Supervisor:
             argv += option.render(value)
         return argv
 
+    def estimate(self, runtime: ModelRuntime) -> int:
+        """Bytes the model is expected to need while loaded (all replicas); 0 if unknown."""
+        if runtime.id not in self._estimated and runtime.preset.model_path is not None:
+            self._estimated.add(runtime.id)
+            try:
+                one = estimate_for_args(runtime.preset.model_path, runtime.preset.args)
+                runtime.estimate = one.total_bytes * runtime.preset.replicas
+            except (OSError, ValueError) as exc:
+                log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
+        return runtime.estimate
+
+    def measured(self, runtime: ModelRuntime) -> int | None:
+        sizes = [measure_rss(r.child.pid) for r in runtime.replicas if r.child.pid is not None]
+        known = [s for s in sizes if s is not None]
+        return sum(known) if known else None
+
+    def _memory_held(self, runtime: ModelRuntime) -> int:
+        """What a model holding processes counts against the budget: the larger of its
+        estimate and its measured resident memory."""
+        return max(self.estimate(runtime), self.measured(runtime) or 0)
+
+    @property
+    def total_waiting(self) -> int:
+        return sum(r.waiting for r in self.models.values())
+
+    def queue_position(self, runtime: ModelRuntime) -> int | None:
+        with contextlib.suppress(ValueError):
+            return self._admissions.index(runtime)
+        return None
+
     # ----------------------------------------------------------------- hot path
 
     async def acquire(self, name: str, *, autoload: bool = True,
                       budget: float | None = None) -> Lease:
-        """Wait until the model is loaded (loading it if allowed) and hold it for one request."""
+        """Wait until the model serves (loading it if allowed) and hold a replica for one
+        request. Raises ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
         runtime = self.resolve(name)
-        deadline = time.monotonic() + (budget if budget is not None
-                                       else self.settings.wait_budget)
-        while True:
-            if runtime.status is Status.LOADED and runtime.child is not None:
-                runtime.in_flight += 1
-                runtime.last_used = time.monotonic()
-                return Lease(self, runtime, runtime.child)
-            if not autoload and runtime.status is not Status.LOADING:
-                raise ModelNotLoaded(runtime.preset.id)
-            task = self._ensure_load_task(runtime)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._budget_exceeded(runtime, budget)
-            runtime.waiting += 1
-            try:
-                await asyncio.wait_for(asyncio.shield(task), remaining)
-            except TimeoutError:
-                raise self._budget_exceeded(runtime, budget) from None
-            finally:
-                runtime.waiting -= 1
+        if runtime.serving:
+            return self._lease(runtime)
+        if not autoload and runtime.status is Status.UNLOADED:
+            raise ModelNotLoaded(runtime.id)
+        if self.total_waiting >= self.settings.max_queue:
+            raise QueueFull(f"{self.total_waiting} requests are already waiting for models "
+                            f"(limit {self.settings.max_queue}); try again later",
+                            headers={"Retry-After": "1"})
+        seconds = min(budget, self._budget_of(runtime)) if budget else self._budget_of(runtime)
+        deadline = time.monotonic() + seconds
+        runtime.waiting += 1
+        try:
+            while not runtime.serving:
+                task = self._ensure_load_task(runtime, on_demand=True)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._budget_exceeded(runtime, seconds)
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), remaining)
+                except TimeoutError:
+                    raise self._budget_exceeded(runtime, seconds) from None
+            return self._lease(runtime)
+        finally:
+            runtime.waiting -= 1
+            if runtime.waiting == 0:
+                self._cancel_unwanted_load(runtime)
 
-    def _budget_exceeded(self, runtime: ModelRuntime, budget: float | None) -> WaitBudgetExceeded:
-        seconds = budget if budget is not None else self.settings.wait_budget
-        return WaitBudgetExceeded(
-            f"model '{runtime.preset.id}' was not ready within the wait budget of {seconds:g} s "
-            f"(status: {runtime.status.value})", headers={"Retry-After": "5"})
+    def _lease(self, runtime: ModelRuntime) -> Lease:
+        replica = runtime.pick_replica()
+        replica.in_flight += 1
+        runtime.in_flight += 1
+        runtime.last_used = time.monotonic()
+        return Lease(self, runtime, replica)
 
-    def _release(self, runtime: ModelRuntime) -> None:
+    def _release(self, runtime: ModelRuntime, replica: Replica) -> None:
+        replica.in_flight -= 1
         runtime.in_flight -= 1
         runtime.last_used = time.monotonic()
         if runtime.in_flight == 0:
-            self._notify_capacity()
+            self._notify()
+
+    def _budget_of(self, runtime: ModelRuntime) -> float:
+        return runtime.preset.wait_budget or self.settings.wait_budget
+
+    def _budget_exceeded(self, runtime: ModelRuntime, seconds: float) -> WaitBudgetExceeded:
+        position = self.queue_position(runtime)
+        where = f", queue position {position}" if position is not None else ""
+        return WaitBudgetExceeded(
+            f"model '{runtime.id}' was not ready within the wait budget of {seconds:g} s "
+            f"(status: {runtime.status.value}{where})", headers={"Retry-After": "5"})
+
+    def _cancel_unwanted_load(self, runtime: ModelRuntime) -> None:
+        """A load started by requests that nobody waits for any more, and that has not
+        spawned anything yet, is cancelled (it would only evict someone for nothing)."""
+        task = runtime.load_task
+        if (task is not None and not task.done() and runtime.load_on_demand
+                and runtime.status is Status.UNLOADED):
+            log.info("load cancelled: no request waits for it", extra={"model": runtime.id})
+            task.cancel()
 
     # ----------------------------------------------------------------- loading
 
-    def _ensure_load_task(self, runtime: ModelRuntime) -> asyncio.Task[ChildProcess]:
+    def _ensure_load_task(self, runtime: ModelRuntime, *, on_demand: bool) -> asyncio.Task[None]:
         if runtime.load_task is None or runtime.load_task.done():
+            if runtime.crash_loop:
+                failure = runtime.failure
+                last = f" (last: {failure.message})" if failure else ""
+                raise LoadFailed(
+                    f"model '{runtime.id}' failed {runtime.failures_in_row} times in a row"
+                    f"{last}; not restarting it. Fix the cause, then POST /models/load.")
             if runtime.preset.model_path is None:
                 raise LoadFailed(
-                    f"model '{runtime.preset.id}' is not downloaded (hf-repo = "
+                    f"model '{runtime.id}' is not downloaded (hf-repo = "
                     f"{runtime.preset.hf_repo}); download it first")
+            runtime.load_on_demand = on_demand
             runtime.load_task = asyncio.create_task(self._load(runtime),
-                                                    name=f"load:{runtime.preset.id}")
+                                                    name=f"load:{runtime.id}")
             runtime.load_task.add_done_callback(_consume_exception)
+        elif not on_demand:
+            runtime.load_on_demand = False
         return runtime.load_task
 
     async def load(self, name: str) -> ModelRuntime:
-        """Start loading a model and return at once (``POST /models/load``)."""
+        """Start loading a model and return at once (``POST /models/load``). An explicit
+        load also clears a crash loop."""
         runtime = self.resolve(name)
-        if runtime.status is Status.UNLOADED:
-            self._ensure_load_task(runtime)
+        runtime.crash_loop = False
+        runtime.failures_in_row = 0
+        self._ensure_load_task(runtime, on_demand=False)
         return runtime
 
-    async def _load(self, runtime: ModelRuntime) -> ChildProcess:
-        preset = runtime.preset
+    async def _load(self, runtime: ModelRuntime) -> None:
+        while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
+            await self._wait_change()
+        delay = (self._last_failure_at.get(runtime.id, 0.0) + backoff_s(runtime.failures_in_row)
+                 - time.monotonic())
+        if delay > 0:
+            log.info("waiting %.1f s before restarting after %d failures", delay,
+                     runtime.failures_in_row, extra={"model": runtime.id})
+            await asyncio.sleep(delay)
         await self._admit(runtime)
-        runtime.failure = None
         self._set_status(runtime, Status.LOADING)
         started = time.monotonic()
+        preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
-        child: ChildProcess | None = None
+        children: list[ChildProcess] = []
+        runtime.spawning = children
         try:
-            for attempt in range(PORT_RETRIES):
-                port = free_port()
-                child = ChildProcess(preset.id, self.child_argv(preset, port), port,
-                                     runtime.logs, self._client)
-                runtime.child = child
-                await child.start()
-                try:
-                    await child.wait_ready(timeout - (time.monotonic() - started), timeout)
-                    break
-                except ChildExited as exc:
-                    if not exc.port_in_use or attempt == PORT_RETRIES - 1:
-                        raise
-                    log.warning("port %d was taken; retrying", child.port,
-                                extra={"model": preset.id})
-        except (ChildError, OSError, asyncio.CancelledError) as exc:
-            if child is not None:
-                await asyncio.shield(child.stop(0))
-            runtime.child = None
+            results = await asyncio.gather(
+                *(self._spawn_ready(runtime, children, timeout, started)
+                  for _ in range(preset.replicas)), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException as exc:
+            runtime.spawning = []
+            await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
             if isinstance(exc, asyncio.CancelledError):
-                self._set_status(runtime, Status.UNLOADED)
+                runtime.failed = False
+                self._set_status(runtime, Status.UNLOADED, reason="cancelled")
                 raise
-            runtime.failure = _failure_from(exc)
+            failure = _failure_from(exc)
+            self._record_failure(runtime, failure, crashed_after=None)
             self._set_status(runtime, Status.UNLOADED)
-            log.error("load failed: %s", runtime.failure.message,
-                      extra={"event": "load_failed", "model": preset.id})
-            raise LoadFailed(_load_failed_message(preset.id, runtime.failure)) from exc
-        assert child is not None
-        runtime.info = await self._fetch_info(child)
-        runtime.loaded_at = time.time()
-        runtime.last_used = time.monotonic()
-        duration = round(time.monotonic() - started, 4)
+            log.error("load failed: %s", failure.message,
+                      extra={"event": "load_failed", "model": runtime.id})
+            raise LoadFailed(_load_failed_message(runtime.id, failure)) from exc
+        runtime.spawning = []
+        runtime.replicas = [Replica(child) for child in children]
+        runtime.info = await self._fetch_info(children[0])
+        runtime.loaded_at = runtime.last_used = time.monotonic()
+        duration = round(runtime.loaded_at - started, 4)
         self._set_status(runtime, Status.LOADED, duration=duration)
-        log.info("loaded", extra={"event": "loaded", "model": preset.id, "pid": child.pid,
-                                  "port": child.port, "duration": duration})
-        watcher = asyncio.create_task(self._watch_exit(runtime, child), name=f"exit:{preset.id}")
-        watcher.add_done_callback(_consume_exception)
-        return child
+        log.info("loaded", extra={"event": "loaded", "model": runtime.id,
+                                  "pid": children[0].pid, "port": children[0].port,
+                                  "duration": duration})
+        for replica in runtime.replicas:
+            watcher = asyncio.create_task(self._watch_exit(runtime, replica),
+                                          name=f"exit:{runtime.id}")
+            watcher.add_done_callback(_consume_exception)
+
+    async def _spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
+                           timeout: float, started: float) -> None:
+        """Spawn one child (retrying a taken port) and wait until it is healthy."""
+        for attempt in range(PORT_RETRIES):
+            port = free_port()
+            child = ChildProcess(runtime.id, self.child_argv(runtime.preset, port), port,
+                                 runtime.logs, self._client)
+            children.append(child)
+            await child.start()
+            try:
+                await child.wait_ready(timeout - (time.monotonic() - started), timeout)
+                return
+            except ChildExited as exc:
+                if not exc.port_in_use or attempt == PORT_RETRIES - 1:
+                    raise
+                children.remove(child)
+                log.warning("port %d was taken; retrying", port, extra={"model": runtime.id})
 
     async def _admit(self, runtime: ModelRuntime) -> None:
-        """Wait until the planner admits this model, evicting idle models it names."""
-        while True:
-            self._capacity_changed.clear()
-            plan = plan_admission([m.snapshot() for m in self.models.values()],
-                                  runtime.preset.id, self.settings.models_max)
-            if plan.admit:
-                return
-            for victim in plan.evict:
-                log.info("evicting least recently used", extra={"event": "evict",
-                                                                "model": victim})
-                self._begin_stop(self.models[victim], "evicted")
-            await self._capacity_changed.wait()
+        """Queue FIFO for admission; when at the head, make room as the planner says."""
+        runtime.queued_since = time.monotonic()
+        self._admissions.append(runtime)
+        self._notify()
+        try:
+            while True:
+                wake_in: float | None = None
+                if self._admissions[0] is runtime:
+                    waited = time.monotonic() - runtime.queued_since
+                    plan = plan_admission(
+                        [m.snapshot(self._memory_held(m) if m.status.holds_process else 0)
+                         for m in self.models.values()],
+                        runtime.id, self.settings.models_max,
+                        target_memory=self.estimate(runtime), memory_budget=self.memory_budget,
+                        waited_s=waited, fairness_s=self.settings.fairness)
+                    if plan.refuse is not None:
+                        raise LoadFailed(self._never_fits_message(runtime))
+                    if plan.admit:
+                        return
+                    for victim in plan.evict:
+                        log.info("evicting least recently used",
+                                 extra={"event": "evict", "model": victim})
+                        self._begin_stop(self.models[victim], "evicted")
+                    for busy in plan.drain:
+                        self._drain(self.models[busy], waiting_for=runtime.id)
+                    if not plan.evict and not plan.drain:
+                        wake_in = max(self.settings.fairness - waited, 0.0) + 0.01
+                await self._wait_change(wake_in)
+        finally:
+            self._admissions.remove(runtime)
+            runtime.queued_since = None
+            self._notify()
+
+    def _never_fits_message(self, runtime: ModelRuntime) -> str:
+        assert self.memory_budget is not None
+        return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
+                f"{format_size(self.estimate(runtime))} but the memory budget is "
+                f"{format_size(self.memory_budget)} (--memory-budget)")
+
+    def _drain(self, runtime: ModelRuntime, waiting_for: str) -> None:
+        if runtime.draining:
+            return
+        runtime.draining = True
+        log.info("draining to make room for %s", waiting_for,
+                 extra={"event": "drain", "model": runtime.id})
+        self.events.publish(runtime.id, "status_change",
+                            {"status": runtime.status.value, "draining": True})
+        self._notify()
 
     async def _fetch_info(self, child: ChildProcess) -> dict[str, Any] | None:
         try:
@@ -259,89 +349,145 @@ class Supervisor:
 
     async def unload(self, name: str) -> ModelRuntime:
         runtime = self.resolve(name)
-        if runtime.status is Status.LOADING and runtime.load_task is not None:
-            runtime.load_task.cancel()
+        task = runtime.load_task
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await runtime.load_task
-        elif runtime.status is Status.LOADED:
+                await task
+        if runtime.status is Status.LOADED:
             await self._stop(runtime, "unloaded")
+        elif runtime.stop_task is not None:
+            await asyncio.shield(runtime.stop_task)
         return runtime
 
     def _begin_stop(self, runtime: ModelRuntime, reason: str) -> asyncio.Task[None] | None:
         """Mark a loaded model stopping now (so planners see it) and stop it in a task."""
-        child = runtime.child
-        if child is None or runtime.status is not Status.LOADED:
+        if runtime.status is not Status.LOADED or not runtime.replicas:
             return None
         self._set_status(runtime, Status.STOPPING, reason=reason)
-        task = asyncio.create_task(self._finish_stop(runtime, child),
-                                   name=f"stop:{runtime.preset.id}")
-        task.add_done_callback(_consume_exception)
-        return task
+        runtime.stop_task = asyncio.create_task(self._finish_stop(runtime),
+                                                name=f"stop:{runtime.id}")
+        runtime.stop_task.add_done_callback(_consume_exception)
+        return runtime.stop_task
 
     async def _stop(self, runtime: ModelRuntime, reason: str) -> None:
         task = self._begin_stop(runtime, reason)
         if task is not None:
             await task
 
-    async def _finish_stop(self, runtime: ModelRuntime, child: ChildProcess) -> None:
+    async def _finish_stop(self, runtime: ModelRuntime) -> None:
         timeout = runtime.preset.stop_timeout
-        await child.stop(self.settings.stop_timeout if timeout is None else timeout)
-        if runtime.child is child:
-            runtime.child = None
+        seconds = self.settings.stop_timeout if timeout is None else timeout
+        replicas, runtime.replicas = runtime.replicas, []
+        await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
+        runtime.info = None
+        runtime.loaded_at = None
+        runtime.draining = False
+        runtime.stop_task = None
+        self._set_status(runtime, Status.UNLOADED)
+
+    async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
+        code = await replica.child.wait_exit()
+        if replica not in runtime.replicas or runtime.status is not Status.LOADED:
+            return  # an intended stop; _finish_stop records it
+        runtime.replicas.remove(replica)
+        failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
+                          runtime.logs.tail(FAILURE_LOG_LINES))
+        ran_for = time.monotonic() - (runtime.loaded_at or time.monotonic())
+        self._record_failure(runtime, failure, crashed_after=ran_for)
+        log.error("child exited unexpectedly with code %s", code,
+                  extra={"event": "crashed", "model": runtime.id, "pid": replica.child.pid,
+                         "exit_code": code})
+        await replica.child.stop(0)  # reap the group
+        if not runtime.replicas:
             runtime.info = None
+            runtime.loaded_at = None
+            runtime.draining = False
             self._set_status(runtime, Status.UNLOADED)
 
-    async def _watch_exit(self, runtime: ModelRuntime, child: ChildProcess) -> None:
-        code = await child.wait_exit()
-        if runtime.child is not child or runtime.status is not Status.LOADED:
-            return  # an intended stop; _stop records it
-        runtime.child = None
-        runtime.info = None
-        runtime.failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
-                                  runtime.logs.tail(FAILURE_LOG_LINES))
-        log.error("child exited unexpectedly with code %s", code,
-                  extra={"event": "crashed", "model": runtime.preset.id, "pid": child.pid,
-                         "exit_code": code})
-        await child.stop(0)  # reap the group
-        self._set_status(runtime, Status.UNLOADED)
+    def _record_failure(self, runtime: ModelRuntime, failure: Failure,
+                        crashed_after: float | None) -> None:
+        if crashed_after is not None and crashed_after >= STABLE_RUN_S:
+            runtime.failures_in_row = 0
+        runtime.failures_in_row += 1
+        runtime.failure = failure
+        runtime.failed = True
+        self._last_failure_at[runtime.id] = time.monotonic()
+        if runtime.failures_in_row >= self.settings.crash_loop_limit:
+            runtime.crash_loop = True
+            log.error("failed %d times in a row; not restarting until POST /models/load",
+                      runtime.failures_in_row, extra={"event": "crash_loop", "model": runtime.id})
+
+    # ----------------------------------------------------------------- idle TTL
+
+    def start(self) -> None:
+        """Start background work (the idle reaper); ``close()`` stops it."""
+        self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(REAPER_INTERVAL_S)
+            now = time.monotonic()
+            for runtime in self.models.values():
+                ttl = runtime.preset.ttl if runtime.preset.ttl is not None \
+                    else self.settings.idle_timeout
+                if (ttl and runtime.serving and runtime.in_flight == 0
+                        and runtime.waiting == 0 and now - runtime.last_used >= ttl):
+                    log.info("idle for %.0f s; unloading", now - runtime.last_used,
+                             extra={"event": "idle_unload", "model": runtime.id})
+                    self._begin_stop(runtime, "idle")
+
+    # ----------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:
         """Stop every child (loading ones are killed); used at shutdown."""
-        self._closing = True
-        for runtime in self.models.values():
-            if runtime.load_task is not None and not runtime.load_task.done():
-                runtime.load_task.cancel()
-        loads = [r.load_task for r in self.models.values() if r.load_task is not None]
+        if self._reaper is not None:
+            self._reaper.cancel()
+        loads = [r.load_task for r in self.models.values()
+                 if r.load_task is not None and not r.load_task.done()]
+        for task in loads:
+            task.cancel()
         await asyncio.gather(*loads, return_exceptions=True)
         await asyncio.gather(*(self._stop(r, "shutdown") for r in self.models.values()),
                              return_exceptions=True)
+        stops = [r.stop_task for r in self.models.values() if r.stop_task is not None]
+        await asyncio.gather(*stops, return_exceptions=True)
 
     def kill_all_now(self) -> None:
         for runtime in self.models.values():
-            if runtime.child is not None:
-                runtime.child.kill_now()
+            for replica in runtime.replicas:
+                replica.child.kill_now()
+            for child in runtime.spawning:
+                child.kill_now()
+
+    async def load_startup_models(self) -> None:
+        startup = [r for r in self.models.values() if r.preset.load_on_startup]
+        await asyncio.gather(*(self._ensure_load_task(r, on_demand=False) for r in startup))
 
     # ----------------------------------------------------------------- state
 
     def _set_status(self, runtime: ModelRuntime, status: Status, **extra: Any) -> None:
         previous, runtime.status = runtime.status, status
         data: dict[str, Any] = {"status": status.value, **extra}
+        if status is Status.LOADED:
+            runtime.failed = False
         if status is Status.UNLOADED:
             data["was_running"] = previous.holds_process
-            if runtime.failure is not None:
+            if runtime.failed and runtime.failure is not None:
                 data["failed"] = True
                 data["exit_code"] = runtime.failure.exit_code
-        self.events.publish(runtime.preset.id, "status_change", data)
-        if status in (Status.UNLOADED, Status.LOADED):
-            self._notify_capacity()
+        self.events.publish(runtime.id, "status_change", data)
+        self._notify()
 
-    def _notify_capacity(self) -> None:
-        self._capacity_changed.set()
+    def _notify(self) -> None:
+        """Wake everything waiting for a change (status, capacity, queue)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
-    async def load_startup_models(self) -> None:
-        startup = [r for r in self.models.values() if r.preset.load_on_startup]
-        tasks = [self._ensure_load_task(r) for r in startup]
-        await asyncio.gather(*tasks)
+    async def _wait_change(self, timeout: float | None = None) -> None:
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
 
 
 def _failure_from(exc: BaseException) -> Failure:
@@ -349,6 +495,8 @@ def _failure_from(exc: BaseException) -> Failure:
         return Failure(str(exc), exc.exit_code, exc.last_lines)
     if isinstance(exc, ChildError):
         return Failure(str(exc), None, exc.last_lines)
+    if isinstance(exc, LoadFailed):
+        return Failure(exc.message, None, [])
     return Failure(f"could not start llama-server: {exc}", None, [])
 
 

@@ -159,3 +159,88 @@ def test_exhaustive_small_snapshots() -> None:
                 assert not (plan.admit and plan.evict)
                 checked += 1
     assert checked == 4 * sum(5 ** n for n in range(4))
+
+
+# --------------------------------------------------------------------------- bytes and fairness
+
+def m(mid: str, status: Status = Status.LOADED, in_flight: int = 0, last_used: float = 0.0,
+      memory: int = 0, draining: bool = False) -> ModelSnapshot:
+    return ModelSnapshot(mid, status, in_flight, last_used, memory, draining)
+
+
+def test_memory_fits_without_eviction() -> None:
+    plan = plan_admission([m("a", memory=40)], "t", 0, target_memory=50, memory_budget=100)
+    assert plan == Admission(admit=True)
+
+
+def test_memory_evicts_lru_idle_until_it_fits() -> None:
+    models = [m("a", last_used=1, memory=40), m("b", last_used=2, memory=40),
+              m("c", last_used=3, memory=10)]
+    plan = plan_admission(models, "t", 0, target_memory=50, memory_budget=100)
+    assert plan == Admission(admit=False, evict=("a",))
+
+
+def test_memory_evicts_several_when_one_is_not_enough() -> None:
+    models = [m("a", last_used=1, memory=30), m("b", last_used=2, memory=30),
+              m("c", last_used=3, memory=30)]
+    plan = plan_admission(models, "t", 0, target_memory=60, memory_budget=100)
+    assert plan.evict == ("a", "b")
+
+
+def test_memory_of_stopping_models_counts_as_freeing() -> None:
+    models = [m("a", Status.STOPPING, memory=60), m("b", last_used=1, memory=30)]
+    plan = plan_admission(models, "t", 0, target_memory=50, memory_budget=100)
+    assert plan == Admission(admit=False)
+
+
+def test_a_model_larger_than_the_budget_is_refused_without_evicting() -> None:
+    plan = plan_admission([m("a", memory=10)], "t", 0, target_memory=101, memory_budget=100)
+    assert not plan.admit and plan.evict == () and plan.refuse is not None
+    assert "101" in plan.refuse and "100" in plan.refuse
+
+
+def test_count_and_bytes_both_apply() -> None:
+    # Count allows it (max 3) but bytes do not: evict by bytes.
+    models = [m("a", last_used=1, memory=80), m("b", last_used=2, memory=10)]
+    plan = plan_admission(models, "t", 3, target_memory=20, memory_budget=100)
+    assert plan.evict == ("a",)
+    # Bytes allow it but the count does not.
+    plan = plan_admission(models, "t", 2, target_memory=1, memory_budget=100)
+    assert plan.evict == ("a",)
+
+
+def test_busy_models_are_not_drained_before_the_fairness_bound() -> None:
+    models = [m("a", in_flight=2)]
+    plan = plan_admission(models, "t", 1, waited_s=5, fairness_s=10)
+    assert plan == Admission(admit=False)
+
+
+def test_after_the_fairness_bound_the_lru_busy_model_drains() -> None:
+    models = [m("a", in_flight=2, last_used=5), m("b", in_flight=1, last_used=1)]
+    plan = plan_admission(models, "t", 2, waited_s=10, fairness_s=10)
+    assert plan == Admission(admit=False, drain=("b",))
+
+
+def test_only_one_model_drains_at_a_time() -> None:
+    models = [m("a", in_flight=2, last_used=5), m("b", in_flight=1, last_used=1, draining=True)]
+    plan = plan_admission(models, "t", 2, waited_s=30, fairness_s=10)
+    assert plan.drain == ()
+
+
+def test_a_drained_model_that_went_idle_is_evicted() -> None:
+    models = [m("a", in_flight=0, last_used=9, draining=True), m("b", in_flight=3)]
+    plan = plan_admission(models, "t", 2, waited_s=30, fairness_s=10)
+    assert plan == Admission(admit=False, evict=("a",))
+
+
+def test_models_with_queued_requests_are_not_evicted() -> None:
+    models = [ModelSnapshot("a", Status.LOADED, 0, 1.0, 0, False, waiting=3),
+              ModelSnapshot("b", Status.LOADED, 0, 2.0)]
+    plan = plan_admission(models, "t", 2)
+    assert plan == Admission(admit=False, evict=("b",))
+
+
+def test_loading_models_are_never_drained() -> None:
+    models = [m("a", Status.LOADING, in_flight=0)]
+    plan = plan_admission(models, "t", 1, waited_s=30, fairness_s=10)
+    assert plan == Admission(admit=False)

@@ -1,0 +1,119 @@
+"""Run state of each model: its replicas (children), counters, failure history.
+
+Plain data, written only by the Supervisor. A model has ``replicas`` children (1 unless its
+preset says ``replicas = N``); requests go to the replica with the most free slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .logs import LogRing
+from .presets import ModelPreset
+from .process import ChildProcess
+from .scheduler import ModelSnapshot, Status
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+DEFAULT_SLOTS = 4  # llama-server's -np auto
+
+
+@dataclass
+class Failure:
+    """Why the last run of a model ended badly."""
+
+    message: str
+    exit_code: int | None
+    last_lines: list[str]
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Replica:
+    child: ChildProcess
+    in_flight: int = 0
+
+
+@dataclass
+class ModelRuntime:
+    """Mutable run state of one model."""
+
+    preset: ModelPreset
+    logs: LogRing
+    estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
+    status: Status = Status.UNLOADED
+    replicas: list[Replica] = field(default_factory=list)
+    spawning: list[ChildProcess] = field(default_factory=list)  # children of a load under way
+    in_flight: int = 0
+    waiting: int = 0  # requests waiting for this model to become ready
+    last_used: float = 0.0
+    draining: bool = False  # loaded, but taking no new requests until evicted
+    load_task: asyncio.Task[None] | None = None
+    load_on_demand: bool = False  # the load was started by requests, not POST /models/load
+    stop_task: asyncio.Task[None] | None = None
+    failure: Failure | None = None  # the last failure, kept for messages
+    failed: bool = False  # the last run ended in a failure (shown while unloaded)
+    failures_in_row: int = 0
+    crash_loop: bool = False
+    info: dict[str, Any] | None = None
+    loaded_at: float | None = None  # monotonic
+    queued_since: float | None = None  # monotonic, while waiting for admission
+
+    def __repr__(self) -> str:
+        pids = [r.child.pid for r in self.replicas]
+        return (f"<Model {self.preset.id} {self.status.value} pids={pids} "
+                f"in_flight={self.in_flight} waiting={self.waiting}>")
+
+    @property
+    def id(self) -> str:
+        return self.preset.id
+
+    @property
+    def child(self) -> ChildProcess | None:
+        """The first replica's child (the only one unless ``replicas`` > 1), or the first
+        child still starting."""
+        if self.replicas:
+            return self.replicas[0].child
+        return self.spawning[0] if self.spawning else None
+
+    @property
+    def slots(self) -> int:
+        raw = self.preset.args.get("parallel", "")
+        return int(raw) if raw.lstrip("-").isdigit() and int(raw) > 0 else DEFAULT_SLOTS
+
+    @property
+    def serving(self) -> bool:
+        return self.status is Status.LOADED and not self.draining and bool(self.replicas)
+
+    def snapshot(self, memory: int) -> ModelSnapshot:
+        return ModelSnapshot(self.id, self.status, self.in_flight, self.last_used, memory,
+                             self.draining, self.waiting)
+
+    def pick_replica(self) -> Replica:
+        """The replica with the most free slots (ties: the first)."""
+        return max(self.replicas, key=lambda r: self.slots - r.in_flight)
+
+
+class Lease:
+    """A request's hold on one replica; ``release()`` exactly once when the response ends."""
+
+    __slots__ = ("_released", "_supervisor", "replica", "runtime")
+
+    def __init__(self, supervisor: Supervisor, runtime: ModelRuntime, replica: Replica):
+        self._supervisor = supervisor
+        self.runtime = runtime
+        self.replica = replica
+        self._released = False
+
+    @property
+    def child(self) -> ChildProcess:
+        return self.replica.child
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._supervisor._release(self.runtime, self.replica)

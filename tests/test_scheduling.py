@@ -1,0 +1,194 @@
+"""Scheduling with the real llama-server: swaps, budgets, crashes, memory, replicas, TTL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import alive, start_router, wait_until, write_presets
+
+from router.memory import estimate_for_args
+from router.tinymodel import write_tiny_model
+
+pytestmark = pytest.mark.real
+
+
+def chat(model: str, tokens: int = 16) -> dict[str, Any]:
+    return {"model": model, "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "Hello"}]}
+
+
+def presets_for(tmp_path: Path, models: dict[str, Path], extra: dict[str, str] | None = None,
+                names: tuple[str, ...] = ("alpha", "beta", "gamma")) -> Path:
+    text = "[*]\nctx-size = 1024\nparallel = 2\n"
+    for name in names:
+        text += f"[{name}]\nmodel = {models[name]}\n{(extra or {}).get(name, '')}"
+    return write_presets(tmp_path / "sched.ini", text)
+
+
+def run_concurrently(router_url: str, bodies: list[dict[str, Any]],
+                     headers: dict[str, str] | None = None) -> list[httpx.Response]:
+    results: list[httpx.Response | None] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        with httpx.Client(base_url=router_url, timeout=120) as client:
+            results[i] = client.post("/v1/chat/completions", json=bodies[i], headers=headers)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert all(r is not None for r in results)
+    return [r for r in results if r is not None]
+
+
+def test_alternating_requests_under_models_max_1_do_not_thrash(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    presets = presets_for(tmp_path, tiny_models)
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "1") as router:
+        bodies = [chat("alpha" if i % 2 == 0 else "beta", 32) for i in range(20)]
+        responses = run_concurrently(router.url, bodies)
+        for response, body in zip(responses, bodies, strict=True):
+            assert response.status_code == 200, response.text
+            reply = response.json()
+            assert reply["model"] == body["model"]
+            # Not cut mid-generation: every reply ran to its full length.
+            assert reply["usage"]["completion_tokens"] == 32
+            assert reply["choices"][0]["finish_reason"] == "length"
+        swaps = router.log().count("event=evict")
+        assert swaps <= 3, router.log()
+
+
+def test_wait_budget_runs_out_while_a_busy_model_holds_the_slot(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    long_context = write_tiny_model(tmp_path / "long.gguf", seed=9, n_ctx_train=32768)
+    models = {**tiny_models, "alpha": long_context}
+    presets = presets_for(tmp_path, models, {"alpha": "ctx-size = 8192\nparallel = 1\n",
+                                             "beta": "wait-budget = 1\n"})
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "1",
+                      "--fairness", "60") as router, router.client() as client:
+        long = {**chat("alpha", 6000), "stream": True, "ignore_eos": True}
+        with client.stream("POST", "/v1/chat/completions", json=long) as stream:
+            chunks = stream.iter_raw()
+            next(chunks)
+            started = time.monotonic()
+            refused = client.post("/v1/chat/completions", json=chat("beta"))
+            elapsed = time.monotonic() - started
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"]
+            assert "wait budget of 1 s" in refused.json()["error"]["message"]
+            assert elapsed <= 1 + 1.0
+            # The running generation was not disturbed.
+            rest = b"".join(chunks)
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert router.models()["beta"]["status"]["value"] == "unloaded"
+
+
+def _stream_until_killed(router_url: str, model: str, kill: Any) -> bytes:
+    body = {**chat(model, 3000), "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=router_url, timeout=60) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()
+        received = next(chunks)
+        kill()
+        for chunk in chunks:
+            received += chunk
+    return received
+
+
+def test_kill_9_during_a_stream_and_crash_loop(tmp_path: Path, tiny_models: dict[str, Path],
+                                               llama_server: Path) -> None:
+    presets = presets_for(tmp_path, tiny_models)
+    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+        for _ in range(5):
+            assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
+            pid = router.models()["alpha"]["status"]["pid"]
+            received = _stream_until_killed(router.url, "alpha",
+                                            lambda pid=pid: os.kill(pid, signal.SIGKILL))
+            last_event = received.rstrip().split(b"\n\n")[-1]
+            assert last_event.startswith(b"data: ")
+            assert "error" in json.loads(last_event[len(b"data: "):]), last_event[-300:]
+            assert client.get("/health").status_code == 200
+            assert wait_until(lambda: router.models()["alpha"]["status"]["value"]
+                              == "unloaded", 10)
+            status = router.models()["alpha"]["status"]
+            assert status["failed"] is True and status["exit_code"] == -9
+        # Five crashes in a row: the model stays failed; no respawn loop.
+        spawned = router.log().count("event=spawned model=alpha")
+        refused = client.post("/v1/chat/completions", json=chat("alpha"))
+        assert refused.status_code == 503
+        assert "failed 5 times in a row" in refused.json()["error"]["message"]
+        assert router.models()["alpha"]["status"]["crash_loop"] is True
+        assert router.log().count("event=spawned model=alpha") == spawned
+        # An explicit load clears the crash loop.
+        assert client.post("/models/load?wait=true", json={"model": "alpha"}).status_code == 200
+        assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
+
+
+def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Path],
+                                       llama_server: Path) -> None:
+    args = {"ctx-size": "1024", "parallel": "2"}
+    each = estimate_for_args(tiny_models["alpha"], args).total_bytes
+    budget = int(each * 2.5)  # two fit, three do not
+    presets = presets_for(tmp_path, tiny_models)
+    big = write_presets(tmp_path / "big.ini", f"[huge]\nmodel = {tiny_models['alpha']}\n"
+                        "ctx-size = 100000000\n")
+    with start_router(tmp_path, "--presets", str(presets), "--presets", str(big),
+                      "--models-max", "0", "--memory-budget", str(budget)) as router, \
+            router.client() as client:
+        for name in ("alpha", "beta"):
+            assert client.post("/v1/chat/completions", json=chat(name)).status_code == 200
+        assert client.post("/v1/chat/completions", json=chat("gamma")).status_code == 200
+        status = {m: d["status"]["value"] for m, d in router.models().items()}
+        assert status["alpha"] == "unloaded"  # the least recently used idle one
+        assert status["beta"] == "loaded" and status["gamma"] == "loaded"
+        assert router.models()["gamma"]["status"]["memory"]["estimate"] == each
+        started = time.monotonic()
+        refused = client.post("/v1/chat/completions", json=chat("huge"))
+        assert time.monotonic() - started < 5
+        assert refused.status_code == 503
+        message = refused.json()["error"]["message"]
+        assert "can never be loaded" in message and "memory budget is" in message
+        assert router.models()["beta"]["status"]["value"] == "loaded"  # nothing was evicted
+
+
+def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict[str, Path],
+                                               llama_server: Path) -> None:
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\n"},
+                          names=("alpha",))
+    with start_router(tmp_path, "--presets", str(presets)) as router:
+        bodies = [{**chat("alpha", 200), "stream": True, "ignore_eos": True}
+                  for _ in range(8)]
+        responses = run_concurrently(router.url, bodies)
+        assert all(r.status_code == 200 and r.text.rstrip().endswith("[DONE]")
+                   for r in responses)
+        replicas = router.models()["alpha"]["status"]["replicas"]
+        assert len(replicas) == 2 and len({r["pid"] for r in replicas}) == 2
+        for replica in replicas:
+            metrics = httpx.get(f"http://127.0.0.1:{replica['port']}/metrics").text
+            line = next(x for x in metrics.splitlines()
+                        if x.startswith("llamacpp:tokens_predicted_total"))
+            assert float(line.split()[-1]) > 0, f"replica {replica['pid']} served nothing"
+
+
+def test_idle_ttl_unloads(tmp_path: Path, tiny_models: dict[str, Path],
+                          llama_server: Path) -> None:
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "ttl = 1\n"})
+    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+        assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
+        assert client.post("/v1/chat/completions", json=chat("beta")).status_code == 200
+        pid = router.models()["alpha"]["status"]["pid"]
+        assert wait_until(lambda: router.models()["alpha"]["status"]["value"] == "unloaded",
+                          10)
+        assert not alive(pid)
+        assert "event=idle_unload model=alpha" in router.log()
+        assert router.models()["beta"]["status"]["value"] == "loaded"  # no ttl, no idle-timeout
