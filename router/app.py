@@ -121,6 +121,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     position = supervisor.queue_position(runtime)
     if position is not None:
         status["queue_position"] = position
+        status["expected_wait_s"] = supervisor.expected_wait_s(runtime)
     memory: dict[str, Any] = {"estimate": runtime.estimate or None}
     if runtime.replicas:
         memory["measured"] = supervisor.measured(runtime)

@@ -62,6 +62,7 @@ class ModelRuntime:
     info: dict[str, Any] | None = None
     loaded_at: float | None = None  # monotonic
     queued_since: float | None = None  # monotonic, while waiting for admission
+    last_load_s: float | None = None  # how long its last successful load took
 
     def __repr__(self) -> str:
         pids = [r.child.pid for r in self.replicas]

@@ -121,6 +121,15 @@ class Supervisor:
             return self._admissions.index(runtime)
         return None
 
+    def expected_wait_s(self, runtime: ModelRuntime) -> float | None:
+        """A rough guess of how long until the model is loaded: the last load time of every
+        model queued up to and including it (1 s for a model never loaded)."""
+        position = self.queue_position(runtime)
+        if position is None:
+            return None
+        ahead = self._admissions[:position + 1]
+        return round(sum(r.last_load_s or 1.0 for r in ahead), 3)
+
     # ----------------------------------------------------------------- hot path
 
     async def acquire(self, name: str, *, autoload: bool = True,
@@ -260,6 +269,7 @@ class Supervisor:
         runtime.info = await self._fetch_info(children[0])
         runtime.loaded_at = runtime.last_used = time.monotonic()
         duration = round(runtime.loaded_at - started, 4)
+        runtime.last_load_s = duration
         self._set_status(runtime, Status.LOADED, duration=duration)
         log.info("loaded", extra={"event": "loaded", "model": runtime.id,
                                   "pid": children[0].pid, "port": children[0].port,
@@ -291,6 +301,9 @@ class Supervisor:
         """Queue FIFO for admission; when at the head, make room as the planner says."""
         runtime.queued_since = time.monotonic()
         self._admissions.append(runtime)
+        self.events.publish(runtime.id, "queued", {
+            "position": len(self._admissions) - 1,
+            "expected_wait_s": self.expected_wait_s(runtime)})
         self._notify()
         try:
             while True:

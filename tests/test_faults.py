@@ -5,9 +5,11 @@ The child is tests/fake_llama_server.py behind a wrapper script that adds its fa
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from support import alive, fake_binary, start_router, wait_until, write_presets
 
@@ -112,3 +114,45 @@ def test_unload_while_loading_kills_the_child(tmp_path: Path) -> None:
         assert client.post("/models/unload", json={"model": "m"}).status_code == 200
         assert router.models()["m"]["status"]["value"] == "unloaded"
         assert wait_until(lambda: not alive(pid), 5)
+
+
+def test_queue_limit_answers_429(tmp_path: Path) -> None:
+    with serve(tmp_path, "--startup-delay", "3", args=("--max-queue", "1")) as router, \
+            router.client() as client:
+        assert client.post("/models/load", json={"model": "m"}).status_code == 200
+        first: list[int] = []
+        waiter = threading.Thread(target=lambda: first.append(client.post(
+            "/v1/chat/completions", json={"model": "m", **CHAT}).status_code))
+        waiter.start()
+        assert wait_until(lambda: router.models()["m"]["status"]["waiting"] == 1, 5)
+        refused = client.post("/v1/chat/completions", json={"model": "m", **CHAT})
+        assert refused.status_code == 429
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert "Retry-After" in refused.headers
+        waiter.join(30)
+        assert first == [200]
+
+
+def test_a_waiter_that_disconnects_leaves_the_queue_and_its_load_is_cancelled(
+        tmp_path: Path) -> None:
+    # "busy" streams slowly and holds the only slot; "m" must wait for it.
+    model = tmp_path / "busy.gguf"
+    model.write_bytes(b"GGUF")
+    extra = f"[busy]\nmodel = {model}\n"
+    with serve(tmp_path, "--token-delay", "0.05", extra="",
+               args=("--models-max", "1", "--fairness", "60",
+                     "--presets", str(write_presets(tmp_path / "busy.ini", extra)))) as router, \
+            router.client() as client:
+        body = {"model": "busy", "stream": True, "max_tokens": 200,
+                "messages": [{"role": "user", "content": "x"}]}
+        with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            chunks = stream.iter_raw()
+            next(chunks)
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/chat/completions", json={"model": "m", **CHAT}, timeout=1.0)
+            assert wait_until(lambda: router.models()["m"]["status"]["waiting"] == 0, 5)
+            assert wait_until(lambda: "queue_position" not in router.models()["m"]["status"],
+                              5)
+            assert "load cancelled: no request waits for it" in router.log()
+            assert router.models()["busy"]["status"]["value"] == "loaded"
+        assert "event=spawned model=m" not in router.log()
