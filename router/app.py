@@ -72,6 +72,11 @@ class State:
         # so that shutdown waits only for real requests.
         self.closing = asyncio.Event()
 
+    def request_reload(self) -> None:
+        """SIGHUP: re-read the configuration (see ``reload``)."""
+        log.warning("SIGHUP received: live reload of presets is not available in this "
+                    "version; restart the router to apply changes")
+
 
 def _state(request: Request) -> State:
     state: State = request.app.state.router

@@ -11,8 +11,11 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import signal
+import socket
 import subprocess
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -30,6 +33,7 @@ from .metrics import RouterMetrics
 from .settings import Settings
 from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
+from .systemd import Notifier
 
 log = logging.getLogger("router.server")
 
@@ -114,14 +118,89 @@ def _log_startup_failure(task: asyncio.Task[None]) -> None:
 
 
 class RouterServer(uvicorn.Server):
-    """uvicorn's server, telling the app when shutdown starts (endless streams then end)."""
+    """uvicorn's server plus the router's process duties.
 
-    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+    * systemd: ``READY=1`` once listening and the load-on-startup models are loaded,
+      ``WATCHDOG=1`` every half ``WATCHDOG_USEC`` while the event loop runs, ``STOPPING=1`` on
+      the first SIGTERM/SIGINT.
+    * Shutdown: the first signal stops accepting, ends endless streams (events, log follow)
+      and lets in-flight requests finish within the grace period; children are then stopped.
+      A second signal kills the children and exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: Starlette, notifier: Notifier) -> None:
         super().__init__(config)
         self.router_app = app
+        self.notifier = notifier
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _state(self) -> State | None:
+        state: State | None = getattr(self.router_app.state, "router", None)
+        return state
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit:
+            return
+        for work in (self._ready(), self._watchdog()):
+            task = asyncio.create_task(work)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _ready(self) -> None:
+        state = self._state()
+        failed: list[str] = []
+        if state is not None:
+            failed = await state.supervisor.wait_startup_models()
+        status = f"STATUS=serving; startup models failed: {', '.join(failed)}" if failed \
+            else "STATUS=serving"
+        self.notifier.notify("READY=1", status)
+        log.info("ready", extra={"event": "ready"})
+
+    async def _watchdog(self) -> None:
+        interval = self.notifier.watchdog_s
+        if interval is None:
+            return
+        while True:
+            self.notifier.notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for task in self._background:
+            task.cancel()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Like uvicorn's, but a graceful shutdown exits 0 instead of re-raising the signal,
+        and SIGHUP reloads the configuration."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = {sig: self.handle_exit for sig in (signal.SIGINT, signal.SIGTERM)}
+        handled[signal.SIGHUP] = self.handle_reload
+        original = {sig: signal.signal(sig, handler) for sig, handler in handled.items()}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_reload(self, sig: int, frame: FrameType | None) -> None:
+        state = self._state()
+        if state is not None:
+            asyncio.get_event_loop().call_soon_threadsafe(state.request_reload)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        state = getattr(self.router_app.state, "router", None)
+        state = self._state()
+        if self.should_exit:  # second signal: no more waiting
+            log.warning("second signal: killing children and exiting now")
+            if state is not None:
+                state.supervisor.kill_all_now()
+            self.force_exit = True
+            return
+        self.notifier.notify("STOPPING=1")
+        log.info("shutting down: finishing in-flight requests", extra={"event": "stopping"})
         if state is not None:
             asyncio.get_event_loop().call_soon_threadsafe(state.closing.set)
         super().handle_exit(sig, frame)
@@ -134,4 +213,4 @@ def serve(settings: Settings) -> None:
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=round(settings.shutdown_grace),
                             log_config=None)
-    RouterServer(config, app).run()
+    RouterServer(config, app, Notifier()).run()

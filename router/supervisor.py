@@ -477,6 +477,21 @@ class Supervisor:
         startup = [r for r in self.models.values() if r.preset.load_on_startup]
         await asyncio.gather(*(self._ensure_load_task(r, on_demand=False) for r in startup))
 
+    async def wait_startup_models(self) -> list[str]:
+        """Wait until every load-on-startup model is loaded or failed; the failed ones."""
+        failed = []
+        for runtime in self.models.values():
+            if not runtime.preset.load_on_startup:
+                continue
+            try:
+                task = runtime.load_task or self._ensure_load_task(runtime, on_demand=False)
+                await asyncio.shield(task)
+            except Exception:
+                pass
+            if not runtime.serving:
+                failed.append(runtime.id)
+        return failed
+
     # ----------------------------------------------------------------- state
 
     def _set_status(self, runtime: ModelRuntime, status: Status, **extra: Any) -> None:
