@@ -31,6 +31,7 @@ from .events import EventBus
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .proxy import StreamedResponse, open_upstream, upstream_headers
+from .reload import Reloader
 from .requests import model_from_body, read_body
 from .runtime import Lease, ModelRuntime
 from .scheduler import Status
@@ -60,22 +61,26 @@ class State:
     """What the routes share; built by the lifespan (see ``server.py``)."""
 
     def __init__(self, supervisor: Supervisor, client: httpx.AsyncClient, events: EventBus,
-                 build_info: str, metrics: RouterMetrics, router_log: LogRing) -> None:
+                 build_info: str, metrics: RouterMetrics, router_log: LogRing,
+                 reloader: Reloader) -> None:
         self.supervisor = supervisor
         self.client = client
         self.events = events
         self.build_info = build_info
         self.metrics = metrics
         self.router_log = router_log
+        self.reloader = reloader
         self.started = int(time.time())
+        self._tasks: set[asyncio.Task[Any]] = set()
         # Set when the router starts shutting down: endless streams (events, log follow) end
         # so that shutdown waits only for real requests.
         self.closing = asyncio.Event()
 
     def request_reload(self) -> None:
-        """SIGHUP: re-read the configuration (see ``reload``)."""
-        log.warning("SIGHUP received: live reload of presets is not available in this "
-                    "version; restart the router to apply changes")
+        """SIGHUP: re-read the configuration in the background."""
+        task = asyncio.create_task(self.reloader.reload("SIGHUP"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _state(request: Request) -> State:
@@ -103,6 +108,7 @@ async def props(request: Request) -> Response:
         "models_autoload": settings.models_autoload, "model_alias": "llama-router",
         "model_path": "none", "default_generation_settings": {"params": {}, "n_ctx": 0},
         "build_info": state.build_info,
+        "config_error": state.reloader.error,
     })
 
 
@@ -154,6 +160,8 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
+    if request.query_params.get("reload"):  # llama.cpp's trigger: any non-empty value
+        await state.reloader.reload("GET /models?reload")
     sup = state.supervisor
     data = [describe(r, sup, state.started) for r in sup.models.values()]
     return JSONResponse({"data": data, "object": "list"})
@@ -179,6 +187,15 @@ async def load_model(request: Request) -> Response:
         lease = await sup.acquire(name)
         lease.release()
     return JSONResponse({"success": True})
+
+
+async def reload_models(request: Request) -> Response:
+    result = await _state(request).reloader.reload("POST /models/reload")
+    if not result["success"]:
+        message = "configuration rejected, the previous one stays in effect:\n" + \
+            "\n".join(result["errors"])
+        return JSONResponse({**envelope(400, message), **result}, status_code=400)
+    return JSONResponse(result)
 
 
 async def unload_model(request: Request) -> Response:
@@ -489,6 +506,7 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/models/load", load_model, methods=["POST"]),
         Route("/models/unload", unload_model, methods=["POST"]),
+        Route("/models/reload", reload_models, methods=["POST"]),
         Route("/models/sse", models_sse, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/logs", logs, methods=["GET"]),

@@ -52,6 +52,9 @@ class ModelRuntime:
     waiting: int = 0  # requests waiting for this model to become ready
     last_used: float = 0.0
     draining: bool = False  # loaded, but taking no new requests until evicted
+    stop_when_idle: str | None = None  # a reason: stop once in-flight requests finish
+    removed: bool = False  # gone from the configuration; forgotten once stopped
+    restart_after_stop: bool = False  # reconfigured while loaded: start the new child
     load_task: asyncio.Task[None] | None = None
     load_on_demand: bool = False  # the load was started by requests, not POST /models/load
     stop_task: asyncio.Task[None] | None = None

@@ -26,10 +26,11 @@ from starlette.applications import Starlette
 
 from .app import State, create_app
 from .events import EventBus
-from .flags import FlagTable, load_flag_table
+from .flags import FlagTable, Option, load_flag_table
 from .install import cache_root, find_llama_server
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .metrics import RouterMetrics
+from .reload import Reloader
 from .settings import Settings
 from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
@@ -45,6 +46,7 @@ class Prepared:
     settings: Settings
     binary: Path
     table: FlagTable
+    overrides: list[tuple[Option, str]]
     catalogue: Catalogue
     api_keys: list[str]
     build_info: str
@@ -61,7 +63,7 @@ def prepare(settings: Settings) -> Prepared:
     catalogue = build_catalogue(settings.presets, settings.models_dir, table, overrides)
     for warning in catalogue.warnings:
         log.warning("%s", warning)
-    return Prepared(settings, binary, table, catalogue, settings.all_api_keys(),
+    return Prepared(settings, binary, table, overrides, catalogue, settings.all_api_keys(),
                     _build_info(binary))
 
 
@@ -78,7 +80,7 @@ def _build_info(binary: Path) -> str:
     return "unknown"
 
 
-def build_app(prepared: Prepared) -> Starlette:
+def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
@@ -96,14 +98,18 @@ def build_app(prepared: Prepared) -> Starlette:
             ring_handler.setFormatter(KeyValueFormatter(FORMAT))
             ring_handler.addFilter(lambda record: record.name != "router.child.output")
             logging.getLogger().addHandler(ring_handler)
+            reloader = Reloader(prepared.settings, prepared.table, prepared.overrides,
+                                supervisor, events, (notifier or Notifier({})).notify)
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
-                                     router_log)
+                                     router_log, reloader)
+            watcher = asyncio.create_task(reloader.watch(), name="config-watch")
             atexit.register(supervisor.kill_all_now)
             startup = asyncio.create_task(supervisor.load_startup_models())
             startup.add_done_callback(_log_startup_failure)
             try:
                 yield
             finally:
+                watcher.cancel()
                 startup.cancel()
                 await supervisor.close()
                 atexit.unregister(supervisor.kill_all_now)
@@ -208,9 +214,10 @@ class RouterServer(uvicorn.Server):
 
 def serve(settings: Settings) -> None:
     prepared = prepare(settings)
-    app = build_app(prepared)
+    notifier = Notifier()
+    app = build_app(prepared, notifier)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=round(settings.shutdown_grace),
                             log_config=None)
-    RouterServer(config, app, Notifier()).run()
+    RouterServer(config, app, notifier).run()

@@ -150,6 +150,8 @@ class Supervisor:
         runtime.waiting += 1
         try:
             while not runtime.serving:
+                if runtime.removed:
+                    raise ModelNotFound(runtime.id, [])
                 task = self._ensure_load_task(runtime, on_demand=True)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -176,6 +178,8 @@ class Supervisor:
         runtime.in_flight -= 1
         runtime.last_used = time.monotonic()
         if runtime.in_flight == 0:
+            if runtime.stop_when_idle is not None:
+                self._begin_stop(runtime, runtime.stop_when_idle)
             self._notify()
 
     def _budget_of(self, runtime: ModelRuntime) -> float:
@@ -396,8 +400,15 @@ class Supervisor:
         runtime.info = None
         runtime.loaded_at = None
         runtime.draining = False
+        runtime.stop_when_idle = None
         runtime.stop_task = None
         self._set_status(runtime, Status.UNLOADED)
+        if runtime.removed:
+            self._forget(runtime)
+        elif runtime.restart_after_stop:
+            runtime.restart_after_stop = False
+            with contextlib.suppress(LoadFailed):
+                self._ensure_load_task(runtime, on_demand=False)
 
     async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
         code = await replica.child.wait_exit()
@@ -430,6 +441,70 @@ class Supervisor:
             runtime.crash_loop = True
             log.error("failed %d times in a row; not restarting until POST /models/load",
                       runtime.failures_in_row, extra={"event": "crash_loop", "model": runtime.id})
+
+    # ----------------------------------------------------------------- live reconfiguration
+
+    def reconfigure(self, catalogue: Catalogue) -> dict[str, list[str]]:
+        """Apply a new catalogue as a diff, without dropping a request.
+
+        * new models are listed (and loaded if ``load-on-startup``);
+        * removed models stop taking requests, finish what they have, stop, and disappear;
+        * changed models (llama-server args or replicas) finish their in-flight requests on
+          the old child, then stop; requests arriving meanwhile wait for the new child;
+        * unchanged models keep their child (same pid); other preset fields update in place.
+        """
+        old_ids, new_ids = set(self.models), set(catalogue.models)
+        added = sorted(new_ids - old_ids)
+        removed = sorted(old_ids - new_ids)
+        changed: list[str] = []
+        self.catalogue = catalogue
+        for model_id in added:
+            self.models[model_id] = ModelRuntime(catalogue.models[model_id],
+                                                 LogRing(self.settings.log_lines))
+        for model_id in removed:
+            runtime = self.models[model_id]
+            runtime.removed = True
+            self._retire(runtime, "removed")
+        for model_id in sorted(old_ids & new_ids):
+            runtime = self.models[model_id]
+            new = catalogue.models[model_id]
+            restart = (dict(new.args) != dict(runtime.preset.args)
+                       or new.replicas != runtime.preset.replicas)
+            runtime.preset = new
+            if restart:
+                changed.append(model_id)
+                self._estimated.discard(model_id)
+                runtime.estimate = 0
+                runtime.crash_loop = False
+                runtime.failures_in_row = 0
+                self._retire(runtime, "reconfigured")
+        for model_id in added:
+            if catalogue.models[model_id].load_on_startup:
+                with contextlib.suppress(LoadFailed):
+                    self._ensure_load_task(self.models[model_id], on_demand=False)
+        self._notify()
+        return {"added": added, "removed": removed, "changed": changed}
+
+    def _retire(self, runtime: ModelRuntime, reason: str) -> None:
+        """Stop a model's current child once its in-flight requests are done."""
+        task = runtime.load_task
+        if runtime.status is Status.LOADING and task is not None and not task.done():
+            task.cancel()  # waiters start over, with the new configuration
+        if runtime.status is Status.LOADED:
+            runtime.draining = True
+            runtime.stop_when_idle = reason
+            runtime.restart_after_stop = not runtime.removed
+            if runtime.in_flight == 0:
+                self._begin_stop(runtime, reason)
+        elif runtime.status is Status.UNLOADED and runtime.removed:
+            if task is not None and not task.done():
+                task.cancel()
+            self._forget(runtime)
+
+    def _forget(self, runtime: ModelRuntime) -> None:
+        if self.models.get(runtime.id) is runtime and runtime.id not in self.catalogue.models:
+            del self.models[runtime.id]
+            self.events.publish(runtime.id, "model_remove")
 
     # ----------------------------------------------------------------- idle TTL
 

@@ -1,0 +1,119 @@
+"""Live configuration: re-read presets and models directories and apply the difference.
+
+Triggers: a change to a watched file (watchfiles, debounced; the parent directories are
+watched so editors' rename-on-save and Kubernetes/docker symlink swaps are seen), SIGHUP,
+``POST /models/reload`` and ``GET /models?reload=1``. Reloads are serialised. An invalid
+configuration is rejected whole: the last good one stays in effect and the error (every
+``file:line`` problem) is logged, sent on ``/models/sse`` and shown by ``GET /props`` until a
+valid configuration replaces it. Router settings (flags and environment) are not re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import watchfiles
+
+from .events import EventBus
+from .flags import FlagTable, Option
+from .presets import PresetsInvalid
+from .settings import Settings
+from .sources import build_catalogue
+from .supervisor import Supervisor
+
+log = logging.getLogger("router.reload")
+
+DEBOUNCE_MS = 150
+NOT_RELOADED = ("router settings (command-line flags and LLAMA_ROUTER_* environment) are "
+                "read only at start; restart the router to change them")
+
+
+class Reloader:
+    def __init__(self, settings: Settings, table: FlagTable, overrides: list[tuple[Option, str]],
+                 supervisor: Supervisor, events: EventBus,
+                 notify: Callable[..., None] = lambda *fields: None) -> None:
+        self.settings = settings
+        self.table = table
+        self.overrides = overrides
+        self.supervisor = supervisor
+        self.events = events
+        self.notify = notify
+        self.error: list[str] | None = None  # problems of the last rejected configuration
+        self._lock = asyncio.Lock()
+        self._fingerprint = self._read_fingerprint()
+
+    def _sources(self) -> list[Path]:
+        return [p.expanduser().absolute() for p in [*self.settings.presets,
+                                                    *self.settings.models_dir]]
+
+    def _read_fingerprint(self) -> str:
+        """A hash of every preset file's bytes and every models-dir listing."""
+        digest = hashlib.sha256()
+        for path in self._sources():
+            digest.update(str(path).encode())
+            try:
+                if path.is_dir():
+                    for entry in sorted(path.rglob("*.gguf")):
+                        digest.update(str(entry).encode())
+                else:
+                    digest.update(path.read_bytes())
+            except OSError as exc:
+                digest.update(repr(exc).encode())
+        return digest.hexdigest()
+
+    async def reload(self, trigger: str, *, force: bool = True) -> dict[str, Any]:
+        """Re-read everything and apply the difference; the outcome as a dict."""
+        async with self._lock:
+            fingerprint = self._read_fingerprint()
+            if not force and fingerprint == self._fingerprint:
+                return {"success": True, "unchanged": True}
+            self._fingerprint = fingerprint
+            self.notify("RELOADING=1")
+            try:
+                return self._apply(trigger)
+            finally:
+                self.notify("READY=1")
+
+    def _apply(self, trigger: str) -> dict[str, Any]:
+        try:
+            catalogue = build_catalogue(self.settings.presets, self.settings.models_dir,
+                                        self.table, self.overrides)
+        except PresetsInvalid as exc:
+            self.error = [str(p) for p in exc.problems]
+            for problem in self.error:
+                log.error("reload rejected: %s", problem, extra={"event": "reload_failed"})
+            self.events.publish("*", "models_reload_failed", {"errors": self.error,
+                                                              "trigger": trigger})
+            return {"success": False, "errors": self.error}
+        self.error = None
+        for warning in catalogue.warnings:
+            log.warning("%s", warning)
+        diff = self.supervisor.reconfigure(catalogue)
+        log.info("configuration reloaded (%s): added %s, removed %s, changed %s", trigger,
+                 diff["added"] or "none", diff["removed"] or "none", diff["changed"] or "none",
+                 extra={"event": "reloaded"})
+        self.events.publish("*", "models_reload", {**diff, "trigger": trigger})
+        return {"success": True, **diff, "not_reloaded": NOT_RELOADED}
+
+    async def watch(self) -> None:
+        """Reload when a watched file changes (content, not just mtime): the directories
+        holding preset files (not recursively) and the models directories (recursively)."""
+        files = {p.parent for p in self._sources() if not p.is_dir()}
+        dirs = {p for p in self._sources() if p.is_dir()}
+        watchers = [self._watch(files, recursive=False)] if files else []
+        if dirs:
+            watchers.append(self._watch(dirs, recursive=True))
+        await asyncio.gather(*watchers)
+
+    async def _watch(self, paths: set[Path], *, recursive: bool) -> None:
+        async for _ in watchfiles.awatch(*paths, watch_filter=None, debounce=DEBOUNCE_MS,
+                                         step=50, recursive=recursive):
+            try:
+                await self.reload("file change", force=False)
+            except Exception:  # a reload must never kill the watcher
+                log.exception("reload failed")
