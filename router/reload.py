@@ -103,15 +103,27 @@ class Reloader:
     async def watch(self) -> None:
         """Reload when a watched file changes (content, not just mtime): the directories
         holding preset files (not recursively) and the models directories (recursively)."""
-        files = {p.parent for p in self._sources() if not p.is_dir()}
+        logging.getLogger("watchfiles").setLevel(logging.WARNING)
+        files = {p for p in self._sources() if not p.is_dir()}
         dirs = {p for p in self._sources() if p.is_dir()}
-        watchers = [self._watch(files, recursive=False)] if files else []
+        watchers = []
+        if files:
+            names = {str(p) for p in files}
+
+            def preset_files_only(change: watchfiles.Change, path: str) -> bool:
+                # The file itself (edits, rename-on-save), or a Kubernetes/docker ConfigMap
+                # swap of the hidden ``..data`` symlink next to it.
+                return path in names or Path(path).name.startswith("..")
+
+            watchers.append(self._watch({p.parent for p in files}, recursive=False,
+                                        only=preset_files_only))
         if dirs:
-            watchers.append(self._watch(dirs, recursive=True))
+            watchers.append(self._watch(dirs, recursive=True, only=None))
         await asyncio.gather(*watchers)
 
-    async def _watch(self, paths: set[Path], *, recursive: bool) -> None:
-        async for _ in watchfiles.awatch(*paths, watch_filter=None, debounce=DEBOUNCE_MS,
+    async def _watch(self, paths: set[Path], *, recursive: bool,
+                     only: Callable[[watchfiles.Change, str], bool] | None) -> None:
+        async for _ in watchfiles.awatch(*paths, watch_filter=only, debounce=DEBOUNCE_MS,
                                          step=50, recursive=recursive):
             try:
                 await self.reload("file change", force=False)
