@@ -16,6 +16,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -26,10 +28,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
 from .errors import BadRequest, ModelMissing, NotFound, RouterError, envelope, envelope_bytes
 from .events import EventBus
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, RouterMetrics
+from .presets import ModelPreset
 from .proxy import StreamedResponse, open_upstream, upstream_headers
 from .reload import Reloader
 from .requests import model_from_body, read_body
@@ -141,7 +145,9 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     status["memory"] = memory
     if preset.model_path is None and preset.hf_repo:
         status.update(downloaded=False,
-                      message=f"not downloaded: hf-repo = {preset.hf_repo}")
+                      message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
+    if runtime.download and runtime.status is Status.DOWNLOADING:
+        status["download"] = runtime.download
     if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
         status.update(failed=True, exit_code=runtime.failure.exit_code,
                       message=runtime.failure.message, last_lines=runtime.failure.last_lines)
@@ -150,7 +156,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     entry: dict[str, Any] = {
         "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
         "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
-        "source": preset.source, "can_remove": False,
+        "source": preset.source, "can_remove": preset.source == "cache",
     }
     if runtime.info and runtime.status is not Status.UNLOADED:
         for key, value in runtime.info.items():
@@ -189,6 +195,40 @@ async def load_model(request: Request) -> Response:
     return JSONResponse({"success": True})
 
 
+async def pull_model(request: Request) -> Response:
+    """``POST /models {"model": "owner/repo:QUANT"}``: check it on the Hub, then download it
+    into the HF cache in the background (progress on /models and /models/sse)."""
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    try:
+        resolution = await asyncio.to_thread(resolve_remote, HfRef.parse(name))
+    except ResolveError as exc:
+        raise BadRequest(str(exc)) from exc
+    if sup.catalogue.resolve(resolution.id) is not None:
+        raise BadRequest(f"model '{resolution.id}' already exists")
+    preset = ModelPreset(id=resolution.id, source="cache",
+                         args=MappingProxyType({"hf-repo": resolution.id}))
+    sup.start_download(sup.add_model(preset))
+    return JSONResponse({"success": True, "model": resolution.id})
+
+
+async def delete_model(request: Request) -> Response:
+    """``DELETE /models?model=ID``: remove a Hugging Face cache model and its files."""
+    sup = _state(request).supervisor
+    name = request.query_params.get("model")
+    if not name:
+        raise ModelMissing()
+    runtime = sup.resolve(name)
+    if runtime.preset.source != "cache":
+        raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
+                         "Hugging Face cache: remove it from its preset or directory instead")
+    await sup.unload(runtime.id)
+    paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
+    freed = await asyncio.to_thread(delete_cached, paths)
+    sup.remove_model(runtime)
+    return JSONResponse({"success": True, "freed_bytes": freed})
+
+
 async def reload_models(request: Request) -> Response:
     result = await _state(request).reloader.reload("POST /models/reload")
     if not result["success"]:
@@ -202,7 +242,7 @@ async def unload_model(request: Request) -> Response:
     sup = _state(request).supervisor
     name = await _model_from_json(request)
     runtime = sup.resolve(name)
-    if runtime.status not in (Status.LOADING, Status.LOADED):
+    if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
         raise BadRequest(f"model '{runtime.preset.id}' is not running "
                          f"(status: {runtime.status.value})")
     await sup.unload(name)
@@ -503,6 +543,8 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
         Route("/v1/health", health, methods=["GET"]),
         Route("/props", props, methods=["GET"]),
         Route("/models", list_models, methods=["GET"]),
+        Route("/models", pull_model, methods=["POST"]),
+        Route("/models", delete_model, methods=["DELETE"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/models/load", load_model, methods=["POST"]),
         Route("/models/unload", unload_model, methods=["POST"]),

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from . import logs
-from .client import COMMANDS, add_client_commands, run_client
+from .client import COMMANDS, add_client_commands, list_cached, pull, run_client
 from .install import InstallError, install_llama_server
 from .presets import PresetsInvalid
 
@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--sdist", type=Path, help="use this local sdist instead of downloading")
     inst.add_argument("--jobs", type=int, help="parallel build jobs (default: CPU count)")
     add_client_commands(sub)
+    pull_parser = sub.add_parser("pull", help="download a Hugging Face model into the HF cache",
+                          description="Download owner/repo[:QUANT] (default quant Q4_K_M) "
+                          "into the Hugging Face cache, with progress; no router needed. "
+                          "HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_ENDPOINT apply.")
+    pull_parser.add_argument("model", help="owner/repo[:QUANT]")
+    pull_parser.add_argument("--hf-file", help="a specific file instead of a quant")
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight GGUF (tests, demo)")
     tiny.add_argument("output", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -92,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama-router: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "ls" and args.cached:
+        return list_cached(args.json)
     if args.command in COMMANDS:
         return run_client(args)
+    if args.command == "pull":
+        return pull(args.model, args.hf_file)
     if args.command == "tiny-model":
         from .tinymodel import write_tiny_model
 

@@ -33,7 +33,9 @@ def add_client_commands(sub: Any) -> None:
     common.add_argument("--api-key", default=None,
                         help="API key (default: $LLAMA_ROUTER_API_KEY)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("ls", parents=[common], help="list models with status and memory")
+    ls = sub.add_parser("ls", parents=[common], help="list models with status and memory")
+    ls.add_argument("--cached", action="store_true",
+                    help="list the GGUF models in the local Hugging Face cache (no router)")
     sub.add_parser("ps", parents=[common], help="show running llama-server children")
     for name, text in (("load", "load a model and wait until it is ready"),
                        ("unload", "stop a model's llama-server")):
@@ -204,6 +206,54 @@ def cmd_events(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> i
             out.write(f"{time.strftime('%H:%M:%S')} {event['model']} {event['event']} "
                       f"{details}".rstrip() + "\n")
         out.flush()
+    return 0
+
+
+def list_cached(as_json: bool, out: TextIO = sys.stdout) -> int:
+    from .downloads import cached_models, hub_cache_dir
+
+    models = cached_models()
+    if as_json:
+        json.dump([{"id": mid, "files": [str(p) for p in paths], "bytes": size}
+                   for mid, paths, size in models], out, indent=2)
+        out.write("\n")
+        return 0
+    if not models:
+        out.write(f"no GGUF models in {hub_cache_dir()}\n")
+        return 0
+    table([["MODEL", "SIZE", "FILE"]] + [[mid, format_size(size), str(paths[0])]
+                                         for mid, paths, size in models], out)
+    return 0
+
+
+def pull(model: str, hf_file: str | None = None, out: TextIO = sys.stderr) -> int:
+    """Download a model with a progress line per file; usable without a running router."""
+    from .downloads import HfRef, ResolveError, download, resolve_remote
+
+    try:
+        resolution = resolve_remote(HfRef.parse(model), hf_file)
+    except ResolveError as exc:
+        print(f"llama-router pull: {exc}", file=out)
+        return 1
+    print(f"{resolution.id}: {len(resolution.files)} file(s), "
+          f"{format_size(resolution.total_bytes)}", file=out)
+
+    def progress(name: str, done: int, total: int | None) -> None:
+        share = f"{100 * done / total:5.1f}%" if total else ""
+        out.write(f"\r  {name}  {format_size(done)} / {_size(total)}  {share}")
+        if total is not None and done >= total:
+            out.write("\n")
+        out.flush()
+
+    try:
+        paths = download(resolution, progress)
+    except (ResolveError, OSError) as exc:
+        print(f"\nllama-router pull: {exc}", file=out)
+        return 1
+    except KeyboardInterrupt:
+        print("\nllama-router pull: interrupted", file=out)
+        return 130
+    print(f"done: {paths[0]}", file=out)
     return 0
 
 

@@ -7,6 +7,7 @@ preset says ``replicas = N``); requests go to the replica with the most free slo
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,9 @@ class ModelRuntime:
     stop_when_idle: str | None = None  # a reason: stop once in-flight requests finish
     removed: bool = False  # gone from the configuration; forgotten once stopped
     restart_after_stop: bool = False  # reconfigured while loaded: start the new child
+    download_task: asyncio.Task[None] | None = None
+    download: dict[str, dict[str, int | None]] = field(default_factory=dict)  # file: done/total
+    download_cancel: threading.Event = field(default_factory=threading.Event)
     load_task: asyncio.Task[None] | None = None
     load_on_demand: bool = False  # the load was started by requests, not POST /models/load
     stop_task: asyncio.Task[None] | None = None

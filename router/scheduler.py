@@ -31,13 +31,14 @@ class Status(StrEnum):
     """A model's lifecycle state, as shown in ``/models`` (``status.value``)."""
 
     UNLOADED = "unloaded"
+    DOWNLOADING = "downloading"
     LOADING = "loading"
     LOADED = "loaded"
     STOPPING = "stopping"
 
     @property
     def holds_process(self) -> bool:
-        return self is not Status.UNLOADED
+        return self not in (Status.UNLOADED, Status.DOWNLOADING)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
+from .downloads import HfRef, ResolveError, cached_models, resolve_cached
 from .flags import FlagTable, Option
 from .presets import (
     SOURCE_KEYS,
@@ -85,9 +86,38 @@ class Catalogue:
         return difflib.get_close_matches(name, [*self.models, *self.aliases], n=3, cutoff=0.5)
 
 
+def scan_hf_cache() -> list[ModelPreset]:
+    """Complete GGUF models in the Hugging Face cache, with llama.cpp's ``repo:TAG`` ids."""
+    models = []
+    for model_id, paths, _ in cached_models():
+        args = {"model": str(paths[0])}
+        if len(paths) > 1 and "mmproj" in paths[-1].name.lower():
+            args["mmproj"] = str(paths[-1])
+        models.append(ModelPreset(id=model_id, args=MappingProxyType(args), source="cache",
+                                  origin=Origin(paths[0], 0)))
+    return models
+
+
+def _with_cached_files(model: ModelPreset) -> ModelPreset:
+    """An hf-repo preset whose files are complete in the HF cache points at them."""
+    if model.hf_repo is None or model.model_path is not None:
+        return model
+    try:
+        hit = resolve_cached(HfRef.parse(model.hf_repo), model.args.get("hf-file"))
+    except ResolveError:
+        return model
+    if hit is None:
+        return model
+    resolution, paths = hit
+    args = {**model.args, "model": str(paths[0])}
+    if resolution.mmproj is not None:
+        args["mmproj"] = str(paths[-1])
+    return replace(model, args=MappingProxyType(args))
+
+
 def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
-                    table: FlagTable, overrides: list[tuple[Option, str]] | None = None
-                    ) -> Catalogue:
+                    table: FlagTable, overrides: list[tuple[Option, str]] | None = None,
+                    *, hf_cache: bool = True) -> Catalogue:
     """Load every source and merge them; raise PresetsInvalid listing every problem."""
     problems: list[PresetProblem] = []
     files: list[PresetFile] = []
@@ -97,6 +127,9 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
         except PresetsInvalid as exc:
             problems.extend(exc.problems)
     merged: dict[str, ModelPreset] = {}
+    if hf_cache:
+        for model in scan_hf_cache():
+            merged[model.id] = model
     for directory in models_dirs:
         try:
             for model in scan_models_dir(directory):
@@ -139,7 +172,7 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
             problems.append(PresetProblem(
                 model.origin, "no model source: set 'model = /path/file.gguf' or "
                 "'hf-repo = owner/repo:QUANT'", model_id))
-        final[model_id] = replace(model, args=MappingProxyType(args))
+        final[model_id] = _with_cached_files(replace(model, args=MappingProxyType(args)))
         for alias in model.aliases:
             if alias in merged or alias in aliases:
                 owner = alias if alias in merged else aliases[alias]

@@ -20,12 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import httpx
 
+from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
@@ -45,6 +49,7 @@ FAILURE_LOG_LINES = 20
 STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the crash count
 BACKOFF_CAP_S = 30.0
 REAPER_INTERVAL_S = 1.0
+DOWNLOAD_EVENT_INTERVAL_S = 0.25
 
 
 def backoff_s(failures_in_row: int) -> float:
@@ -211,10 +216,8 @@ class Supervisor:
                 raise LoadFailed(
                     f"model '{runtime.id}' failed {runtime.failures_in_row} times in a row"
                     f"{last}; not restarting it. Fix the cause, then POST /models/load.")
-            if runtime.preset.model_path is None:
-                raise LoadFailed(
-                    f"model '{runtime.id}' is not downloaded (hf-repo = "
-                    f"{runtime.preset.hf_repo}); download it first")
+            if runtime.preset.model_path is None and runtime.preset.hf_repo is None:
+                raise LoadFailed(f"model '{runtime.id}' has no model file")
             runtime.load_on_demand = on_demand
             runtime.load_task = asyncio.create_task(self._load(runtime),
                                                     name=f"load:{runtime.id}")
@@ -233,6 +236,8 @@ class Supervisor:
         return runtime
 
     async def _load(self, runtime: ModelRuntime) -> None:
+        if runtime.preset.model_path is None:  # an hf-repo model not in the cache yet
+            await asyncio.shield(self.start_download(runtime))
         while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
             await self._wait_change()
         delay = (self._last_failure_at.get(runtime.id, 0.0) + backoff_s(runtime.failures_in_row)
@@ -362,10 +367,92 @@ class Supervisor:
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
 
+    # ----------------------------------------------------------------- downloading
+
+    def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
+        """Download an hf-repo model into the HF cache (one task per model, shared)."""
+        if runtime.download_task is None or runtime.download_task.done():
+            runtime.download_cancel = threading.Event()
+            runtime.download_task = asyncio.create_task(self._download(runtime),
+                                                        name=f"download:{runtime.id}")
+            runtime.download_task.add_done_callback(_consume_exception)
+        return runtime.download_task
+
+    async def _download(self, runtime: ModelRuntime) -> None:
+        preset = runtime.preset
+        assert preset.hf_repo is not None
+        loop = asyncio.get_running_loop()
+        last_event = 0.0
+
+        def on_progress(name: str, done: int, total: int | None) -> None:  # event loop
+            nonlocal last_event
+            runtime.download[name] = {"done": done, "total": total}
+            now = time.monotonic()
+            if now - last_event >= DOWNLOAD_EVENT_INTERVAL_S or done == total:
+                last_event = now
+                self.events.publish(runtime.id, "download_progress",
+                                    {"progress": dict(runtime.download)})
+
+        def progress(name: str, done: int, total: int | None) -> None:  # worker thread
+            loop.call_soon_threadsafe(on_progress, name, done, total)
+
+        runtime.download = {}
+        self._set_status(runtime, Status.DOWNLOADING)
+        log.info("downloading %s", preset.hf_repo, extra={"event": "download",
+                                                          "model": runtime.id})
+        try:
+            ref = HfRef.parse(preset.hf_repo)
+            resolution = await asyncio.to_thread(resolve_remote, ref, preset.args.get("hf-file"))
+            paths = await asyncio.to_thread(download, resolution, progress,
+                                            runtime.download_cancel.is_set)
+        except asyncio.CancelledError:
+            runtime.download_cancel.set()
+            self.events.publish(runtime.id, "download_failed", {"error": "cancelled"})
+            self._set_status(runtime, Status.UNLOADED, reason="cancelled")
+            raise
+        except Exception as exc:
+            message = f"download of {preset.hf_repo} failed: {exc}"
+            log.error("%s", message, extra={"event": "download_failed", "model": runtime.id})
+            self.events.publish(runtime.id, "download_failed", {"error": str(exc)})
+            if not isinstance(exc, DownloadCancelled):
+                self._record_failure(runtime, Failure(message, None, []), crashed_after=None)
+            self._set_status(runtime, Status.UNLOADED)
+            raise LoadFailed(f"model '{runtime.id}': {message}") from exc
+        args = {**preset.args, "model": str(paths[0])}
+        if resolution.mmproj is not None:
+            args["mmproj"] = str(paths[-1])
+        runtime.preset = replace(preset, args=MappingProxyType(args))
+        self._estimated.discard(runtime.id)
+        log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
+                                                       "model": runtime.id})
+        self.events.publish(runtime.id, "download_finished")
+        self._set_status(runtime, Status.UNLOADED)
+
+    def add_model(self, preset: ModelPreset) -> ModelRuntime:
+        """Add a model at run time (``POST /models``)."""
+        models = {**self.catalogue.models, preset.id: preset}
+        self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
+        runtime = ModelRuntime(preset, LogRing(self.settings.log_lines))
+        self.models[preset.id] = runtime
+        self.events.publish(preset.id, "model_status", {"status": runtime.status.value})
+        return runtime
+
+    def remove_model(self, runtime: ModelRuntime) -> None:
+        """Forget a model that is not running (``DELETE /models``)."""
+        models = {k: v for k, v in self.catalogue.models.items() if k != runtime.id}
+        self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
+        self._forget(runtime)
+
     # ----------------------------------------------------------------- stopping
 
     async def unload(self, name: str) -> ModelRuntime:
         runtime = self.resolve(name)
+        download = runtime.download_task
+        if download is not None and not download.done():
+            runtime.download_cancel.set()
+            download.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await download
         task = runtime.load_task
         if task is not None and not task.done():
             task.cancel()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,17 @@ from router.install import InstallError, find_llama_server
 from router.tinymodel import write_tiny_model
 
 TESTS = Path(__file__).parent
+
+# No test may reach the real Hugging Face Hub or see the developer's own HF cache: every test
+# (and every router it starts) gets an empty cache and an endpoint nothing listens on, unless
+# it points them at tests/fake_hub.py itself. huggingface-hub reads these at import time.
+_HF_HOME = tempfile.mkdtemp(prefix="llama-router-tests-hf-")
+os.environ["HF_HOME"] = _HF_HOME
+os.environ["HF_HUB_CACHE"] = os.path.join(_HF_HOME, "hub")
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.pop("HF_TOKEN", None)
 
 
 @pytest.fixture(scope="session")

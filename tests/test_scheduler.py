@@ -17,8 +17,9 @@ def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0
 
 
 def test_status_values_and_holds_process() -> None:
-    assert [s.value for s in Status] == ["unloaded", "loading", "loaded", "stopping"]
-    assert not U.holds_process
+    assert [s.value for s in Status] == ["unloaded", "downloading", "loading", "loaded",
+                                         "stopping"]
+    assert not U.holds_process and not Status.DOWNLOADING.holds_process
     assert LOADING.holds_process and L.holds_process and S.holds_process
     assert Admission(admit=True).evict == ()
 

@@ -1,0 +1,290 @@
+"""Hugging Face models: ``owner/repo[:QUANT]`` resolution, cache lookup, download with progress.
+
+Every Hub interaction goes through huggingface-hub (``HfApi.model_info``, ``hf_hub_download``,
+``scan_cache_dir``), so ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_TOKEN``, ``HF_ENDPOINT`` and
+``HF_HUB_OFFLINE`` behave as everywhere else, partial files resume, and a file is only visible
+in the cache once complete (huggingface-hub writes ``*.incomplete`` and renames).
+
+Resolution follows llama.cpp: the quant tag is matched case-insensitively at the end of the file
+name (before ``.gguf`` and any ``-0000k-of-0000N`` split suffix), default ``Q4_K_M``, else the
+first GGUF; a split model brings all its shards; an ``mmproj*.gguf`` in the same repo is the
+multimodal projector.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .memory import format_size
+
+DEFAULT_QUANT = "Q4_K_M"
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
+_TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SKIP_PREFIXES = ("mtp-", "eagle3-", "dflash-", "dspark-")
+
+
+class ResolveError(ValueError):
+    """The repo, quant or file does not exist (or the name is malformed)."""
+
+
+@dataclass(frozen=True)
+class HfRef:
+    repo: str
+    tag: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> HfRef:
+        repo, _, tag = text.strip().partition(":")
+        if not _REPO.match(repo):
+            raise ResolveError(f"{text!r} is not a Hugging Face model: use owner/repo[:QUANT]")
+        return cls(repo, tag.upper() or None)
+
+    def __str__(self) -> str:
+        return f"{self.repo}:{self.tag}" if self.tag else self.repo
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int | None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The concrete files of a model: ``model_files`` (shards in order) and an optional
+    projector."""
+
+    repo: str
+    tag: str
+    model_files: tuple[RemoteFile, ...]
+    mmproj: RemoteFile | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.repo}:{self.tag}"
+
+    @property
+    def files(self) -> tuple[RemoteFile, ...]:
+        return self.model_files + ((self.mmproj,) if self.mmproj else ())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size or 0 for f in self.files)
+
+
+def file_tag(name: str) -> str | None:
+    """``Qwen2-7B-Instruct-Q4_K_M-00001-of-00002.gguf`` → ``Q4_K_M`` (llama.cpp's rule)."""
+    stem = name.rsplit("/", 1)[-1].removesuffix(".gguf")
+    stem = _SPLIT.sub("", stem)
+    match = _TAG.search(stem)
+    return match.group(1).upper() if match else None
+
+
+def _is_model_file(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    return (base.endswith(".gguf") and "mmproj" not in base.lower()
+            and not base.startswith(_SKIP_PREFIXES))
+
+
+def choose_files(repo: str, names: Iterable[tuple[str, int | None]], tag: str | None,
+                 hf_file: str | None = None) -> Resolution:
+    """Pick the files of ``repo`` for ``tag`` (or ``hf_file``) from its file list (pure)."""
+    files = sorted((RemoteFile(n, s) for n, s in names), key=lambda f: f.name)
+    ggufs = [f for f in files if _is_model_file(f.name)]
+    if not ggufs:
+        raise ResolveError(f"repo {repo} has no GGUF model files")
+    if hf_file is not None:
+        chosen = [f for f in ggufs if f.name == hf_file]
+        if not chosen:
+            raise ResolveError(f"repo {repo} has no file {hf_file!r}; GGUF files: "
+                               + ", ".join(f.name for f in ggufs))
+    else:
+        wanted = tag or DEFAULT_QUANT
+        chosen = [f for f in ggufs if file_tag(f.name) == wanted]
+        if not chosen and tag is not None:
+            tags = sorted({t for f in ggufs if (t := file_tag(f.name))})
+            raise ResolveError(f"repo {repo} has no {tag} file; available quants: "
+                               + ", ".join(tags))
+        if not chosen:
+            chosen = [ggufs[0]]
+    first = chosen[0]
+    split = _SPLIT.search(first.name.removesuffix(".gguf"))
+    if split:
+        prefix = first.name.removesuffix(".gguf")[:split.start()]
+        shards = [f for f in ggufs if f.name.startswith(prefix + "-")
+                  and _SPLIT.search(f.name.removesuffix(".gguf"))]
+        count = int(split.group(2))
+        if len(shards) != count:
+            raise ResolveError(f"repo {repo}: {first.name} is 1 of {count} shards but only "
+                               f"{len(shards)} are in the repo")
+        model_files = tuple(shards)
+    else:
+        model_files = (first,)
+    projectors = [f for f in files if "mmproj" in f.name.rsplit("/", 1)[-1].lower()
+                  and f.name.endswith(".gguf")]
+    resolved_tag = file_tag(first.name) or (tag or DEFAULT_QUANT)
+    return Resolution(repo, resolved_tag, model_files, projectors[0] if projectors else None)
+
+
+# --------------------------------------------------------------------------- Hub and cache
+
+def hub_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_remote(ref: HfRef, hf_file: str | None = None) -> Resolution:
+    """Ask the Hub which files ``ref`` means; ResolveError if the repo/quant does not exist."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        info = HfApi().model_info(ref.repo, files_metadata=True)
+    except GatedRepoError as exc:
+        raise ResolveError(f"repo {ref.repo} is gated: accept its terms on the Hub and set "
+                           "HF_TOKEN") from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise ResolveError(f"repo {ref.repo} does not exist on the Hub (or is private: set "
+                           "HF_TOKEN)") from exc
+    except HfHubHTTPError as exc:
+        raise ResolveError(f"cannot query the Hub for {ref.repo}: {exc}") from exc
+    names = [(s.rfilename, s.size) for s in info.siblings or []]
+    return choose_files(ref.repo, names, ref.tag, hf_file)
+
+
+def _snapshot_files(repo: str, cache: Path) -> dict[str, Path]:
+    """Files of the newest cached snapshot of ``repo``: relative name → path."""
+    snapshots = cache / ("models--" + repo.replace("/", "--")) / "snapshots"
+    if not snapshots.is_dir():
+        return {}
+    newest = max(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None:
+        return {}
+    return {str(p.relative_to(newest)): p for p in newest.rglob("*.gguf") if p.is_file()}
+
+
+def resolve_cached(ref: HfRef, hf_file: str | None = None,
+                   cache: Path | None = None) -> tuple[Resolution, list[Path]] | None:
+    """The local files of ``ref`` if every one of them is complete in the cache, without
+    touching the network; else None."""
+    files = _snapshot_files(ref.repo, cache or hub_cache_dir())
+    if not files:
+        return None
+    try:
+        resolution = choose_files(ref.repo, [(n, p.stat().st_size) for n, p in files.items()],
+                                  ref.tag, hf_file)
+    except ResolveError:
+        return None
+    return resolution, [files[f.name] for f in resolution.files]
+
+
+def cached_models(cache: Path | None = None) -> list[tuple[str, list[Path], int]]:
+    """Every model in the HF cache as ``(repo:TAG, [model path, projector path?], bytes)``."""
+    root = cache or hub_cache_dir()
+    found: list[tuple[str, list[Path], int]] = []
+    if not root.is_dir():
+        return found
+    for repo_dir in sorted(root.glob("models--*--*")):
+        repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        files = _snapshot_files(repo, root)
+        tags = sorted({t for n in files if _is_model_file(n) and (t := file_tag(n))})
+        for tag in tags:
+            hit = resolve_cached(HfRef(repo, tag), cache=root)
+            if hit is not None:
+                resolution, paths = hit
+                found.append((resolution.id, paths, sum(p.stat().st_size for p in paths)))
+    return found
+
+
+ProgressCallback = Callable[[str, int, int | None], None]
+
+
+class DownloadCancelled(Exception):
+    pass
+
+
+def download(resolution: Resolution, progress: ProgressCallback,
+             cancelled: Callable[[], bool] = lambda: False) -> list[Path]:
+    """Download every file of ``resolution`` into the HF cache (blocking; run it in a thread).
+
+    Checks free disk space first. ``progress(file, done, total)`` is called as bytes arrive;
+    when ``cancelled()`` turns true the download stops with DownloadCancelled (huggingface-hub
+    never exposes a partial file).
+    """
+    from huggingface_hub import hf_hub_download
+
+    cache = hub_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    missing = sum(f.size or 0 for f in resolution.files
+                  if _cached_path(resolution.repo, f.name) is None)
+    free = shutil.disk_usage(cache).free
+    if missing > free:
+        raise ResolveError(f"not enough disk space in {cache} for {resolution.id}: needs "
+                           f"{format_size(missing)}, {format_size(free)} free")
+    paths: list[Path] = []
+    for remote in resolution.files:
+        reporter = _progress_class(remote, progress, cancelled, resolution.id)
+        path = hf_hub_download(resolution.repo, remote.name, tqdm_class=reporter)
+        progress(remote.name, remote.size or Path(path).stat().st_size, remote.size)
+        paths.append(Path(path))
+    return paths
+
+
+def _progress_class(remote: RemoteFile, progress: ProgressCallback,
+                    cancelled: Callable[[], bool], model_id: str) -> type[Any]:
+    """A silent tqdm that forwards byte counts to ``progress`` and aborts when cancelled."""
+    from tqdm.auto import tqdm
+
+    class Progress(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            self.done = 0
+            progress(remote.name, 0, remote.size)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if cancelled():
+                raise DownloadCancelled(f"download of {model_id} cancelled")
+            self.done += int(n or 0)
+            progress(remote.name, self.done, remote.size)
+            return None
+
+    return Progress
+
+
+def _cached_path(repo: str, filename: str) -> str | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename)
+    return found if isinstance(found, str) else None
+
+
+def delete_cached(paths: Iterable[Path], cache: Path | None = None) -> int:
+    """Delete cached files (snapshot links and their blobs) of one model; bytes freed.
+
+    Only paths inside the HF cache are touched; anything else raises ValueError.
+    """
+    root = (cache or hub_cache_dir()).resolve()
+    freed = 0
+    for path in paths:
+        blob = path.resolve()
+        for target in (path.absolute(), blob):
+            if not target.is_relative_to(root):
+                raise ValueError(f"{target} is outside the Hugging Face cache {root}")
+        if blob.exists():
+            freed += blob.stat().st_size
+            blob.unlink()
+        path.unlink(missing_ok=True)
+    return freed
