@@ -200,3 +200,45 @@ def test_download_survives_a_dropped_connection(tmp_path: Path, hub: FakeHub,
         assert len(files) == 1
         expected = hub.repos["test-org/tiny"].files["tiny-Q8_0.gguf"]
         assert files[0].read_bytes() == expected.read(0, expected.size)
+
+
+@pytest.mark.fake
+def test_pull_of_a_three_shard_model_and_an_mmproj_pair(tmp_path: Path, hub: FakeHub) -> None:
+    cache = tmp_path / "hf" / "hub"
+    for i in (1, 2, 3):
+        hub.add_file("test-org/big", f"big-Q8_0-0000{i}-of-00003.gguf", b"GGUF" + bytes(1000 * i))
+    hub.add_file("test-org/vision", "vision-Q4_K_M.gguf", b"GGUF" + bytes(500))
+    hub.add_file("test-org/vision", "mmproj-vision-f16.gguf", b"GGUF" + bytes(300))
+    env = {**os.environ, **hub_env(hub, cache)}
+    for model in ("test-org/big:Q8_0", "test-org/vision"):
+        pulled = subprocess.run([sys.executable, "-m", "router.cli", "pull", model],
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert pulled.returncode == 0, pulled.stderr
+    shards = sorted(p.name for p in cache.rglob("big-*.gguf"))
+    assert shards == [f"big-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    listed = json.loads(subprocess.run(
+        [sys.executable, "-m", "router.cli", "ls", "--cached", "--json"],
+        capture_output=True, text=True, timeout=60, env=env).stdout)
+    by_id = {m["id"]: m for m in listed}
+    assert set(by_id) == {"test-org/big:Q8_0", "test-org/vision:Q4_K_M"}
+    assert by_id["test-org/big:Q8_0"]["files"][0].endswith("-00001-of-00003.gguf")
+    assert by_id["test-org/big:Q8_0"]["bytes"] == 4 * 3 + 6000
+    vision = by_id["test-org/vision:Q4_K_M"]["files"]
+    assert vision[0].endswith("vision-Q4_K_M.gguf") and vision[1].endswith("mmproj-vision-f16.gguf")
+
+
+@pytest.mark.fake
+def test_pull_refuses_without_disk_space(tmp_path: Path, hub: FakeHub,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from router import downloads
+
+    resolution = choose_files("test-org/tiny", [("tiny-Q8_0.gguf", 10**12)], "Q8_0")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(downloads.shutil, "disk_usage",
+                        lambda path: usage._replace(free=10**9))
+    monkeypatch.setattr(downloads, "hub_cache_dir", lambda: tmp_path / "hub")
+    monkeypatch.setattr(downloads, "_cached_path", lambda repo, name: None)
+    with pytest.raises(ResolveError, match=r"needs 931\.3 GiB, 953\.7 MiB free"):
+        downloads.download(resolution, lambda *a: None)
