@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -122,3 +125,24 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
 def write_presets(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+class SSEClient(threading.Thread):
+    """Collects the router's ``/models/sse`` events in the background (``events``)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.events: list[dict[str, Any]] = []
+        self.connected = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=None) as client, \
+                client.stream("GET", self.url + "/models/sse") as response:
+            self.connected.set()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(json.loads(line[6:]))
+                if self.stop.is_set():
+                    return

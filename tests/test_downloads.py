@@ -7,15 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from fake_hub import FakeHub
-from support import start_router, wait_until, write_presets
+from support import SSEClient, start_router, wait_until, write_presets
 
 from router.downloads import HfRef, ResolveError, choose_files, file_tag
 
@@ -81,22 +78,6 @@ def hub_env(hub: FakeHub, cache: Path) -> dict[str, str]:
     return {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent)}
 
 
-class Events(threading.Thread):
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.events: list[dict[str, Any]] = []
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=None) as client, \
-                client.stream("GET", self.url + "/models/sse") as response:
-            self.ready.set()
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-
-
 CHAT = {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
 
 
@@ -110,9 +91,9 @@ def test_hf_repo_preset_downloads_on_first_request(tmp_path: Path, hub: FakeHub,
             router.client() as client:
         status = router.models()["tiny"]["status"]
         assert status["value"] == "unloaded" and status["downloaded"] is False
-        events = Events(router.url)
+        events = SSEClient(router.url)
         events.start()
-        assert events.ready.wait(10)
+        assert events.connected.wait(10)
         reply = client.post("/v1/chat/completions", json={"model": "tiny", **CHAT})
         assert reply.status_code == 200, reply.text
         kinds = [e["event"] for e in events.events if e["model"] == "tiny"]

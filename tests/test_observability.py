@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -10,13 +9,12 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import start_router, wait_until, write_presets
+from support import SSEClient, start_router, wait_until, write_presets
 
 pytestmark = pytest.mark.real
 
@@ -80,27 +78,6 @@ def test_a_child_that_does_not_answer_drops_out_of_the_scrape(tmp_path: Path,
             assert 'llamarouter_child_scrape_errors_total{model="b"} 1.0' in response.text
         finally:
             os.kill(frozen, signal.SIGCONT)
-
-
-class SSEClient(threading.Thread):
-    """Collects /models/sse events in the background."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.events: list[dict[str, Any]] = []
-        self.connected = threading.Event()
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=None) as client, \
-                client.stream("GET", self.url + "/models/sse") as response:
-            self.connected.set()
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-                if self.stop.is_set():
-                    return
 
 
 def test_sse_snapshot_then_transitions_in_order(tmp_path: Path, presets: Path) -> None:

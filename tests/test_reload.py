@@ -11,8 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import alive, start_router, wait_until
-from test_observability import SSEClient
+from support import SSEClient, alive, start_router, wait_until
 
 from router.tinymodel import write_tiny_model
 

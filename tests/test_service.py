@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,24 @@ from router.process import free_port
 pytestmark = pytest.mark.real
 
 
+@contextlib.contextmanager
+def serving(tmp_path: Path, presets: Path, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``llama-router serve`` as a service manager runs it: its own process, our signals."""
+    port = free_port()
+    with open(tmp_path / "router.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--presets",
+                                 str(presets), "--port", str(port)],
+                                env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_notify_ready_watchdog_stopping(tmp_path: Path, tiny_models: dict[str, Path],
                                         llama_server: Path) -> None:
     presets = write_presets(tmp_path / "svc.ini", f"[boot]\nmodel = {tiny_models['alpha']}\n"
@@ -28,22 +48,17 @@ def test_notify_ready_watchdog_stopping(tmp_path: Path, tiny_models: dict[str, P
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify_path))
     sock.settimeout(30)
-    port = free_port()
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000"}
-    log = open(tmp_path / "router.log", "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--presets",
-                             str(presets), "--port", str(port)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
+    env = {"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000"}
+    with serving(tmp_path, presets, env) as (proc, url), contextlib.closing(sock):
         messages: list[str] = []
         while not any("READY=1" in m for m in messages):
             messages.append(sock.recv(4096).decode())
         # READY only once the startup model answers.
-        status = httpx.get(f"http://127.0.0.1:{port}/models").json()["data"]
+        status = httpx.get(f"{url}/models").json()["data"]
         boot = next(m for m in status if m["id"] == "boot")
         assert boot["status"]["value"] == "loaded"
         assert "STATUS=serving" in messages[-1]
-        chat = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30, json={
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
             "model": "boot", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
         assert chat.status_code == 200
         watchdog = 0
@@ -56,25 +71,13 @@ def test_notify_ready_watchdog_stopping(tmp_path: Path, tiny_models: dict[str, P
             if "STOPPING=1" in message:
                 break
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        sock.close()
-        log.close()
 
 
 def test_sigterm_lets_a_stream_finish(tmp_path: Path, tiny_models: dict[str, Path],
                                       llama_server: Path) -> None:
     presets = write_presets(tmp_path / "svc.ini", f"[a]\nmodel = {tiny_models['alpha']}\n"
                             "ctx-size = 4096\nparallel = 1\n")
-    port = free_port()
-    log = open(tmp_path / "router.log", "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--presets",
-                             str(presets), "--port", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(tmp_path, presets) as (proc, url):
         assert wait_until(lambda: _healthy(url), 30)
         body = {"model": "a", "stream": True, "max_tokens": 2000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "x"}]}
@@ -91,23 +94,13 @@ def test_sigterm_lets_a_stream_finish(tmp_path: Path, tiny_models: dict[str, Pat
         assert proc.wait(30) == 0
         assert time.monotonic() - started < 30
         assert wait_until(lambda: not alive(child), 5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def test_second_signal_exits_at_once(tmp_path: Path, tiny_models: dict[str, Path],
                                      llama_server: Path) -> None:
     presets = write_presets(tmp_path / "svc.ini", f"[a]\nmodel = {tiny_models['alpha']}\n"
                             "ctx-size = 8192\nparallel = 1\n")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--presets",
-                             str(presets), "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(tmp_path, presets) as (proc, url):
         assert wait_until(lambda: _healthy(url), 30)
         body = {"model": "a", "stream": True, "max_tokens": 8000, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "x"}]}
@@ -122,10 +115,6 @@ def test_second_signal_exits_at_once(tmp_path: Path, tiny_models: dict[str, Path
             proc.wait(10)
             assert time.monotonic() - started < 5
         assert wait_until(lambda: not alive(child), 5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _healthy(url: str) -> bool:
