@@ -415,8 +415,9 @@ async def proxy(request: Request) -> Response:
     sup = state.supervisor
     body = await read_body(request, sup.settings.max_body_bytes)
     model: str | None = None
+    parsed: dict[str, Any] | None = None
     if request.method in ("POST", "PUT", "PATCH"):
-        model, _ = model_from_body(request.headers.get("content-type", ""), body)
+        model, parsed = model_from_body(request.headers.get("content-type", ""), body)
     model = model or request.query_params.get("model")
     if not model:
         if request.method == "GET" and request.url.path not in CHILD_GET_PATHS:
@@ -440,8 +441,12 @@ async def proxy(request: Request) -> Response:
         url = lease.child.base_url + request.url.path
         if request.url.query:
             url += "?" + request.url.query
-        upstream = await open_upstream(state.client, request.method, url,
-                                       upstream_headers(request.headers.raw), body)
+        headers = upstream_headers(request.headers.raw)
+        if parsed is not None and parsed.get("stream") is True:
+            # llama-server closes the connection after a streamed response although it
+            # announced keep-alive; never return such a connection to the pool.
+            headers.append((b"connection", b"close"))
+        upstream = await open_upstream(state.client, request.method, url, headers, body)
     except BaseException:
         lease.release()
         raise

@@ -180,7 +180,9 @@ class ChildProcess:
         url = self.base_url + "/health"
         while True:
             try:
-                response = await self._client.get(url, timeout=2.0)
+                # No keep-alive: an idle pooled connection makes llama-server slow to exit.
+                response = await self._client.get(url, timeout=2.0,
+                                                  headers={"connection": "close"})
                 if response.status_code == 200:
                     return
             except httpx.TransportError:

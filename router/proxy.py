@@ -36,12 +36,24 @@ def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
 
 async def open_upstream(client: httpx.AsyncClient, method: str, url: str,
                         headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
-    """Send the request and return once the child's response headers arrive."""
-    request = client.build_request(method, url, headers=headers, content=body)
-    try:
-        return await client.send(request, stream=True)
-    except httpx.TransportError as exc:
-        raise UpstreamError(f"could not reach the model's llama-server: {exc!r}") from exc
+    """Send the request and return once the child's response headers arrive.
+
+    A pooled keep-alive connection that the child already closed fails with "disconnected
+    without sending a response" before the request was processed; that case is retried once
+    on a fresh connection.
+    """
+    for attempt in (1, 2):
+        request = client.build_request(method, url, headers=headers, content=body)
+        try:
+            return await client.send(request, stream=True)
+        except httpx.RemoteProtocolError as exc:
+            if attempt == 1 and "without sending a response" in str(exc):
+                continue
+            raise UpstreamError(f"the model's llama-server dropped the request: {exc!r}") \
+                from exc
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"could not reach the model's llama-server: {exc!r}") from exc
+    raise AssertionError("unreachable")
 
 
 class StreamedResponse:

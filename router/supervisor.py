@@ -361,7 +361,8 @@ class Supervisor:
 
     async def _fetch_info(self, child: ChildProcess) -> dict[str, Any] | None:
         try:
-            response = await self._client.get(child.base_url + "/v1/models", timeout=5.0)
+            response = await self._client.get(child.base_url + "/v1/models", timeout=5.0,
+                                              headers={"connection": "close"})
             data = response.json().get("data") or []
             return dict(data[0]) if data else None
         except (httpx.HTTPError, ValueError, AttributeError):

@@ -223,3 +223,18 @@ def test_pull_refuses_without_disk_space(tmp_path: Path, hub: FakeHub,
     monkeypatch.setattr(downloads, "_cached_path", lambda repo, name: None)
     with pytest.raises(ResolveError, match=r"needs 931\.3 GiB, 953\.7 MiB free"):
         downloads.download(resolution, lambda *a: None)
+
+
+@pytest.mark.real
+def test_a_downloaded_mmproj_is_passed_to_the_child(tmp_path: Path, hub: FakeHub,
+                                                    llama_server: Path) -> None:
+    cache = tmp_path / "hf" / "hub"
+    hub.add_file("test-org/vision", "vision-Q4_K_M.gguf", b"GGUF" + bytes(500))
+    hub.add_file("test-org/vision", "mmproj-vision-f16.gguf", b"GGUF" + bytes(300))
+    with start_router(tmp_path, env=hub_env(hub, cache)) as router, router.client() as client:
+        assert client.post("/models", json={"model": "test-org/vision"}).status_code == 200
+        assert wait_until(lambda: "downloaded" not in
+                          router.models()["test-org/vision:Q4_K_M"]["status"], 30)
+        args = router.models()["test-org/vision:Q4_K_M"]["status"]["args"]
+        assert Path(args[args.index("--model") + 1]).name == "vision-Q4_K_M.gguf"
+        assert Path(args[args.index("--mmproj") + 1]).name == "mmproj-vision-f16.gguf"

@@ -338,3 +338,18 @@ def test_children_are_in_their_own_process_group(tmp_path: Path, presets: Path) 
         assert os.getpgid(child.pid) == child.pid
         assert os.getpgid(child.pid) != os.getpgid(router.proc.pid)
         assert psutil.Process(child.pid).ppid() == router.proc.pid
+
+
+def test_requests_after_streams_never_get_a_dead_connection(tmp_path: Path,
+                                                            presets: Path) -> None:
+    # llama-server closes the connection after each streamed response; the router must not
+    # hand that connection to the next request (that showed as sporadic 502s).
+    stream = {"model": "alpha", "stream": True, "max_tokens": 3,
+              "messages": [{"role": "user", "content": "x"}]}
+    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+        statuses = []
+        for _ in range(60):
+            statuses.append(client.post("/v1/chat/completions", json=stream).status_code)
+            statuses.append(client.post("/tokenize", json={"model": "alpha",
+                                                           "content": "hi"}).status_code)
+        assert statuses == [200] * 120
