@@ -50,5 +50,10 @@ test: lint llama-server
 test-fast: venv
 	$(BIN)/python -m pytest -m 'not real'
 
+# Direct llama-server vs llama.cpp's router vs llama-router on this machine (docs/benchmarks.md).
+# Uses wrk for the throughput phase when installed (apt-get install wrk).
+bench: llama-server
+	$(BIN)/python -m router.bench --out bench-results/bench.json
+
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,41 @@
+"""Smoke test of the benchmark harness (``python -m router.bench --quick``): it runs end to end
+against the real llama-server and reports every metric for all three targets. No timing
+assertions: the numbers depend on the machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.bench import COLUMNS
+
+pytestmark = pytest.mark.real
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "router.bench", "--quick", "--workdir", str(tmp_path / "work"),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+
+    assert set(report["columns"]) == set(COLUMNS)
+    assert report["leftover_processes"] == []
+    measured = {k: m for k, m in report["metrics"].items() if m["unit"] != "count"}
+    assert {"tokenize_p50_ms", "ttft_p50_ms", "chat_p50_ms", "tokenize_rps",
+            "cold_vs_healthy_ms", "swap_ms", "rss_idle_mb", "models_p50_ms"} <= set(measured)
+    for key, metric in measured.items():
+        for column in COLUMNS:
+            value = metric[column]
+            assert isinstance(value, int | float) and value > 0, (key, column, value)
+    assert len(report["targets"]) == 6
+    assert all(isinstance(t["met"], bool) for t in report["targets"].values())
+    assert "| metric" in result.stdout
