@@ -446,7 +446,8 @@ async def proxy(request: Request) -> Response:
             # llama-server closes the connection after a streamed response although it
             # announced keep-alive; never return such a connection to the pool.
             headers.append((b"connection", b"close"))
-        upstream = await open_upstream(state.client, request.method, url, headers, body)
+        upstream = await open_upstream(lease.child.proxy_client, request.method, url, headers,
+                                       body)
     except BaseException:
         lease.release()
         raise

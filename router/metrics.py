@@ -100,7 +100,8 @@ class RouterMetrics:
     async def _scrape(self, client: httpx.AsyncClient, labels: dict[str, str],
                       base_url: str) -> tuple[dict[str, str], str | None]:
         try:
-            response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
+            response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S,
+                                        headers={"connection": "close"})
             response.raise_for_status()
             return labels, response.text
         except httpx.HTTPError:

@@ -182,6 +182,8 @@ class Supervisor:
         replica.in_flight -= 1
         runtime.in_flight -= 1
         runtime.last_used = time.monotonic()
+        if replica.in_flight == 0 and replica not in runtime.replicas:
+            self._close_pool_later(replica)
         if runtime.in_flight == 0:
             if runtime.stop_when_idle is not None:
                 self._begin_stop(runtime, runtime.stop_when_idle)
@@ -511,11 +513,17 @@ class Supervisor:
                   extra={"event": "crashed", "model": runtime.id, "pid": replica.child.pid,
                          "exit_code": code})
         await replica.child.stop(0)  # reap the group
+        if replica.in_flight == 0:  # else the last request to finish closes it
+            self._close_pool_later(replica)
         if not runtime.replicas:
             runtime.info = None
             runtime.loaded_at = None
             runtime.draining = False
             self._set_status(runtime, Status.UNLOADED)
+
+    def _close_pool_later(self, replica: Replica) -> None:
+        task = asyncio.create_task(replica.child.close_pool())
+        task.add_done_callback(_consume_exception)
 
     def _record_failure(self, runtime: ModelRuntime, failure: Failure,
                         crashed_after: float | None) -> None:

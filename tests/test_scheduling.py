@@ -107,7 +107,10 @@ def _stream_until_killed(router_url: str, model: str, kill: Any) -> bytes:
 
 def test_kill_9_during_a_stream_and_crash_loop(tmp_path: Path, tiny_models: dict[str, Path],
                                                llama_server: Path) -> None:
-    presets = presets_for(tmp_path, tiny_models)
+    # A long context, so the stream is still running when the child is killed.
+    long_context = write_tiny_model(tmp_path / "long.gguf", seed=9, n_ctx_train=32768)
+    presets = presets_for(tmp_path, {**tiny_models, "alpha": long_context},
+                          {"alpha": "ctx-size = 8192\nparallel = 1\n"})
     with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
         for _ in range(5):
             assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
