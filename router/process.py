@@ -129,7 +129,8 @@ class ChildProcess:
             self._proxy_client = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                     keepalive_expiry=4.0),
-                timeout=httpx.Timeout(None, connect=10.0), trust_env=False)
+                timeout=httpx.Timeout(None, connect=10.0), trust_env=False,
+                verify=False)  # plain HTTP on 127.0.0.1: skip loading CA certificates (35 ms)
         return self._proxy_client
 
     async def close_pool(self) -> None:

@@ -86,7 +86,8 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
                               keepalive_expiry=30.0)
         timeout = httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
+                                     verify=False) as client:  # children: plain HTTP
             events = EventBus()
             supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
                                     prepared.binary, client, events)
