@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -573,7 +573,3 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
     app.add_middleware(RequestMetricsMiddleware, metrics=current_metrics)
     return app
 
-
-@contextlib.asynccontextmanager
-async def no_lifespan(app: Starlette) -> AsyncIterator[None]:
-    yield
