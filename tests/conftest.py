@@ -44,5 +44,10 @@ def llama_server() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("models")
-    return {name: write_tiny_model(directory / f"{name}.gguf", seed=seed, name=name)
-            for seed, name in enumerate(["alpha", "beta", "gamma", "embed"], start=1)}
+    models = {name: write_tiny_model(directory / f"{name}.gguf", seed=seed, name=name)
+              for seed, name in enumerate(["alpha", "beta", "gamma", "embed"], start=1)}
+    # A 32k training context: streams long enough to still be running when a test acts on
+    # them, even on a fast machine (the model writes about 16k tokens/s).
+    models["long"] = write_tiny_model(directory / "long.gguf", seed=9, name="long",
+                                      n_ctx_train=32768)
+    return models

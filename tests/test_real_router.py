@@ -24,6 +24,7 @@ def presets_for(tmp_path: Path, models: dict[str, Path], extra: str = "") -> Pat
     for name in ("alpha", "beta", "gamma"):
         text += f"[{name}]\nmodel = {models[name]}\n"
     text += f"[embed]\nmodel = {models['embed']}\nembeddings = true\npooling = mean\n"
+    text += f"[long]\nmodel = {models['long']}\nctx-size = 8192\nparallel = 1\n"
     return write_presets(tmp_path / "models.ini", text)
 
 
@@ -87,7 +88,7 @@ def _normalise(event: dict[str, object] | str) -> dict[str, object] | str:
 
 def test_stream_is_incremental_and_identical_to_the_child(tmp_path: Path,
                                                           presets: Path) -> None:
-    request = {"model": "alpha", "stream": True, "max_tokens": 1500, "ignore_eos": True,
+    request = {"model": "long", "stream": True, "max_tokens": 8000, "ignore_eos": True,
                "temperature": 0, "seed": 1,
                "messages": [{"role": "user", "content": "Tell me a story"}]}
     with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
@@ -99,9 +100,9 @@ def test_stream_is_incremental_and_identical_to_the_child(tmp_path: Path,
             first = read_until_generating(chunks)
             assert first.startswith(b"data: ")
             # The child is still generating while the client already holds the first chunk.
-            assert wait_until(lambda: child_busy(client, "alpha"), timeout=5.0)
+            assert wait_until(lambda: child_busy(client, "long"), timeout=5.0)
             via_router = first + b"".join(chunks)
-        port = router.models()["alpha"]["status"]["port"]
+        port = router.models()["long"]["status"]["port"]
         direct = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=request,
                             timeout=60).content
     routed_events, direct_events = _events(via_router), _events(direct)
@@ -111,19 +112,19 @@ def test_stream_is_incremental_and_identical_to_the_child(tmp_path: Path,
 
 
 def test_client_disconnect_frees_the_slot(tmp_path: Path, presets: Path) -> None:
-    request = {"model": "alpha", "stream": True, "max_tokens": 3000, "ignore_eos": True,
+    request = {"model": "long", "stream": True, "max_tokens": 8000, "ignore_eos": True,
                "messages": [{"role": "user", "content": "Go on"}]}
     with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
         with client.stream("POST", "/v1/chat/completions", json=request) as response:
             chunks = response.iter_raw()  # keep a reference: a dropped iterator closes it
             first = read_until_generating(chunks)
             assert first.startswith(b"data: ")
-            assert wait_until(lambda: child_busy(client, "alpha"), timeout=5.0)
+            assert wait_until(lambda: child_busy(client, "long"), timeout=5.0)
         disconnected = time.monotonic()
 
-        assert wait_until(lambda: not child_busy(client, "alpha"), timeout=5.0)
+        assert wait_until(lambda: not child_busy(client, "long"), timeout=5.0)
         assert time.monotonic() - disconnected < 1.0
-        assert router.models()["alpha"]["status"]["in_flight"] == 0
+        assert router.models()["long"]["status"]["in_flight"] == 0
 
 
 def test_openai_sdk(tmp_path: Path, presets: Path) -> None:

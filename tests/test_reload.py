@@ -13,8 +13,6 @@ import httpx
 import pytest
 from support import SSEClient, alive, start_router, wait_until
 
-from router.tinymodel import write_tiny_model
-
 pytestmark = pytest.mark.real
 
 
@@ -36,11 +34,8 @@ def save_atomically(path: Path, text: str) -> None:
 
 
 @pytest.fixture
-def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path],
-           llama_server: Path) -> dict[str, Path]:
-    long = write_tiny_model(tmp_path_factory.mktemp("long") / "long.gguf", seed=7,
-                            n_ctx_train=32768)
-    return {**tiny_models, "long": long}
+def models(tiny_models: dict[str, Path], llama_server: Path) -> dict[str, Path]:
+    return tiny_models
 
 
 class Stream(threading.Thread):
@@ -54,7 +49,7 @@ class Stream(threading.Thread):
         self.status = 0
 
     def run(self) -> None:
-        request: dict[str, Any] = {"model": self.model, "stream": True, "max_tokens": 5000,
+        request: dict[str, Any] = {"model": self.model, "stream": True, "max_tokens": 8000,
                                    "ignore_eos": True,
                                    "messages": [{"role": "user", "content": "x"}]}
         with httpx.Client(timeout=120) as client, \

@@ -15,7 +15,6 @@ import pytest
 from support import alive, start_router, wait_until, write_presets
 
 from router.memory import estimate_for_args
-from router.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.real
 
@@ -69,13 +68,12 @@ def test_alternating_requests_under_models_max_1_do_not_thrash(
 
 def test_wait_budget_runs_out_while_a_busy_model_holds_the_slot(
         tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
-    long_context = write_tiny_model(tmp_path / "long.gguf", seed=9, n_ctx_train=32768)
-    models = {**tiny_models, "alpha": long_context}
+    models = {**tiny_models, "alpha": tiny_models["long"]}
     presets = presets_for(tmp_path, models, {"alpha": "ctx-size = 8192\nparallel = 1\n",
                                              "beta": "wait-budget = 1\n"})
     with start_router(tmp_path, "--presets", str(presets), "--models-max", "1",
                       "--fairness", "60") as router, router.client() as client:
-        long = {**chat("alpha", 6000), "stream": True, "ignore_eos": True}
+        long = {**chat("alpha", 8000), "stream": True, "ignore_eos": True}
         with client.stream("POST", "/v1/chat/completions", json=long) as stream:
             chunks = stream.iter_raw()
             next(chunks)
@@ -93,7 +91,7 @@ def test_wait_budget_runs_out_while_a_busy_model_holds_the_slot(
 
 
 def _stream_until_killed(router_url: str, model: str, kill: Any) -> bytes:
-    body = {**chat(model, 3000), "stream": True, "ignore_eos": True}
+    body = {**chat(model, 8000), "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=router_url, timeout=60) as client, \
             client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
@@ -108,8 +106,7 @@ def _stream_until_killed(router_url: str, model: str, kill: Any) -> bytes:
 def test_kill_9_during_a_stream_and_crash_loop(tmp_path: Path, tiny_models: dict[str, Path],
                                                llama_server: Path) -> None:
     # A long context, so the stream is still running when the child is killed.
-    long_context = write_tiny_model(tmp_path / "long.gguf", seed=9, n_ctx_train=32768)
-    presets = presets_for(tmp_path, {**tiny_models, "alpha": long_context},
+    presets = presets_for(tmp_path, {**tiny_models, "alpha": tiny_models["long"]},
                           {"alpha": "ctx-size = 8192\nparallel = 1\n"})
     with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
         for _ in range(5):

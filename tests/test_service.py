@@ -98,7 +98,7 @@ def test_sigterm_lets_a_stream_finish(tmp_path: Path, tiny_models: dict[str, Pat
 
 def test_second_signal_exits_at_once(tmp_path: Path, tiny_models: dict[str, Path],
                                      llama_server: Path) -> None:
-    presets = write_presets(tmp_path / "svc.ini", f"[a]\nmodel = {tiny_models['alpha']}\n"
+    presets = write_presets(tmp_path / "svc.ini", f"[a]\nmodel = {tiny_models['long']}\n"
                             "ctx-size = 8192\nparallel = 1\n")
     with serving(tmp_path, presets) as (proc, url):
         assert wait_until(lambda: _healthy(url), 30)
