@@ -75,14 +75,15 @@ class Reloader:
             self._fingerprint = fingerprint
             self.notify("RELOADING=1")
             try:
-                return self._apply(trigger)
+                return await self._apply(trigger)
             finally:
                 self.notify("READY=1")
 
-    def _apply(self, trigger: str) -> dict[str, Any]:
-        try:
-            catalogue = build_catalogue(self.settings.presets, self.settings.models_dir,
-                                        self.table, self.overrides)
+    async def _apply(self, trigger: str) -> dict[str, Any]:
+        try:  # file reads and the HF cache scan stay off the event loop
+            catalogue = await asyncio.to_thread(build_catalogue, self.settings.presets,
+                                                self.settings.models_dir, self.table,
+                                                self.overrides)
         except PresetsInvalid as exc:
             self.error = [str(p) for p in exc.problems]
             for problem in self.error:

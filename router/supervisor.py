@@ -96,12 +96,14 @@ class Supervisor:
             argv += option.render(value)
         return argv
 
-    def estimate(self, runtime: ModelRuntime) -> int:
-        """Bytes the model is expected to need while loaded (all replicas); 0 if unknown."""
+    async def estimate(self, runtime: ModelRuntime) -> int:
+        """Bytes the model is expected to need while loaded (all replicas); 0 if unknown.
+        Read from the GGUF header once, in a thread (the first read imports gguf/numpy)."""
         if runtime.id not in self._estimated and runtime.preset.model_path is not None:
             self._estimated.add(runtime.id)
             try:
-                one = estimate_for_args(runtime.preset.model_path, runtime.preset.args)
+                one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
+                                              runtime.preset.args)
                 runtime.estimate = one.total_bytes * runtime.preset.replicas
             except (OSError, ValueError) as exc:
                 log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
@@ -115,7 +117,7 @@ class Supervisor:
     def _memory_held(self, runtime: ModelRuntime) -> int:
         """What a model holding processes counts against the budget: the larger of its
         estimate and its measured resident memory."""
-        return max(self.estimate(runtime), self.measured(runtime) or 0)
+        return max(runtime.estimate, self.measured(runtime) or 0)
 
     @property
     def total_waiting(self) -> int:
@@ -310,6 +312,7 @@ class Supervisor:
 
     async def _admit(self, runtime: ModelRuntime) -> None:
         """Queue FIFO for admission; when at the head, make room as the planner says."""
+        target_memory = await self.estimate(runtime)
         runtime.queued_since = time.monotonic()
         self._admissions.append(runtime)
         self.events.publish(runtime.id, "queued", {
@@ -325,7 +328,7 @@ class Supervisor:
                         [m.snapshot(self._memory_held(m) if m.status.holds_process else 0)
                          for m in self.models.values()],
                         runtime.id, self.settings.models_max,
-                        target_memory=self.estimate(runtime), memory_budget=self.memory_budget,
+                        target_memory=target_memory, memory_budget=self.memory_budget,
                         waited_s=waited, fairness_s=self.settings.fairness)
                     if plan.refuse is not None:
                         raise LoadFailed(self._never_fits_message(runtime))
@@ -348,7 +351,7 @@ class Supervisor:
     def _never_fits_message(self, runtime: ModelRuntime) -> str:
         assert self.memory_budget is not None
         return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
-                f"{format_size(self.estimate(runtime))} but the memory budget is "
+                f"{format_size(runtime.estimate)} but the memory budget is "
                 f"{format_size(self.memory_budget)} (--memory-budget)")
 
     def _drain(self, runtime: ModelRuntime, waiting_for: str) -> None:
