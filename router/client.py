@@ -140,26 +140,27 @@ def cmd_ps(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _report(result: Any, human: str, args: argparse.Namespace, out: TextIO) -> int:
+    """Print ``result`` as JSON with ``--json``, else the ``human`` line."""
+    if args.json:
+        json.dump(result, out)
+        out.write("\n")
+    else:
+        out.write(human + "\n")
+    return 0
+
+
 def cmd_load(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
     started = time.monotonic()
     result = _check(client.post("/models/load", params={"wait": "true"},
                                 json={"model": args.model}))
-    if args.json:
-        json.dump(result, out)
-        out.write("\n")
-    else:
-        out.write(f"{args.model}: loaded in {time.monotonic() - started:.2f} s\n")
-    return 0
+    return _report(result, f"{args.model}: loaded in {time.monotonic() - started:.2f} s",
+                   args, out)
 
 
 def cmd_unload(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
     result = _check(client.post("/models/unload", json={"model": args.model}))
-    if args.json:
-        json.dump(result, out)
-        out.write("\n")
-    else:
-        out.write(f"{args.model}: unloaded\n")
-    return 0
+    return _report(result, f"{args.model}: unloaded", args, out)
 
 
 def _sse(client: httpx.Client, path: str, params: dict[str, str]) -> Iterator[str]:
