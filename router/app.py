@@ -122,7 +122,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     child = runtime.child
     status: dict[str, Any] = {
         "value": runtime.status.value,
-        "args": child.argv if child else supervisor.child_argv(preset, 0),
+        "args": child.argv if child else supervisor.display_argv(preset),
         "in_flight": runtime.in_flight,
         "waiting": runtime.waiting,
     }

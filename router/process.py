@@ -39,6 +39,7 @@ PR_SET_PDEATHSIG = 1
 SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
                               "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE"})
 SECRET_ENV_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
+_LISTENING_MARKER = "listening on http"
 _BIND_FAILURE_MARKERS = ("couldn't bind", "address already in use", "failed to bind")
 
 
@@ -104,6 +105,7 @@ class ChildProcess:
         self._client = client
         self._env = env if env is not None else child_environment()
         self._proc: asyncio.subprocess.Process | None = None
+        self._listening = asyncio.Event()  # the child said it is listening: poll now
         self._proxy_client: httpx.AsyncClient | None = None
         self._reader: asyncio.Task[None] | None = None
         self.started_at: float | None = None
@@ -163,6 +165,8 @@ class ChildProcess:
             line = raw.decode("utf-8", "replace").rstrip()
             self.logs.append(line)
             output_log.log(_level_of(line), "%s%s", prefix, line)
+            if _LISTENING_MARKER in line:
+                self._listening.set()
 
     async def wait_exit(self) -> int:
         """Wait for the process to exit and its output to be drained; the exit code."""
@@ -207,7 +211,9 @@ class ChildProcess:
                     return
             except httpx.TransportError:
                 pass
-            await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+            # Poll again after the interval, or at once when the child logs that it listens.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._listening.wait(), HEALTH_POLL_INTERVAL_S)
 
     async def stop(self, timeout: float) -> int | None:
         """SIGTERM the group, SIGKILL after ``timeout``, reap. Returns the exit code."""

@@ -75,6 +75,7 @@ class Supervisor:
         self._estimated: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._last_failure_at: dict[str, float] = {}
+        self._argv_cache: dict[str, tuple[ModelPreset, list[str]]] = {}
 
     # ----------------------------------------------------------------- lookups
 
@@ -83,6 +84,14 @@ class Supervisor:
         if model_id is None:
             raise ModelNotFound(name, self.catalogue.close_matches(name))
         return self.models[model_id]
+
+    def display_argv(self, preset: ModelPreset) -> list[str]:
+        """The argv a model would start with (port 0), cached per preset for ``/models``."""
+        cached = self._argv_cache.get(preset.id)
+        if cached is None or cached[0] is not preset:
+            cached = (preset, self.child_argv(preset, 0))
+            self._argv_cache[preset.id] = cached
+        return cached[1]
 
     def child_argv(self, preset: ModelPreset, port: int) -> list[str]:
         argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
