@@ -211,9 +211,12 @@ class ChildProcess:
                     return
             except httpx.TransportError:
                 pass
-            # Poll again after the interval, or at once when the child logs that it listens.
+            # Poll again after the interval, or at once when the child logs that it listens
+            # (once: the event is cleared so a child that never turns healthy is not polled
+            # in a busy loop).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._listening.wait(), HEALTH_POLL_INTERVAL_S)
+            self._listening.clear()
 
     async def stop(self, timeout: float) -> int | None:
         """SIGTERM the group, SIGKILL after ``timeout``, reap. Returns the exit code."""

@@ -163,7 +163,9 @@ def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Pa
 
 def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict[str, Path],
                                                llama_server: Path) -> None:
-    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\n"},
+    # One thread each: two replicas with llama.cpp's default thread count oversubscribe a
+    # 2-core machine, and ggml's spinning threads then crawl (3 tokens/s).
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\nthreads = 1\n"},
                           names=("alpha",))
     with start_router(tmp_path, "--presets", str(presets)) as router:
         bodies = [{**chat("alpha", 200), "stream": True, "ignore_eos": True}
