@@ -423,9 +423,7 @@ async def proxy(request: Request) -> Response:
         if request.method == "GET" and request.url.path not in CHILD_GET_PATHS:
             raise NotFound("File Not Found")
         raise ModelMissing()
-    budget = _budget(request)
-    if budget is not None:
-        budget = min(budget, sup.settings.wait_budget)
+    budget = _budget(request)  # the supervisor caps it by the model's own wait budget
     runtime = sup.resolve(model)
     request.state.model = runtime.preset.id
     autoload = _autoload(request, sup.settings.models_autoload)
