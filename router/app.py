@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,14 +30,23 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
-from .errors import BadRequest, ModelMissing, NotFound, RouterError, envelope, envelope_bytes
+from .errors import (
+    BadRequest,
+    ClientGone,
+    MethodNotAllowed,
+    ModelMissing,
+    NotFound,
+    RouterError,
+    envelope,
+    envelope_bytes,
+)
 from .events import EventBus
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .presets import ModelPreset
-from .proxy import StreamedResponse, open_upstream, upstream_headers
+from .proxy import relay, upstream_headers
 from .reload import Reloader
-from .requests import model_from_body, read_body
+from .requests import header, model_from_body, read_body
 from .runtime import Lease, ModelRuntime
 from .scheduler import Status
 from .supervisor import Supervisor
@@ -58,7 +68,14 @@ KNOWN_ENDPOINTS = frozenset({
     "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking",
     "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
     "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions"})
-WAIT_BUDGET_HEADER = "x-wait-budget"
+WAIT_BUDGET_HEADER = b"x-wait-budget"
+NO_PARAMS = QueryParams("")
+# Paths the router answers itself; every other path is proxied. /props and /metrics with
+# ?model= are the model's own, and proxied too.
+LOCAL_PATHS = frozenset({
+    "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
+    "/models/unload", "/models/reload", "/models/sse", "/metrics", "/logs", "/logs/stream"})
+MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})
 
 
 class State:
@@ -103,8 +120,6 @@ async def health(request: Request) -> Response:
 
 
 async def props(request: Request) -> Response:
-    if request.query_params.get("model"):
-        return await proxy(request)
     state = _state(request)
     settings = state.supervisor.settings
     return JSONResponse({
@@ -174,7 +189,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def _model_from_json(request: Request) -> str:
-    body = await read_body(request, 1 << 20)
+    body = await read_body(request.scope, request.receive, 1 << 20)
     model, _ = model_from_body(request.headers.get("content-type", ""), body)
     if not model:
         raise ModelMissing()
@@ -304,8 +319,6 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def metrics(request: Request) -> Response:
-    if request.query_params.get("model"):
-        return await proxy(request)
     state = _state(request)
     body = await state.metrics.exposition(state.supervisor, state.client)
     return Response(body, media_type=CONTENT_TYPE)
@@ -361,13 +374,6 @@ class LogStream:
 
 # --------------------------------------------------------------------------- proxy
 
-class ClientGone(RouterError):
-    """The client disconnected while waiting for its model (never sent: nobody listens)."""
-
-    status = 499
-    type = "client_closed_request"
-
-
 async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
                                        receive: Receive) -> Lease:
     """Wait for a lease, but leave the queue at once if the client goes away."""
@@ -389,67 +395,100 @@ async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
     return acquire_task.result()
 
 
-def _autoload(request: Request, default: bool) -> bool:
-    value = request.query_params.get("autoload")
+def _autoload(params: QueryParams, default: bool) -> bool:
+    value = params.get("autoload")
     if value is None or value == "":
         return default
     return value.lower() in ("1", "true")
 
 
-def _budget(request: Request) -> float | None:
-    raw = request.headers.get(WAIT_BUDGET_HEADER)
+def _budget(scope: Scope) -> float | None:
+    raw = header(scope, WAIT_BUDGET_HEADER)
     if raw is None:
         return None
     try:
         value = float(raw)
     except ValueError:
-        raise BadRequest(f"{WAIT_BUDGET_HEADER} must be a number of seconds, got {raw!r}") \
-            from None
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a number of seconds, "
+                         f"got {raw.decode('latin-1')!r}") from None
     if value <= 0:
-        raise BadRequest(f"{WAIT_BUDGET_HEADER} must be positive")
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be positive")
     return value
 
 
-async def proxy(request: Request) -> Response:
-    state = _state(request)
+def _target(scope: Scope) -> bytes:
+    """The request target as the client sent it (percent-encoding kept)."""
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope["query_string"]
+    target = path + b"?" + query if query else path
+    if not target.startswith(b"/") or any(c in target for c in (b" ", b"\r", b"\n")):
+        raise BadRequest("malformed request target")
+    return target
+
+
+async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
+    """Every request the router does not answer itself goes to the child serving its model.
+
+    Plain ASGI, no Starlette request object: this is the hot path. The model comes from the
+    JSON body's ``model``, a multipart ``model`` field, or ``?model=``.
+    """
+    try:
+        await _forward(scope, receive, send)
+    except RouterError as exc:
+        await _send_json(send, exc.status, exc.envelope(), exc.headers)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+        await _send_json(send, 500, envelope(500, f"internal error: {type(exc).__name__}"))
+
+
+async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
+    state: State = scope["app"].state.router
     sup = state.supervisor
-    body = await read_body(request, sup.settings.max_body_bytes)
+    method: str = scope["method"]
+    if method not in METHODS:
+        raise MethodNotAllowed(f"method {method} is not allowed")
+    body = await read_body(scope, receive, sup.settings.max_body_bytes)
     model: str | None = None
     parsed: dict[str, Any] | None = None
-    if request.method in ("POST", "PUT", "PATCH"):
-        model, parsed = model_from_body(request.headers.get("content-type", ""), body)
-    model = model or request.query_params.get("model")
+    if method in ("POST", "PUT", "PATCH"):
+        content_type = header(scope, b"content-type") or b""
+        model, parsed = model_from_body(content_type.decode("latin-1"), body)
+    params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
+    model = model or params.get("model")
     if not model:
-        if request.method == "GET" and request.url.path not in CHILD_GET_PATHS:
+        if method == "GET" and scope["path"] not in CHILD_GET_PATHS:
             raise NotFound("File Not Found")
         raise ModelMissing()
-    budget = _budget(request)  # the supervisor caps it by the model's own wait budget
+    budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
     runtime = sup.resolve(model)
-    request.state.model = runtime.preset.id
-    autoload = _autoload(request, sup.settings.models_autoload)
+    scope.setdefault("state", {})["model"] = runtime.preset.id
+    autoload = _autoload(params, sup.settings.models_autoload)
     if runtime.serving:  # hot path: no waiting, no tasks
         lease = await sup.acquire(model, autoload=autoload, budget=budget)
     else:
         waited = time.perf_counter()
         lease = await _acquire_unless_disconnected(
-            sup.acquire(model, autoload=autoload, budget=budget), request.receive)
+            sup.acquire(model, autoload=autoload, budget=budget), receive)
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(
             time.perf_counter() - waited)
     try:
-        url = lease.child.base_url + request.url.path
-        if request.url.query:
-            url += "?" + request.url.query
-        headers = upstream_headers(request.headers.raw)
-        if parsed is not None and parsed.get("stream") is True:
-            # llama-server closes the connection after a streamed response although it
-            # announced keep-alive; never return such a connection to the pool.
-            headers.append((b"connection", b"close"))
-        upstream = await open_upstream(lease.child.proxy_client, request.method, url, headers,
-                                       body)
-    except BaseException:
+        # llama-server closes the connection after a streamed response although it
+        # announced keep-alive: ask for that up front instead of finding out later.
+        keep_alive = parsed is None or parsed.get("stream") is not True
+        await relay(lease.child.connections, method, _target(scope),
+                    upstream_headers(scope["headers"]), body, keep_alive=keep_alive,
+                    receive=receive, send=send)
+    finally:
         lease.release()
-        raise
-    return StreamedResponse(upstream, lease.release)  # type: ignore[return-value]
+
+
+async def _send_json(send: Send, status: int, content: Any,
+                     headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(content).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 # --------------------------------------------------------------------------- middleware
@@ -541,6 +580,28 @@ Lifespan = Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 
 
+class ProxyMiddleware:
+    """Send every path the router does not answer itself to ``proxy`` before any routing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self._is_local(scope):
+            await proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    @staticmethod
+    def _is_local(scope: Scope) -> bool:
+        path = scope["path"]
+        if path not in LOCAL_PATHS:
+            return False
+        if path in MODEL_SCOPED_PATHS and scope["query_string"]:
+            return not QueryParams(scope["query_string"]).get("model")
+        return True
+
+
 def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -557,11 +618,11 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/logs", logs, methods=["GET"]),
         Route("/logs/stream", logs_stream, methods=["GET"]),
-        Route("/{path:path}", proxy, methods=METHODS),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.add_middleware(ProxyMiddleware)
     app.add_middleware(ApiKeyMiddleware, keys=api_keys)
 
     def current_metrics() -> RouterMetrics | None:

@@ -13,8 +13,10 @@ Hierarchy::
     ├── Unauthorized                 401 authentication_error
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404  unknown model id (names close matches)
+    ├── MethodNotAllowed             405 invalid_request_error
     ├── PayloadTooLarge              413 invalid_request_error
     ├── QueueFull                    429 rate_limit_error
+    ├── ClientGone                   499  client disconnected first (never sent)
     ├── UpstreamError                502 server_error   child unreachable / died mid-request
     └── Unavailable                  503 unavailable_error
         ├── ModelNotLoaded           503  autoload disabled and model not running
@@ -82,6 +84,11 @@ class ModelNotFound(NotFound):
         self.model = model
 
 
+class MethodNotAllowed(RouterError):
+    status = 405
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(RouterError):
     status = 413
     type = "invalid_request_error"
@@ -90,6 +97,13 @@ class PayloadTooLarge(RouterError):
 class QueueFull(RouterError):
     status = 429
     type = "rate_limit_error"
+
+
+class ClientGone(RouterError):
+    """The client disconnected before its answer (nobody listens: it is never sent)."""
+
+    status = 499
+    type = "client_closed_request"
 
 
 class UpstreamError(RouterError):

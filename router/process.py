@@ -29,6 +29,7 @@ import httpx
 
 from .logs import LogRing
 from .settings import HEALTH_POLL_INTERVAL_S
+from .upstream import ChildConnections
 
 log = logging.getLogger("router.child")
 output_log = logging.getLogger("router.child.output")
@@ -106,7 +107,7 @@ class ChildProcess:
         self._env = env if env is not None else child_environment()
         self._proc: asyncio.subprocess.Process | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
-        self._proxy_client: httpx.AsyncClient | None = None
+        self._connections: ChildConnections | None = None
         self._reader: asyncio.Task[None] | None = None
         self.started_at: float | None = None
 
@@ -123,23 +124,18 @@ class ChildProcess:
         return self._proc.returncode if self._proc else None
 
     @property
-    def proxy_client(self) -> httpx.AsyncClient:
+    def connections(self) -> ChildConnections:
         """The keep-alive pool for requests proxied to this child. One pool per child, so
         that stopping the child first closes its idle connections: llama-server takes about
         100 ms longer to exit while a keep-alive connection is open."""
-        if self._proxy_client is None:
-            self._proxy_client = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                    keepalive_expiry=4.0),
-                timeout=httpx.Timeout(None, connect=10.0), trust_env=False,
-                verify=False)  # plain HTTP on 127.0.0.1: skip loading CA certificates (35 ms)
-        return self._proxy_client
+        if self._connections is None:
+            self._connections = ChildConnections("127.0.0.1", self.port)
+        return self._connections
 
     async def close_pool(self) -> None:
-        """Close the proxy pool (after a crash: once the requests using it are done)."""
-        if self._proxy_client is not None:
-            client, self._proxy_client = self._proxy_client, None
-            await client.aclose()
+        """Close the idle proxied connections; the ones in use close when released."""
+        if self._connections is not None:
+            await self._connections.aclose()
 
     async def start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(

@@ -1,25 +1,31 @@
-"""Forward one request to a child and stream the answer back untouched.
+"""Forward one request to a child and relay the answer back untouched.
 
 * The body passes through as the bytes the client sent; only headers are filtered:
   hop-by-hop headers, ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
   behind, so API keys never reach children.
-* The response streams chunk by chunk as the child writes it (``aiter_raw``: no decoding, no
-  buffering). A client disconnect cancels the upstream read and closes the connection to the
-  child, which makes llama-server stop generating and free its slot.
-* If the child dies mid-stream, an SSE response gets a final ``data: {"error": ...}`` event; a
-  response that has not started becomes a 502 envelope.
+* The response is relayed chunk by chunk as the child writes it (no decoding, no buffering),
+  except a small body of known length, which goes out in one piece.
+* A client that disconnects while its request is still running (noticed within
+  ``WATCH_AFTER_S`` plus a loop turn) has its connection to the child closed, which makes
+  llama-server stop generating and free its slot. Requests that finish sooner never pay for
+  the watch.
+* If the child fails before its response starts, the caller gets ``UpstreamError`` (a 502
+  envelope); if it dies mid-stream, an SSE response gets a final ``data: {"error": ...}`` event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 
-import httpx
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
+from .upstream import Cancel, ChildConnections, UpstreamResponse
+
+log = logging.getLogger("router.proxy")
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -28,81 +34,103 @@ HOP_BY_HOP = frozenset({
 })
 RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server",
                            b"date"})
+SSE_EXTRA_HEADERS = ((b"x-accel-buffering", b"no"), (b"cache-control", b"no-cache"))
+SMALL_BODY = 1 << 20  # a body of known length up to this size is relayed in one message
+WATCH_AFTER_S = 0.05  # start watching for a client disconnect once a request runs this long
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
 
 
-async def open_upstream(client: httpx.AsyncClient, method: str, url: str,
-                        headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
-    """Send the request and return once the child's response headers arrive.
+async def relay(connections: ChildConnections, method: str, target: bytes,
+                headers: list[tuple[bytes, bytes]], body: bytes, *, keep_alive: bool,
+                receive: Receive, send: Send) -> None:
+    """Send the request to the child and relay its response to the client.
 
-    A pooled keep-alive connection that the child already closed fails with "disconnected
-    without sending a response" before the request was processed; that case is retried once
-    on a fresh connection.
+    Raises ``UpstreamError`` only while nothing has been sent to the client yet. Returns
+    quietly when the client went away.
     """
-    for attempt in (1, 2):
-        request = client.build_request(method, url, headers=headers, content=body)
+    cancel = Cancel()
+    watch = DisconnectWatch(receive, cancel)
+    try:
         try:
-            return await client.send(request, stream=True)
-        except httpx.RemoteProtocolError as exc:
-            if attempt == 1 and "without sending a response" in str(exc):
-                continue
-            raise UpstreamError(f"the model's llama-server dropped the request: {exc!r}") \
-                from exc
-        except httpx.TransportError as exc:
-            raise UpstreamError(f"could not reach the model's llama-server: {exc!r}") from exc
-    raise AssertionError("unreachable")
-
-
-class StreamedResponse:
-    """ASGI response relaying an open ``httpx.Response``; ``on_close`` runs exactly once."""
-
-    def __init__(self, upstream: httpx.Response, on_close: Callable[[], None]) -> None:
-        self.upstream = upstream
-        self.on_close = on_close
-        content_type = upstream.headers.get("content-type", "")
-        self.is_sse = content_type.startswith("text/event-stream")
-        headers = [(k.lower(), v) for k, v in upstream.headers.raw
-                   if k.lower() not in RESPONSE_DROP]
-        if self.is_sse:
-            present = {k for k, _ in headers}
-            for name, value in ((b"x-accel-buffering", b"no"), (b"cache-control", b"no-cache")):
-                if name not in present:
-                    headers.append((name, value))
-        self.headers = headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            response = await connections.send(method, target, headers, body,
+                                              keep_alive=keep_alive, cancel=cancel)
+        except UpstreamError:
+            if cancel.cancelled:
+                return
+            raise
         try:
-            pump = asyncio.ensure_future(self._pump(send))
-            watch = asyncio.ensure_future(_wait_disconnect(receive))
-            try:
-                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (pump, watch):
-                    task.cancel()
-                await asyncio.gather(pump, watch, return_exceptions=True)
-            if pump.done() and not pump.cancelled() and pump.exception() is not None:
-                raise pump.exception()  # type: ignore[misc]
+            await _relay_response(response, send, cancel)
         finally:
-            await self.upstream.aclose()
-            self.on_close()
+            response.release()
+    finally:
+        watch.stop()
 
-    async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.upstream.status_code,
-                    "headers": self.headers})
+
+async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel) -> None:
+    headers = [(k, v) for k, v in response.headers if k not in RESPONSE_DROP]
+    content_type = response.header(b"content-type") or b""
+    is_sse = content_type.startswith(b"text/event-stream")
+    length = response.header(b"content-length")
+    if not is_sse and length is not None and length.isdigit() and int(length) <= SMALL_BODY:
         try:
-            async for chunk in self.upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError as exc:
-            if self.is_sse:
-                error = envelope(502, f"the model's llama-server failed mid-stream: {exc!r}")
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + json.dumps(error).encode() + b"\n\n"})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            content = await response.read()
+        except UpstreamError:
+            if cancel.cancelled:
+                return
+            raise
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+        return
+    if is_sse:
+        present = {k for k, _ in headers}
+        headers += [(k, v) for k, v in SSE_EXTRA_HEADERS if k not in present]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    try:
+        while (chunk := await response.next_chunk()) is not None:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except UpstreamError as exc:
+        if cancel.cancelled:
+            return
+        log.warning("%s", exc, extra={"event": "upstream_broken"})
+        if is_sse:
+            error = envelope(502, f"the model's llama-server failed mid-stream: {exc}")
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(error).encode() + b"\n\n"})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class DisconnectWatch:
+    """Call ``on_gone`` when the client disconnects, watching only after ``after`` seconds.
+
+    Most proxied requests finish within milliseconds; starting a task for each of them would
+    cost more than the request. A timer is nearly free, and cancelled when the request ends.
+    """
+
+    def __init__(self, receive: Receive, on_gone: Callable[[], None],
+                 after: float = WATCH_AFTER_S) -> None:
+        self._receive = receive
+        self._on_gone = on_gone
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            after, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._on_gone()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

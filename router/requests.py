@@ -9,26 +9,48 @@ import json
 import re
 from typing import Any
 
-from starlette.requests import Request
+from starlette.types import Receive, Scope
 
-from .errors import MalformedBody, PayloadTooLarge
+from .errors import ClientGone, MalformedBody, PayloadTooLarge
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 _MODEL_PART = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNORECASE)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case) in an ASGI scope."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value  # type: ignore[no-any-return]
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refused with 413 past ``limit`` bytes (declared or counted)."""
+    declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks: list[bytes] = []
+        raise PayloadTooLarge(f"request body of {declared.decode()} bytes exceeds the limit "
+                              f"of {limit}")
+    first = b""
+    chunks: list[bytes] | None = None
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("client disconnected while sending its request")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if chunks is None:
+            if not first:
+                first = chunk
+            elif chunk:
+                chunks = [first, chunk]
+        elif chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return first if chunks is None else b"".join(chunks)
 
 
 def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[str, Any] | None]:

@@ -47,6 +47,10 @@ class RouterProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
     def client(self, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0, **kw)  # type: ignore[arg-type]
 

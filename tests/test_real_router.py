@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -125,6 +126,37 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, presets: Path) -> None
         assert wait_until(lambda: not child_busy(client, "long"), timeout=5.0)
         assert time.monotonic() - disconnected < 1.0
         assert router.models()["long"]["status"]["in_flight"] == 0
+
+
+def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
+        tmp_path: Path, presets: Path) -> None:
+    """No response has started yet, so only the router's disconnect watch can notice. It
+    closes its connection to the child (llama-server b11434 still finishes a non-streamed
+    generation; servers that check their connection stop) and releases the request."""
+    request = json.dumps({"model": "long", "max_tokens": 8000, "ignore_eos": True,
+                          "messages": [{"role": "user", "content": "Go on"}]}).encode()
+    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+        client.post("/tokenize", json={"model": "long", "content": "x"})  # loaded
+        child = psutil.Process(router.models()["long"]["status"]["pid"])  # type: ignore[index]
+
+        def closed_by_the_router() -> bool:  # the child's end waits for its own close
+            return any(c.status == psutil.CONN_CLOSE_WAIT for c in child.net_connections("tcp"))
+
+        with socket.create_connection(("127.0.0.1", router.port)) as raw:
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                        b"content-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(request), request))
+            assert wait_until(lambda: child_busy(client, "long"), timeout=5.0)
+            assert router.models()["long"]["status"]["in_flight"] == 1  # type: ignore[index]
+            assert not closed_by_the_router()
+        disconnected = time.monotonic()
+
+        assert wait_until(lambda: closed_by_the_router() or not child_busy(client, "long"),
+                          timeout=5.0)
+        assert wait_until(
+            lambda: router.models()["long"]["status"]["in_flight"] == 0,  # type: ignore[index]
+            timeout=5.0)
+        assert time.monotonic() - disconnected < 1.0
 
 
 def test_openai_sdk(tmp_path: Path, presets: Path) -> None:

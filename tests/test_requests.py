@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from router.errors import (
     BadRequest,
+    ClientGone,
     LoadFailed,
     MalformedBody,
     ModelMissing,
@@ -175,18 +176,22 @@ def fake_request(chunks: list[bytes], content_length: int | str | None = None) -
     return Request(scope, receive)
 
 
+def _asgi(request: Request) -> tuple[Any, Any]:
+    return request.scope, request.receive
+
+
 async def test_read_body_joins_chunks() -> None:
     request = fake_request([b'{"model":', b' "m"', b"}"], content_length=14)
-    assert await read_body(request, limit=100) == b'{"model": "m"}'
+    assert await read_body(request.scope, request.receive, limit=100) == b'{"model": "m"}'
 
 
 async def test_read_body_exactly_at_limit() -> None:
     request = fake_request([b"12345", b"67890"], content_length=10)
-    assert await read_body(request, limit=10) == b"1234567890"
+    assert await read_body(request.scope, request.receive, limit=10) == b"1234567890"
 
 
 async def test_read_body_empty() -> None:
-    assert await read_body(fake_request([]), limit=0) == b""
+    assert await read_body(*_asgi(fake_request([])), limit=0) == b""
 
 
 async def test_declared_length_over_limit_is_refused_before_reading() -> None:
@@ -196,7 +201,7 @@ async def test_declared_length_over_limit_is_refused_before_reading() -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
              "headers": [(b"content-length", b"1000001")]}
     with pytest.raises(PayloadTooLarge) as info:
-        await read_body(Request(scope, receive), limit=1_000_000)
+        await read_body(scope, receive, limit=1_000_000)
     assert info.value.status == 413
     assert "1000001" in info.value.message
 
@@ -204,18 +209,27 @@ async def test_declared_length_over_limit_is_refused_before_reading() -> None:
 async def test_streamed_body_over_limit() -> None:
     request = fake_request([b"a" * 6, b"b" * 6, b"c" * 6])  # no Content-Length (chunked)
     with pytest.raises(PayloadTooLarge, match="exceeds the limit of 10 bytes"):
-        await read_body(request, limit=10)
+        await read_body(request.scope, request.receive, limit=10)
 
 
 async def test_streamed_body_over_limit_despite_small_declared_length() -> None:
     request = fake_request([b"a" * 8, b"b" * 8], content_length=5)
     with pytest.raises(PayloadTooLarge):
-        await read_body(request, limit=10)
+        await read_body(request.scope, request.receive, limit=10)
+
+
+async def test_disconnect_while_reading_the_body() -> None:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": []}
+    with pytest.raises(ClientGone):
+        await read_body(scope, receive, limit=10)
 
 
 async def test_non_numeric_content_length_falls_back_to_counting() -> None:
     request = fake_request([b"abc"], content_length="bogus")
-    assert await read_body(request, limit=3) == b"abc"
+    assert await read_body(request.scope, request.receive, limit=3) == b"abc"
 
 
 # --- errors: the envelope of everything the router answers itself ------------------------------

@@ -1,0 +1,331 @@
+"""The proxied hop's HTTP/1.1 client, against scripted servers that misbehave on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from router import upstream
+from router.errors import UpstreamError
+from router.upstream import BrokenBody, Cancel, ChildConnections
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
+TIMEOUT = 5.0
+
+
+@dataclass
+class Server:
+    port: int = 0
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    got_request: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One request (head and Content-Length body), or None when the client closed."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        request = head + await reader.readexactly(length)
+        self.requests.append(request)
+        self.got_request.set()
+        return request
+
+
+@contextlib.asynccontextmanager
+async def serve(handler: Handler) -> AsyncIterator[Server]:
+    state = Server()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            await handler(reader, writer, state)
+        except (ConnectionError, asyncio.CancelledError):  # the test is over
+            pass
+        finally:
+            writer.close()
+            state.closed.set()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    state.port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield state
+
+
+def ok(body: bytes, *extra: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (len(body), b"".join(h + b"\r\n" for h in extra), body))
+
+
+async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+    while (request := await server.read_request(reader)) is not None:
+        writer.write(ok(b'{"n": %d}' % len(server.requests)))
+        if b"connection: close" in request:
+            return
+
+
+async def test_keep_alive_connection_is_reused_and_request_is_framed() -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        for n in (1, 2):
+            response = await pool.send("POST", b"/tokenize?x=1", [(b"x-a", b"1")], b'{"a":1}')
+            assert response.status == 200
+            assert response.header(b"content-type") == b"application/json"
+            assert await response.read() == b'{"n": %d}' % n
+            response.release()
+        await pool.aclose()
+    assert server.connections == 1
+    assert server.requests[0] == (b"POST /tokenize?x=1 HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+                                  b"x-a: 1\r\ncontent-length: 7\r\n\r\n{\"a\":1}" % server.port)
+
+
+async def test_get_without_body_sends_no_content_length() -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/slots", [], b"")
+        await response.read()
+        response.release()
+    assert b"content-length" not in server.requests[0]
+
+
+async def test_chunked_body_is_relayed_as_it_arrives() -> None:
+    second_chunk_allowed = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n9\r\ndata: one\r\n")
+        await second_chunk_allowed.wait()
+        writer.write(b"9\r\ndata: two\r\n0\r\n\r\n")
+        await server.read_request(reader)
+
+    async with serve(stream) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("POST", b"/completion", [], b"{}")
+        first = await asyncio.wait_for(response.next_chunk(), TIMEOUT)
+        assert first == b"data: one"  # before the server was allowed to write the rest
+        second_chunk_allowed.set()
+        assert await response.next_chunk() == b"data: two"
+        assert await response.next_chunk() is None
+        response.release()
+        assert len(pool._idle) == 1
+
+
+async def test_stale_keep_alive_connection_is_retried_once_on_a_fresh_one() -> None:
+    async def close_on_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                              server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(ok(b"first"))
+        if server.connections == 1:
+            await server.read_request(reader)  # the second request: closed unanswered
+            return
+        await answer_each(reader, writer, server)
+
+    async with serve(close_on_second) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("POST", b"/tokenize", [], b"{}")
+        await response.read()
+        response.release()
+        response = await pool.send("POST", b"/tokenize", [], b"{}")
+        assert await response.read() == b"first"
+        response.release()
+    assert server.connections == 2
+
+
+async def test_a_fresh_connection_closed_without_answer_is_an_error_and_not_retried() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+
+    async with serve(hang_up) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        with pytest.raises(UpstreamError, match="closed the connection without a response"):
+            await pool.send("POST", b"/completion", [], b"{}")
+    assert server.connections == 1
+
+
+async def test_body_cut_short_is_a_broken_body() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+
+    async with serve(cut) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        assert await response.next_chunk() == b"0123456789"
+        with pytest.raises(BrokenBody):
+            await response.next_chunk()
+        response.release()
+        assert not pool._idle
+
+
+async def test_malformed_response_is_an_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"SPDY/9 banana\r\n\r\n")
+        await reader.read()
+
+    async with serve(garbage) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        with pytest.raises(UpstreamError):
+            await pool.send("GET", b"/x", [], b"")
+
+
+async def test_nothing_listening_is_an_error_naming_the_port() -> None:
+    async with serve(answer_each) as server:
+        port = server.port
+    pool = ChildConnections("127.0.0.1", port)
+    with pytest.raises(UpstreamError, match=f"could not reach .* on port {port}"):
+        await pool.send("GET", b"/health", [], b"")
+
+
+async def test_unread_body_closes_the_connection_instead_of_pooling_it() -> None:
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+        await reader.read()  # until the client goes away
+
+    async with serve(slow_body) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        response.release()  # body not read to its end
+        await asyncio.wait_for(server.closed.wait(), TIMEOUT)
+        assert not pool._idle
+
+
+async def test_a_complete_answer_is_pooled_even_if_not_read() -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        async with asyncio.timeout(TIMEOUT):
+            while not response._conn.complete:  # noqa: ASYNC110 (protocol state, no event)
+                await asyncio.sleep(0)
+        response.release()
+        assert len(pool._idle) == 1
+
+
+async def test_connection_close_is_asked_for_and_never_pooled() -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("POST", b"/v1/chat/completions", [], b"{}",
+                                   keep_alive=False)
+        await response.read()
+        response.release()
+        assert b"connection: close\r\n" in server.requests[0]
+        assert not pool._idle
+
+
+async def test_server_that_closes_after_its_answer_is_not_pooled() -> None:
+    async def close_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(ok(b"bye", b"connection: close"))
+
+    async with serve(close_after) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        assert await response.read() == b"bye"
+        response.release()
+        assert not pool._idle
+
+
+async def test_cancel_aborts_a_request_waiting_for_its_answer() -> None:
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           server: Server) -> None:
+        await server.read_request(reader)
+        await reader.read()  # until the client goes away
+
+    async with serve(never_answer) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        cancel = Cancel()
+        sending = asyncio.ensure_future(pool.send("POST", b"/x", [], b"{}", cancel=cancel))
+        await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
+        cancel()
+        with pytest.raises(UpstreamError):
+            await asyncio.wait_for(sending, TIMEOUT)
+        await asyncio.wait_for(server.closed.wait(), TIMEOUT)
+    assert server.connections == 1  # not retried
+
+
+async def test_expired_idle_connection_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        await response.read()
+        response.release()
+        monkeypatch.setattr(upstream, "IDLE_EXPIRY_S", 0.0)
+        response = await pool.send("GET", b"/x", [], b"")
+        await response.read()
+        response.release()
+    assert server.connections == 2
+
+
+async def test_head_response_is_complete_at_its_headers() -> None:
+    async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n")
+        await reader.read()
+
+    async with serve(head) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("HEAD", b"/x", [], b"")
+        assert response.header(b"content-length") == b"50"
+        assert await asyncio.wait_for(response.read(), TIMEOUT) == b""
+        response.release()
+        assert not pool._idle
+
+
+async def test_aclose_closes_idle_connections_and_later_ones_on_release() -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        await response.read()
+        response.release()
+        await pool.aclose()
+        await asyncio.wait_for(server.closed.wait(), TIMEOUT)
+        response = await pool.send("GET", b"/x", [], b"")
+        await response.read()
+        response.release()
+        assert b"connection: close" in server.requests[-1]
+        assert not pool._idle
+
+
+async def test_a_large_body_is_not_buffered_past_the_high_water_mark() -> None:
+    size = 8 * upstream.READ_HIGH_WATER
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        await server.read_request(reader)
+
+    async with serve(big) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/big", [], b"")
+        conn = response._conn
+        async with asyncio.timeout(TIMEOUT):
+            # Reading stops once the high-water mark is passed (protocol state, no event).
+            while not conn._paused:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        assert conn._buffered <= 2 * upstream.READ_HIGH_WATER  # plus at most one read
+        assert len(await asyncio.wait_for(response.read(), TIMEOUT)) == size
+        response.release()
+        assert len(pool._idle) == 1
