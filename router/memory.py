@@ -50,6 +50,7 @@ from typing import Any
 import psutil
 
 from .flags import FALSEY, TRUTHY
+from .ggufmeta import StringArray, read_metadata
 
 __all__ = [
     "AUTO_PARALLEL",
@@ -147,41 +148,18 @@ def _shard_paths(path: Path) -> list[Path]:
     return [p for p in shards if p.is_file()] or [path]
 
 
-def _field_values(field: Any) -> list[Any]:
-    """A numeric GGUF metadata field's values (one for a scalar); [] for a string field."""
-    import gguf
-
-    if gguf.GGUFValueType.STRING in field.types:
-        return []
-    return [field.parts[i].tolist() for i in field.data]
-
-
-def _scalar_int(fields: Mapping[str, Any], key: str) -> int | None:
-    """An integer field (the max of an array field, e.g. per-layer head counts), or None."""
-    field = fields.get(key)
-    if field is None:
-        return None
-    numbers: list[int] = []
-    for value in _field_values(field):
-        items = value if isinstance(value, list) else [value]
-        numbers += [int(v) for v in items if isinstance(v, int | float)]
+def _int(metadata: Mapping[str, Any], key: str) -> int | None:
+    """An integer entry (the max of an array, e.g. per-layer head counts), or None."""
+    value = metadata.get(key)
+    items = value if isinstance(value, list) else [value]
+    numbers = [int(v) for v in items if isinstance(v, int | float) and not isinstance(v, bool)]
     return max(numbers) if numbers else None
-
-
-def _string(fields: Mapping[str, Any], key: str) -> str | None:
-    field = fields.get(key)
-    if field is None or not field.data:
-        return None
-    try:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    except (TypeError, ValueError):
-        return None
 
 
 def read_shape(path: str | Path) -> GGUFShape:
     """Read the shape of the model at ``path`` from its GGUF header.
 
-    Only the header and metadata are used (``gguf.GGUFReader`` memory-maps the file). For a
+    Only the metadata is read (``ggufmeta``: no numpy, nothing kept mapped). For a
     split model (``NAME-00001-of-0000N.gguf``) the metadata comes from the first shard and
     ``file_bytes`` is the sum of all shards that exist. Raises ``ValueError`` for a missing,
     unreadable or non-GGUF file, or one without an architecture or block count.
@@ -199,33 +177,29 @@ def read_shape(path: str | Path) -> GGUFShape:
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
-        import gguf
+        fields = read_metadata(first)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a GGUF file ({exc})") from exc
 
-        reader = gguf.GGUFReader(first, "r")
-        fields: dict[str, Any] = dict(reader.fields)
-        del reader
-    except Exception as exc:  # gguf raises assorted errors on corrupt headers
-        raise ValueError(f"{path}: not a GGUF file ({type(exc).__name__}: {exc})") from exc
-
-    arch = _string(fields, "general.architecture")
-    if not arch:
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
         raise ValueError(f"{path}: not a GGUF model (no general.architecture)")
-    n_layer = _scalar_int(fields, f"{arch}.block_count")
+    n_layer = _int(fields, f"{arch}.block_count")
     if n_layer is None:
         raise ValueError(f"{path}: GGUF header lacks {arch}.block_count")
-    n_ctx_train = _scalar_int(fields, f"{arch}.context_length") or 0
-    n_embd = _scalar_int(fields, f"{arch}.embedding_length") or 0
-    n_head = _scalar_int(fields, f"{arch}.attention.head_count") or 0
-    n_head_kv = _scalar_int(fields, f"{arch}.attention.head_count_kv")
+    n_ctx_train = _int(fields, f"{arch}.context_length") or 0
+    n_embd = _int(fields, f"{arch}.embedding_length") or 0
+    n_head = _int(fields, f"{arch}.attention.head_count") or 0
+    n_head_kv = _int(fields, f"{arch}.attention.head_count_kv")
     if n_head_kv is None:
         n_head_kv = n_head
     default_dim = n_embd // n_head if n_head else 0
-    head_dim_k = _scalar_int(fields, f"{arch}.attention.key_length") or default_dim
-    head_dim_v = _scalar_int(fields, f"{arch}.attention.value_length") or default_dim
-    n_vocab = _scalar_int(fields, f"{arch}.vocab_size")
+    head_dim_k = _int(fields, f"{arch}.attention.key_length") or default_dim
+    head_dim_v = _int(fields, f"{arch}.attention.value_length") or default_dim
+    n_vocab = _int(fields, f"{arch}.vocab_size")
     if n_vocab is None:
         tokens = fields.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens.data) if tokens is not None else 0
+        n_vocab = tokens.length if isinstance(tokens, StringArray) else 0
     return GGUFShape(
         file_bytes=sum(s.stat().st_size for s in shards),
         n_layer=n_layer,
