@@ -449,10 +449,9 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         raise MethodNotAllowed(f"method {method} is not allowed")
     body = await read_body(scope, receive, sup.settings.max_body_bytes)
     model: str | None = None
-    parsed: dict[str, Any] | None = None
     if method in ("POST", "PUT", "PATCH"):
         content_type = header(scope, b"content-type") or b""
-        model, parsed = model_from_body(content_type.decode("latin-1"), body)
+        model, _ = model_from_body(content_type.decode("latin-1"), body)
     params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
     model = model or params.get("model")
     if not model:
@@ -472,12 +471,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(
             time.perf_counter() - waited)
     try:
-        # llama-server closes the connection after a streamed response although it
-        # announced keep-alive: ask for that up front instead of finding out later.
-        keep_alive = parsed is None or parsed.get("stream") is not True
         await relay(lease.child.connections, method, _target(scope),
-                    upstream_headers(scope["headers"]), body, keep_alive=keep_alive,
-                    receive=receive, send=send)
+                    upstream_headers(scope["headers"]), body, receive=receive, send=send)
     finally:
         lease.release()
 

@@ -29,7 +29,7 @@ import httpx
 
 from .logs import LogRing
 from .settings import HEALTH_POLL_INTERVAL_S
-from .upstream import ChildConnections
+from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
 
 log = logging.getLogger("router.child")
 output_log = logging.getLogger("router.child.output")
@@ -97,7 +97,8 @@ class ChildProcess:
     """A llama-server process serving one model on 127.0.0.1:``port``."""
 
     def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
-                 client: httpx.AsyncClient, env: dict[str, str] | None = None) -> None:
+                 client: httpx.AsyncClient, env: dict[str, str] | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.model_id = model_id
         self.argv = list(argv)
         self.port = port
@@ -108,6 +109,7 @@ class ChildProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
         self._connections: ChildConnections | None = None
+        self._max_connections = max_connections
         self._reader: asyncio.Task[None] | None = None
         self.started_at: float | None = None
 
@@ -129,7 +131,8 @@ class ChildProcess:
         that stopping the child first closes its idle connections: llama-server takes about
         100 ms longer to exit while a keep-alive connection is open."""
         if self._connections is None:
-            self._connections = ChildConnections("127.0.0.1", self.port)
+            self._connections = ChildConnections("127.0.0.1", self.port,
+                                                 self._max_connections)
         return self._connections
 
     async def close_pool(self) -> None:

@@ -44,8 +44,8 @@ def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
 
 
 async def relay(connections: ChildConnections, method: str, target: bytes,
-                headers: list[tuple[bytes, bytes]], body: bytes, *, keep_alive: bool,
-                receive: Receive, send: Send) -> None:
+                headers: list[tuple[bytes, bytes]], body: bytes, *, receive: Receive,
+                send: Send) -> None:
     """Send the request to the child and relay its response to the client.
 
     Raises ``UpstreamError`` only while nothing has been sent to the client yet. Returns
@@ -55,8 +55,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
     watch = DisconnectWatch(receive, cancel)
     try:
         try:
-            response = await connections.send(method, target, headers, body,
-                                              keep_alive=keep_alive, cancel=cancel)
+            response = await connections.send(method, target, headers, body, cancel=cancel)
         except UpstreamError:
             if cancel.cancelled:
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,11 @@ if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 DEFAULT_SLOTS = 4  # llama-server's -np auto
+# HTTP threads each child gets unless its preset sets threads-http: llama-server's own
+# default (slots + 4) leaves a router multiplexing many clients short.
+MIN_HTTP_THREADS = 16
+# Of those, kept free of proxied connections: health polls, metrics scrapes, info fetches.
+RESERVED_HTTP_THREADS = 2
 
 
 @dataclass
@@ -37,6 +43,20 @@ class Failure:
 class Replica:
     child: ChildProcess
     in_flight: int = 0
+
+
+def slots(args: Mapping[str, str]) -> int:
+    """A child's generation slots (``parallel``)."""
+    raw: str = args.get("parallel", "")
+    return int(raw) if raw.lstrip("-").isdigit() and int(raw) > 0 else DEFAULT_SLOTS
+
+
+def http_threads(args: Mapping[str, str]) -> int:
+    """A child's HTTP threads: ``threads-http`` from its preset, else the router's choice."""
+    raw: str = args.get("threads-http", "")
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return max(slots(args) + 4, MIN_HTTP_THREADS)
 
 
 @dataclass
@@ -90,8 +110,12 @@ class ModelRuntime:
 
     @property
     def slots(self) -> int:
-        raw = self.preset.args.get("parallel", "")
-        return int(raw) if raw.lstrip("-").isdigit() and int(raw) > 0 else DEFAULT_SLOTS
+        return slots(self.preset.args)
+
+    @property
+    def max_connections(self) -> int:
+        """Proxied connections to one child at most: one per HTTP thread, less a reserve."""
+        return max(1, http_threads(self.preset.args) - RESERVED_HTTP_THREADS)
 
     @property
     def serving(self) -> bool:

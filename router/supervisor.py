@@ -37,7 +37,7 @@ from .logs import LogRing
 from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
 from .process import ChildError, ChildExited, ChildProcess, free_port
-from .runtime import Failure, Lease, ModelRuntime, Replica
+from .runtime import Failure, Lease, ModelRuntime, Replica, http_threads
 from .scheduler import Status, plan_admission
 from .settings import Settings
 from .sources import Catalogue
@@ -96,6 +96,8 @@ class Supervisor:
     def child_argv(self, preset: ModelPreset, port: int) -> list[str]:
         argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
                 "--alias", preset.id, "--metrics"]
+        if "threads-http" not in preset.args:  # the proxy pool is sized by it
+            argv += ["--threads-http", str(http_threads(preset.args))]
         for key, value in preset.args.items():
             if key == "hf-repo" and "model" in preset.args:
                 continue
@@ -307,7 +309,8 @@ class Supervisor:
         for attempt in range(PORT_RETRIES):
             port = free_port()
             child = ChildProcess(runtime.id, self.child_argv(runtime.preset, port), port,
-                                 runtime.logs, self._client)
+                                 runtime.logs, self._client,
+                                 max_connections=runtime.max_connections)
             children.append(child)
             await child.start()
             try:

@@ -10,13 +10,17 @@ Contract:
 
 * One ``ChildConnections`` per child: a LIFO stack of idle keep-alive connections. Taking one
   is O(1); a connection the child closed, or one idle longer than ``IDLE_EXPIRY_S`` (the child
-  closes them after 5 s), is discarded instead of used.
+  closes them after 5 s), is discarded instead of used. At most ``max_connections`` are open
+  at once (see the class); further requests wait for one in arrival order.
 * ``send()`` writes the request in one write and returns once the status line and headers
   have arrived. The body is then read chunk by chunk as the child writes it, de-framed
   (Content-Length or chunked) but never decoded.
 * A connection returns to the pool only when its response was read to the end and both sides
   kept it alive; anything else closes it. ``abort()`` closes it at once, which tells
   llama-server to stop generating.
+* llama-server closes the connection after every event stream although it announces
+  keep-alive, so a connection that carried one is closed here first and a fresh one is
+  opened in the background: the next request, often another stream, finds one ready.
 * A reused connection that closes before any byte of the response arrives is retried once on
   a fresh connection: llama-server closes keep-alive connections after every stream and after
   its idle timeout, and such a request never reached it.
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import httptools
@@ -37,7 +42,7 @@ import httptools
 from .errors import UpstreamError
 
 IDLE_EXPIRY_S = 4.0  # llama-server closes an idle keep-alive connection after 5 s
-MAX_IDLE = 64  # idle connections kept per child
+DEFAULT_MAX_CONNECTIONS = 14  # per child; the supervisor sets it from --threads-http
 CONNECT_TIMEOUT_S = 10.0
 READ_HIGH_WATER = 256 * 1024  # stop reading from the child while this much is unconsumed
 
@@ -53,6 +58,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.on_lost: Callable[[], None] | None = None  # called once, when it closes
         self._loop = asyncio.get_running_loop()
         self._reset(head_only=False)
 
@@ -66,6 +72,7 @@ class _Connection(asyncio.Protocol):
         self.received_any = False
         self.complete = False
         self.keep_alive = False
+        self.event_stream = False
         self.error: UpstreamError | None = None
         self._headers_done: asyncio.Future[None] = self._loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -133,6 +140,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost()
         if self._headers_done.done():
             self._fail(BrokenBody("the model's llama-server closed the connection "
                                   "mid-response"))
@@ -151,6 +161,8 @@ class _Connection(asyncio.Protocol):
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
+        self.event_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in self.headers)
         self._headers_done.set_result(None)
         if self._head_only or status in (204, 304):
             self.on_message_complete()
@@ -250,14 +262,32 @@ class UpstreamResponse:
 
 
 class ChildConnections:
-    """Keep-alive connections to one child at ``host:port``."""
+    """Keep-alive connections to one child at ``host:port``, at most ``max_connections``.
 
-    def __init__(self, host: str, port: int) -> None:
+    Each open connection holds one of llama-server's HTTP threads for as long as it stays
+    open, idle or not, and a connection beyond its fixed thread count may wait for a free
+    thread until some keep-alive connection times out (5 s; a race in cpp-httplib's dynamic
+    threads). So the pool never opens more than ``max_connections``: a request that finds
+    none idle and the cap reached waits, first come first served, for the next connection
+    released or closed.
+    """
+
+    def __init__(self, host: str, port: int,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.host = host
         self.port = port
+        self.max_connections = max(1, max_connections)
         self._host_header = f"{host}:{port}".encode()
         self._idle: collections.deque[_Connection] = collections.deque()
+        self._open = 0  # connections open or being opened
+        self._waiters: collections.deque[asyncio.Future[_Connection | None]] = \
+            collections.deque()
         self._closed = False
+        self._warming: set[asyncio.Task[None]] = set()
+
+    @property
+    def open_connections(self) -> int:
+        return self._open
 
     async def send(self, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
                    body: bytes, *, keep_alive: bool = True,
@@ -280,14 +310,12 @@ class ChildConnections:
         request = b"".join(parts)
         head_only = method == "HEAD"
 
-        conn = self._take()
-        reused = conn is not None
+        fresh = False
         while True:
-            if conn is None:
-                conn = await self._connect()
+            conn, reused = await self._acquire(fresh)
             if cancel is not None:
                 if cancel.cancelled:
-                    conn.abort()
+                    self._release(conn)
                     raise ConnectionClosed(received_any=False)
                 cancel.conn = conn
             conn.begin(request, head_only)
@@ -296,7 +324,7 @@ class ChildConnections:
             except ConnectionClosed as exc:
                 conn.abort()
                 if reused and not exc.received_any and not (cancel and cancel.cancelled):
-                    conn, reused = None, False  # a stale keep-alive connection: once more
+                    fresh = True  # a stale keep-alive connection: once more, on a new one
                     continue
                 raise
             except BaseException:
@@ -314,6 +342,60 @@ class ChildConnections:
 
     # -- pool ---------------------------------------------------------------------------------
 
+    async def _acquire(self, fresh: bool) -> tuple[_Connection, bool]:
+        """A connection and whether it was used before: an idle one (unless ``fresh``), a
+        new one within the cap, or else the next one released."""
+        if not fresh and (conn := self._take()) is not None:
+            return conn, True
+        if self._open < self.max_connections and not self._waiters:
+            self._open += 1
+            return await self._open_reserved(), False
+        waiter: asyncio.Future[_Connection | None] = \
+            asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            granted = await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():  # granted as we were cancelled
+                self._give_back(waiter.result())
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
+        if granted is None:  # a free place, reserved for us
+            return await self._open_reserved(), False
+        return granted, True
+
+    async def _open_reserved(self) -> _Connection:
+        """Connect in a place already counted in ``_open``."""
+        try:
+            conn = await self._connect()
+        except BaseException:
+            self._open -= 1
+            self._grant_places()
+            raise
+        conn.on_lost = self._lost
+        return conn
+
+    def _give_back(self, granted: _Connection | None) -> None:
+        if granted is None:
+            self._open -= 1
+            self._grant_places()
+        else:
+            self._release(granted)
+
+    def _lost(self) -> None:
+        """A connection closed, by either side: its place is free."""
+        self._open -= 1
+        self._grant_places()
+
+    def _grant_places(self) -> None:
+        while self._waiters and self._open < self.max_connections:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._open += 1
+                waiter.set_result(None)
+
     def _take(self) -> _Connection | None:
         now = time.monotonic()
         while self._idle:
@@ -324,19 +406,45 @@ class ChildConnections:
         return None
 
     def _release(self, conn: _Connection) -> None:
+        if (conn.event_stream and conn.complete and not self._closed and not self._warming
+                and not self._waiters):
+            self._warm_one_later()
         if (self._closed or conn.closed or not conn.complete or not conn.keep_alive
-                or len(self._idle) >= MAX_IDLE):
+                or conn.event_stream):
             if conn.complete:
                 conn.close()
             else:
                 conn.abort()  # unread body: the child must not keep generating it
-            return
+            return  # its place frees when the close completes (``_lost``)
+        while self._waiters:  # hand it straight to the longest waiting request
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
         now = time.monotonic()
         conn.idle_since = now
         self._idle.append(conn)
         # The oldest connections sit at the bottom of the stack: drop the expired ones.
         while self._idle and now - self._idle[0].idle_since >= IDLE_EXPIRY_S:
             self._idle.popleft().close()
+
+    def _warm_one_later(self) -> None:
+        """Open a connection in the background to replace one the child is closing."""
+        if self._open >= self.max_connections:
+            return
+        self._open += 1
+        task = asyncio.get_running_loop().create_task(self._warm_one())
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm_one(self) -> None:
+        try:
+            conn = await self._open_reserved()
+        except UpstreamError:
+            return  # the next request finds out for itself
+        conn.complete = True  # no exchange yet: reusable
+        conn.keep_alive = True
+        self._release(conn)
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()

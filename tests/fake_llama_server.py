@@ -94,6 +94,8 @@ HELP = [  # (flags, description, env var) in llama.cpp's --help layout
      "unspecified", "LLAMA_ARG_POOLING"),
     ("-np,   --parallel N", "number of server slots (default: -1, -1 = auto)",
      "LLAMA_ARG_N_PARALLEL"),
+    ("--threads-http N", "number of threads used to process HTTP requests (default: -1)",
+     "LLAMA_ARG_THREADS_HTTP"),
     ("--api-key KEY", "API key to use for authentication (default: none)", "LLAMA_API_KEY"),
     ("--metrics", "enable prometheus compatible metrics endpoint (default: disabled)",
      "LLAMA_ARG_ENDPOINT_METRICS"),
@@ -150,6 +152,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     opt("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", default="-1")
     opt("--pooling", default=_env("LLAMA_ARG_POOLING", ""))
     opt("--api-key", default=_env("LLAMA_API_KEY", ""))
+    opt("--threads-http", type=int, default=int(_env("LLAMA_ARG_THREADS_HTTP", "-1")))
     opt("--sleep-idle-seconds", type=float, default=-1.0)
     opt("--metrics", action="store_true", default=_env_flag("LLAMA_ARG_ENDPOINT_METRICS"))
     opt("--embedding", "--embeddings", dest="embeddings", action="store_true",

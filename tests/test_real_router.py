@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -157,6 +158,45 @@ def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
             lambda: router.models()["long"]["status"]["in_flight"] == 0,  # type: ignore[index]
             timeout=5.0)
         assert time.monotonic() - disconnected < 1.0
+
+
+def test_more_concurrent_requests_than_the_child_has_http_threads(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """llama-server may leave a connection beyond its fixed HTTP threads waiting until another
+    one closes (up to its 5 s keep-alive timeout): the threads it counted as idle are about to
+    take earlier connections, so it starts no extra thread. The router keeps its connections
+    within the child's threads, so a burst never waits for that."""
+    presets = write_presets(tmp_path / "models.ini", f"""
+[small]
+model = {tiny_models["long"]}
+ctx-size = 8192
+parallel = 1
+threads-http = 4
+""")
+    request = {"model": "small", "max_tokens": 100, "ignore_eos": True,
+               "messages": [{"role": "user", "content": "Hi"}]}
+
+    async def bursts(url: str) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=60,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            await client.post("/tokenize", json={"model": "small", "content": "x"})
+
+            async def one(started: float) -> float:
+                response = await client.post("/v1/chat/completions", json=request)
+                assert response.status_code == 200, response.text
+                return time.monotonic() - started
+
+            slowest = []
+            for _ in range(3):
+                started = time.monotonic()
+                slowest.append(max(await asyncio.gather(*(one(started) for _ in range(12)))))
+            return slowest
+
+    with start_router(tmp_path, "--presets", str(presets)) as router:
+        assert max(asyncio.run(bursts(router.url))) < 3.0
+        args = router.models()["small"]["status"]["args"]  # the preset's value, once
+        assert args.count("--threads-http") == 1  # type: ignore[union-attr]
+        assert args[args.index("--threads-http") + 1] == "4"  # type: ignore[union-attr]
 
 
 def test_openai_sdk(tmp_path: Path, presets: Path) -> None:

@@ -119,7 +119,12 @@ async def test_chunked_body_is_relayed_as_it_arrives() -> None:
         assert await response.next_chunk() == b"data: two"
         assert await response.next_chunk() is None
         response.release()
+        # llama-server closes a connection after an event stream: it is closed here first,
+        # and a fresh one is opened in the background for the next request.
+        await asyncio.wait_for(asyncio.gather(*pool._warming), TIMEOUT)
         assert len(pool._idle) == 1
+        assert pool._idle[0] is not response._conn
+        assert server.connections == 2
 
 
 async def test_stale_keep_alive_connection_is_retried_once_on_a_fresh_one() -> None:
@@ -329,3 +334,97 @@ async def test_a_large_body_is_not_buffered_past_the_high_water_mark() -> None:
         assert len(await asyncio.wait_for(response.read(), TIMEOUT)) == size
         response.release()
         assert len(pool._idle) == 1
+
+
+async def test_connections_stay_within_the_cap_and_waiters_are_served_in_order() -> None:
+    gate = asyncio.Event()
+    concurrent = 0
+    most = 0
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        nonlocal concurrent, most
+        concurrent += 1
+        most = max(most, concurrent)
+        try:
+            while (request := await server.read_request(reader)) is not None:
+                await gate.wait()
+                writer.write(ok(request.split(b"\r\n\r\n", 1)[1]))
+        finally:
+            concurrent -= 1
+
+    async with serve(held) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=2)
+        done: list[int] = []
+
+        async def one(n: int) -> None:
+            response = await pool.send("POST", b"/x", [], b"%d" % n)
+            assert await response.read() == b"%d" % n
+            response.release()
+            done.append(n)
+
+        tasks = [asyncio.ensure_future(one(n)) for n in range(6)]
+        async with asyncio.timeout(TIMEOUT):
+            while len(pool._waiters) < 4:  # noqa: ASYNC110 (pool state, no event)
+                await asyncio.sleep(0)
+        assert pool.open_connections == 2
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+        assert most == 2
+        assert server.connections == 2  # released connections were handed over, not reopened
+        assert done[2:] == [2, 3, 4, 5]  # waiters in arrival order
+
+
+async def test_a_waiter_that_gives_up_keeps_nobody_waiting() -> None:
+    gate = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        while await server.read_request(reader) is not None:
+            await gate.wait()
+            writer.write(ok(b"x"))
+
+    async with serve(held) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
+        first = asyncio.ensure_future(pool.send("GET", b"/a", [], b""))
+        await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
+        quitter = asyncio.ensure_future(pool.send("GET", b"/b", [], b""))
+        patient = asyncio.ensure_future(pool.send("GET", b"/c", [], b""))
+        async with asyncio.timeout(TIMEOUT):
+            while len(pool._waiters) < 2:  # noqa: ASYNC110 (pool state, no event)
+                await asyncio.sleep(0)
+        quitter.cancel()
+        gate.set()
+        response = await asyncio.wait_for(first, TIMEOUT)
+        await response.read()
+        response.release()
+        response = await asyncio.wait_for(patient, TIMEOUT)
+        assert await response.read() == b"x"
+        response.release()
+        assert pool.open_connections == 1
+        assert quitter.cancelled()
+
+
+async def test_a_closed_connection_frees_its_place() -> None:
+    async def one_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(ok(b"bye", b"connection: close"))
+
+    async with serve(one_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
+        for _ in range(3):
+            response = await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
+            assert await response.read() == b"bye"
+            response.release()
+    assert server.connections == 3
+
+
+async def test_a_failed_connect_frees_its_place() -> None:
+    async with serve(answer_each) as server:
+        port = server.port
+    pool = ChildConnections("127.0.0.1", port, max_connections=1)
+    for _ in range(2):
+        with pytest.raises(UpstreamError, match="could not reach"):
+            await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
+    assert pool.open_connections == 0
