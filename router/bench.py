@@ -60,6 +60,7 @@ LABELS = {DIRECT: "direct", LLAMACPP: "llama.cpp router", ROUTER: "llama-router"
 MODELS = ("bench-a", "bench-b", "bench-c")  # a: warm latency; b: cold start; c: swap
 CHILD_FLAGS = ("-c", "2048", "-np", "4", "--metrics")
 JSON_HEADERS = {"content-type": "application/json"}
+STREAM_HEADERS = {**JSON_HEADERS, "connection": "close"}
 TOKENIZE_TEXT = "The quick brown fox jumps over the lazy dog."
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
@@ -355,12 +356,17 @@ def _has_content(line: bytes) -> bool:
 
 def timed_first_token(client: httpx.Client, body: bytes,
                       url: str = "/v1/chat/completions") -> float:
-    """Seconds from sending a streaming chat request to its first ``data:`` with content."""
+    """Seconds from sending a streaming chat request to its first ``data:`` with content.
+
+    Every sample opens a new connection (``Connection: close``): llama-server closes its side
+    after a stream anyway while a router may keep it, and a connect in one column only would
+    skew the comparison.
+    """
     what = f"stream {client.base_url}{url}"
     start = time.perf_counter()
     first: float | None = None
     try:
-        with client.stream("POST", url, content=body, headers=JSON_HEADERS) as response:
+        with client.stream("POST", url, content=body, headers=STREAM_HEADERS) as response:
             if response.status_code != 200:
                 response.read()
                 _classify(response, what)
