@@ -82,6 +82,7 @@ class ModelRuntime:
     load_task: asyncio.Task[None] | None = None
     load_on_demand: bool = False  # the load was started by requests, not POST /models/load
     stop_task: asyncio.Task[None] | None = None
+    replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
     failure: Failure | None = None  # the last failure, kept for messages
     failed: bool = False  # the last run ended in a failure (shown while unloaded)
     failures_in_row: int = 0

@@ -486,6 +486,9 @@ class Supervisor:
         """Mark a loaded model stopping now (so planners see it) and stop it in a task."""
         if runtime.status is not Status.LOADED or not runtime.replicas:
             return None
+        if runtime.replace_task is not None:
+            runtime.replace_task.cancel()  # stops a replacement child still starting
+            runtime.replace_task = None
         self._set_status(runtime, Status.STOPPING, reason=reason)
         runtime.stop_task = asyncio.create_task(self._finish_stop(runtime),
                                                 name=f"stop:{runtime.id}")
@@ -522,7 +525,7 @@ class Supervisor:
         runtime.replicas.remove(replica)
         failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
                           runtime.logs.tail(FAILURE_LOG_LINES))
-        ran_for = time.monotonic() - (runtime.loaded_at or time.monotonic())
+        ran_for = time.monotonic() - (replica.child.started_at or time.monotonic())
         self._record_failure(runtime, failure, crashed_after=ran_for)
         log.error("child exited unexpectedly with code %s", code,
                   extra={"event": "crashed", "model": runtime.id, "pid": replica.child.pid,
@@ -535,6 +538,47 @@ class Supervisor:
             runtime.loaded_at = None
             runtime.draining = False
             self._set_status(runtime, Status.UNLOADED)
+        elif runtime.replace_task is None or runtime.replace_task.done():
+            runtime.replace_task = asyncio.create_task(self._replace_replicas(runtime),
+                                                       name=f"replace:{runtime.id}")
+            runtime.replace_task.add_done_callback(_consume_exception)
+
+    async def _replace_replicas(self, runtime: ModelRuntime) -> None:
+        """Bring a model that still serves back to its replica count after crashes, one child
+        at a time, with the same backoff and crash-loop limit as whole loads. Cancelled when
+        the model stops."""
+        while (runtime.status is Status.LOADED and not runtime.draining
+               and not runtime.crash_loop
+               and 0 < len(runtime.replicas) < runtime.preset.replicas):
+            delay = (self._last_failure_at.get(runtime.id, 0.0)
+                     + backoff_s(runtime.failures_in_row) - time.monotonic())
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue  # check again: the model may have stopped meanwhile
+            timeout = runtime.preset.load_timeout or self.settings.load_timeout
+            children: list[ChildProcess] = []
+            try:
+                await self._spawn_ready(runtime, children, timeout, time.monotonic())
+            except asyncio.CancelledError:
+                await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+                raise
+            except Exception as exc:
+                await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+                failure = _failure_from(exc)
+                self._record_failure(runtime, failure, crashed_after=None)
+                log.error("replica restart failed: %s", failure.message,
+                          extra={"event": "replica_failed", "model": runtime.id})
+                continue
+            replica = Replica(children[-1])
+            runtime.replicas.append(replica)
+            watcher = asyncio.create_task(self._watch_exit(runtime, replica),
+                                          name=f"exit:{runtime.id}")
+            watcher.add_done_callback(_consume_exception)
+            log.info("replica restarted", extra={
+                "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
+                "port": replica.child.port})
+            self.events.publish(runtime.id, "replica_restarted",
+                                {"pid": replica.child.pid, "replicas": len(runtime.replicas)})
 
     def _close_pool_later(self, replica: Replica) -> None:
         task = asyncio.create_task(replica.child.close_pool())

@@ -182,6 +182,35 @@ def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict
             assert float(line.split()[-1]) > 0, f"replica {replica['pid']} served nothing"
 
 
+def test_a_crashed_replica_is_replaced_while_the_others_serve(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\nthreads = 1\n"},
+                          names=("alpha",))
+    with start_router(tmp_path, "--presets", str(presets)) as router, \
+            router.client() as client:
+        assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
+        before = [r["pid"] for r in router.models()["alpha"]["status"]["replicas"]]
+        assert len(before) == 2
+        os.kill(before[0], signal.SIGKILL)
+        assert wait_until(lambda: "event=crashed" in router.log(), timeout=10.0)
+        # The survivor serves while the replacement starts (or once it has: a tiny model
+        # loads within milliseconds).
+        assert client.post("/v1/chat/completions", json=chat("alpha")).status_code == 200
+
+        def replaced() -> bool:
+            replicas = router.models()["alpha"]["status"]["replicas"]
+            return len(replicas) == 2 and before[0] not in {r["pid"] for r in replicas}
+
+        assert wait_until(replaced, timeout=30.0)
+        status = router.models()["alpha"]["status"]
+        assert status["value"] == "loaded"
+        assert before[1] in {r["pid"] for r in status["replicas"]}  # never restarted
+        assert not alive(before[0])
+        for replica in status["replicas"]:  # both answer
+            assert httpx.get(f"http://127.0.0.1:{replica['port']}/health").status_code == 200
+        assert "event=replica_restarted" in router.log()
+
+
 def test_idle_ttl_unloads(tmp_path: Path, tiny_models: dict[str, Path],
                           llama_server: Path) -> None:
     presets = presets_for(tmp_path, tiny_models, {"alpha": "ttl = 1\n"})
