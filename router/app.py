@@ -137,7 +137,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     child = runtime.child
     status: dict[str, Any] = {
         "value": runtime.status.value,
-        "args": child.argv if child else supervisor.display_argv(preset),
+        "args": child.argv if child else supervisor.display_argv(runtime),
         "in_flight": runtime.in_flight,
         "waiting": runtime.waiting,
     }

@@ -29,10 +29,14 @@ q8_0, q4_0/f16, unified and not, and padded contexts (e.g. 4 layers, 4 KV heads 
 after /health and after a request stayed below the estimate: 19-24 MiB vs 68-72 MiB for the
 0.4 MiB model, 28-100 MiB vs 83-178 MiB for the 9.5 MiB one (``-c 32768``: 100 vs 178 MiB).
 
-Not included: the server's prompt cache (``--cache-ram``, default up to 8192 MiB of host RAM,
-filled with idle slots' KV state as it is used), multimodal projectors, draft models and
-LoRA adapters. Sliding-window and MLA models need less KV than estimated (it is an upper
-bound). Sizes here are binary: ``G`` and ``GiB`` (and ``GB``) all mean 2**30 bytes.
+The server's prompt cache (``--cache-ram``: idle slots' KV state, kept in host RAM as it is
+used) counts as its limit. llama-server's default limit is 8192 MiB for any model, so the router
+passes ``--cache-ram`` = one KV cache's worth (in MiB) to every child whose preset does not set
+it (``estimate_for_args``).
+
+Not included: multimodal projectors, draft models and LoRA adapters. Sliding-window and MLA
+models need less KV than estimated (it is an upper bound). Sizes here are binary: ``G`` and
+``GiB`` (and ``GB``) all mean 2**30 bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -128,10 +132,20 @@ class Estimate:
     weights_bytes: int
     kv_cache_bytes: int
     overhead_bytes: int
+    prompt_cache_bytes: int = 0  # the --cache-ram limit the child runs with
+    prompt_cache_unbounded: bool = False  # --cache-ram -1: no limit, not in the total
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+        return (self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+                + self.prompt_cache_bytes)
+
+    @property
+    def default_cache_ram_mib(self) -> int:
+        """The router's ``--cache-ram`` for a child whose preset does not set it: room for
+        one full KV cache of saved prompts (llama-server's own default is 8192 MiB for every
+        model, which no estimate could afford)."""
+        return max(1, -(-self.kv_cache_bytes // MiB))
 
 
 # --------------------------------------------------------------------------- GGUF header
@@ -312,6 +326,10 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
     ``ctv``, ``kvu``, ``ub``, ``b`` and ``fa`` are accepted too). Missing keys take
     llama-server's defaults. ``--kv-unified-per-slot N`` without ``--ctx-size`` sizes the
     context to ``parallel * N``, as llama-server does.
+
+    The prompt cache counts as its limit: ``cache-ram`` (``cram``) MiB when set (0: disabled;
+    -1: unbounded, so not counted and flagged), else the router's default for the child, one
+    KV cache's worth (``Estimate.default_cache_ram_mib``).
     """
     shape = read_shape(model_path)
     ctx = _int_arg(args, "ctx-size", "c")
@@ -324,7 +342,7 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
     batch = _int_arg(args, "batch-size", "b")
     if batch is not None and batch > 0:
         ubatch = min(ubatch or DEFAULT_UBATCH, batch)
-    return estimate(
+    base = estimate(
         shape,
         ctx_size=ctx,
         parallel=parallel,
@@ -334,6 +352,11 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
         ubatch_size=ubatch,
         flash_attn=_bool_arg(args, "flash-attn", "fa"),
     )
+    cache_ram = _int_arg(args, "cache-ram", "cram")
+    if cache_ram is None:
+        cache_ram = base.default_cache_ram_mib
+    return replace(base, prompt_cache_bytes=max(cache_ram, 0) * MiB,
+                   prompt_cache_unbounded=cache_ram < 0)
 
 
 # --------------------------------------------------------------------------- measurement

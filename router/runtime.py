@@ -66,6 +66,7 @@ class ModelRuntime:
     preset: ModelPreset
     logs: LogRing
     estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
+    cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
     status: Status = Status.UNLOADED
     replicas: list[Replica] = field(default_factory=list)
     spawning: list[ChildProcess] = field(default_factory=list)  # children of a load under way

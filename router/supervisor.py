@@ -75,7 +75,7 @@ class Supervisor:
         self._estimated: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._last_failure_at: dict[str, float] = {}
-        self._argv_cache: dict[str, tuple[ModelPreset, list[str]]] = {}
+        self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
 
     # ----------------------------------------------------------------- lookups
 
@@ -85,19 +85,24 @@ class Supervisor:
             raise ModelNotFound(name, self.catalogue.close_matches(name))
         return self.models[model_id]
 
-    def display_argv(self, preset: ModelPreset) -> list[str]:
+    def display_argv(self, runtime: ModelRuntime) -> list[str]:
         """The argv a model would start with (port 0), cached per preset for ``/models``."""
-        cached = self._argv_cache.get(preset.id)
-        if cached is None or cached[0] is not preset:
-            cached = (preset, self.child_argv(preset, 0))
-            self._argv_cache[preset.id] = cached
-        return cached[1]
+        preset, cache_ram = runtime.preset, runtime.cache_ram_mib
+        cached = self._argv_cache.get(runtime.id)
+        if cached is None or cached[0] is not preset or cached[1] != cache_ram:
+            cached = (preset, cache_ram, self.child_argv(preset, 0, cache_ram))
+            self._argv_cache[runtime.id] = cached
+        return cached[2]
 
-    def child_argv(self, preset: ModelPreset, port: int) -> list[str]:
+    def child_argv(self, preset: ModelPreset, port: int,
+                   cache_ram_mib: int | None = None) -> list[str]:
+        """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated."""
         argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
                 "--alias", preset.id, "--metrics"]
         if "threads-http" not in preset.args:  # the proxy pool is sized by it
             argv += ["--threads-http", str(http_threads(preset.args))]
+        if cache_ram_mib is not None and "cache-ram" not in preset.args:
+            argv += ["--cache-ram", str(cache_ram_mib)]
         for key, value in preset.args.items():
             if key == "hf-repo" and "model" in preset.args:
                 continue
@@ -109,13 +114,19 @@ class Supervisor:
 
     async def estimate(self, runtime: ModelRuntime) -> int:
         """Bytes the model is expected to need while loaded (all replicas); 0 if unknown.
-        Read from the GGUF header once, in a thread (the first read imports gguf/numpy)."""
+        Read from the GGUF header once per configuration, in a thread."""
         if runtime.id not in self._estimated and runtime.preset.model_path is not None:
             self._estimated.add(runtime.id)
             try:
                 one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
                                               runtime.preset.args)
                 runtime.estimate = one.total_bytes * runtime.preset.replicas
+                if "cache-ram" not in runtime.preset.args:
+                    runtime.cache_ram_mib = one.default_cache_ram_mib
+                if one.prompt_cache_unbounded:
+                    log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
+                                "estimate leaves it out; only the measured size counts",
+                                extra={"model": runtime.id})
             except (OSError, ValueError) as exc:
                 log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
         return runtime.estimate
@@ -308,7 +319,8 @@ class Supervisor:
         """Spawn one child (retrying a taken port) and wait until it is healthy."""
         for attempt in range(PORT_RETRIES):
             port = free_port()
-            child = ChildProcess(runtime.id, self.child_argv(runtime.preset, port), port,
+            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib)
+            child = ChildProcess(runtime.id, argv, port,
                                  runtime.logs, self._client,
                                  max_connections=runtime.max_connections)
             children.append(child)
@@ -630,6 +642,7 @@ class Supervisor:
                 changed.append(model_id)
                 self._estimated.discard(model_id)
                 runtime.estimate = 0
+                runtime.cache_ram_mib = None
                 runtime.crash_loop = False
                 runtime.failures_in_row = 0
                 self._retire(runtime, "reconfigured")

@@ -7,6 +7,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -201,9 +202,14 @@ def big_model(tmp_path: Path) -> Path:
                             n_head_kv=4)
 
 
+def cached(e: Estimate) -> Estimate:
+    """``e`` with the prompt cache the router gives a child by default: one KV cache."""
+    return replace(e, prompt_cache_bytes=e.default_cache_ram_mib * MiB)
+
+
 def test_estimate_for_args_defaults(big_model: Path) -> None:
     s = read_shape(big_model)
-    assert estimate_for_args(big_model, {}) == estimate(s, ctx_size=None, parallel=None)
+    assert estimate_for_args(big_model, {}) == cached(estimate(s, ctx_size=None, parallel=None))
     assert estimate_for_args(big_model, {"model": str(big_model)}).kv_cache_bytes == 4 * MiB
 
 
@@ -212,8 +218,8 @@ def test_estimate_for_args_picks_up_options(big_model: Path) -> None:
     args = {"model": str(big_model), "ctx-size": "4096", "parallel": "2",
             "cache-type-k": "q8_0", "cache-type-v": "q8_0", "kv-unified": "true"}
     got = estimate_for_args(big_model, args)
-    assert got == estimate(s, ctx_size=4096, parallel=2, cache_type_k="q8_0",
-                           cache_type_v="q8_0", kv_unified=True)
+    assert got == cached(estimate(s, ctx_size=4096, parallel=2, cache_type_k="q8_0",
+                                  cache_type_v="q8_0", kv_unified=True))
     assert got.kv_cache_bytes == 4.25 * MiB
     padded = estimate_for_args(big_model, {"ctx-size": "1000", "parallel": "3"})
     assert padded.kv_cache_bytes == 1536 * 4 * 4 * 32 * 2 * 2
@@ -229,11 +235,31 @@ def test_estimate_for_args_per_slot_and_batches(big_model: Path) -> None:
     per_slot = estimate_for_args(big_model, {"parallel": "2", "kv-unified-per-slot": "1000"})
     assert per_slot.kv_cache_bytes == 4 * MiB  # 2 * 1000 -> 2048 cells, as the server logs
     ub = estimate_for_args(big_model, {"ubatch-size": "2048"})
-    assert ub == estimate(s, ctx_size=None, parallel=None, ubatch_size=2048)
+    assert ub == cached(estimate(s, ctx_size=None, parallel=None, ubatch_size=2048))
     capped = estimate_for_args(big_model, {"ubatch-size": "2048", "batch-size": "256"})
-    assert capped == estimate(s, ctx_size=None, parallel=None, ubatch_size=256)
+    assert capped == cached(estimate(s, ctx_size=None, parallel=None, ubatch_size=256))
     no_fa = estimate_for_args(big_model, {"flash-attn": "off"})
-    assert no_fa == estimate(s, ctx_size=None, parallel=None, flash_attn=False)
+    assert no_fa == cached(estimate(s, ctx_size=None, parallel=None, flash_attn=False))
+
+
+def test_estimate_counts_the_prompt_cache_limit(big_model: Path) -> None:
+    default = estimate_for_args(big_model, {"ctx-size": "4096", "parallel": "2"})
+    assert default.kv_cache_bytes == 8 * MiB
+    assert default.default_cache_ram_mib == 8
+    assert default.prompt_cache_bytes == 8 * MiB  # the router passes --cache-ram 8
+    assert default.total_bytes == (default.weights_bytes + default.kv_cache_bytes
+                                   + default.overhead_bytes + 8 * MiB)
+    assert estimate_for_args(big_model, {"cache-ram": "512"}).prompt_cache_bytes == 512 * MiB
+    assert estimate_for_args(big_model, {"cram": "0"}).prompt_cache_bytes == 0
+    unbounded = estimate_for_args(big_model, {"cache-ram": "-1"})
+    assert unbounded.prompt_cache_bytes == 0 and unbounded.prompt_cache_unbounded
+    assert not default.prompt_cache_unbounded
+
+
+def test_default_cache_ram_rounds_up_to_whole_mib() -> None:
+    assert Estimate(0, kv_cache_bytes=1, overhead_bytes=0).default_cache_ram_mib == 1
+    assert Estimate(0, kv_cache_bytes=MiB + 1, overhead_bytes=0).default_cache_ram_mib == 2
+    assert Estimate(0, kv_cache_bytes=0, overhead_bytes=0).default_cache_ram_mib == 1
 
 
 def test_estimate_for_args_rejects_junk(big_model: Path) -> None:

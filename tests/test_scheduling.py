@@ -137,7 +137,8 @@ def test_kill_9_during_a_stream_and_crash_loop(tmp_path: Path, tiny_models: dict
 def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Path],
                                        llama_server: Path) -> None:
     args = {"ctx-size": "1024", "parallel": "2"}
-    each = estimate_for_args(tiny_models["alpha"], args).total_bytes
+    estimate = estimate_for_args(tiny_models["alpha"], args)
+    each = estimate.total_bytes  # includes the prompt cache the router allows the child
     budget = int(each * 2.5)  # two fit, three do not
     presets = presets_for(tmp_path, tiny_models)
     big = write_presets(tmp_path / "big.ini", f"[huge]\nmodel = {tiny_models['alpha']}\n"
@@ -152,6 +153,8 @@ def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Pa
         assert status["alpha"] == "unloaded"  # the least recently used idle one
         assert status["beta"] == "loaded" and status["gamma"] == "loaded"
         assert router.models()["gamma"]["status"]["memory"]["estimate"] == each
+        argv = router.models()["gamma"]["status"]["args"]
+        assert argv[argv.index("--cache-ram") + 1] == str(estimate.default_cache_ram_mib)
         started = time.monotonic()
         refused = client.post("/v1/chat/completions", json=chat("huge"))
         assert time.monotonic() - started < 5
