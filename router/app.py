@@ -157,6 +157,12 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     memory: dict[str, Any] = {"estimate": runtime.estimate or None}
     if runtime.replicas:
         memory["measured"] = supervisor.measured(runtime)
+    if supervisor.gpus:
+        measured = supervisor.measured_devices(runtime) if runtime.replicas else {}
+        memory["gpus"] = {
+            pool: {"estimate": runtime.estimate_devices.get(pool),
+                   **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
+            for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
     status["memory"] = memory
     if preset.model_path is None and preset.hf_repo:
         status.update(downloaded=False,

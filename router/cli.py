@@ -52,6 +52,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--memory-budget", default=S, metavar="SIZE",
                    help="memory all children may use, e.g. 24G (default: RAM minus "
                    "max(1 GiB, 10%%); 'off' to count models only)")
+    p.add_argument("--gpu-memory-budget", default=S, metavar="SIZE",
+                   help="memory the children may use on each GPU (nvidia-smi): 'auto' (the "
+                   "GPU's memory less 1 GiB), 'off', a size, or INDEX=SIZE,... per GPU")
     p.add_argument("--max-queue", type=int, default=S, metavar="N",
                    help="requests that may wait for models at once; more get 429 (default 1000)")
     p.add_argument("--fairness", type=float, default=S, metavar="S",

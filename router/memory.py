@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -67,7 +65,6 @@ __all__ = [
     "estimate",
     "estimate_for_args",
     "format_size",
-    "gpu_memory_by_pid",
     "measure_rss",
     "parse_size",
     "read_shape",
@@ -91,7 +88,6 @@ AUTO_PARALLEL = 4
 _KV_PAD = 256
 _FALLBACK_CTX = 4096
 _ACTIVATION_BYTES_PER_EMBD = 64
-_NVIDIA_SMI_TIMEOUT_S = 5.0
 
 CACHE_TYPE_BYTES: Mapping[str, Fraction] = {
     "f32": Fraction(4),
@@ -133,6 +129,7 @@ class Estimate:
     kv_cache_bytes: int
     overhead_bytes: int
     prompt_cache_bytes: int = 0  # the --cache-ram limit the child runs with
+    n_layer: int = 0  # the model's layers (for partial GPU offload, see ``gpus``)
     prompt_cache_unbounded: bool = False  # --cache-ram -1: no limit, not in the total
 
     @property
@@ -282,7 +279,8 @@ def estimate(
     per_token = 4 * shape.n_vocab + _ACTIVATION_BYTES_PER_EMBD * shape.n_embd
     per_cell = 2 if flash_attn is None or flash_attn else 4 * shape.n_head + 4
     overhead = BASE_OVERHEAD_BYTES + ubatch * per_token + ubatch * per_stream * per_cell
-    return Estimate(weights_bytes=shape.file_bytes, kv_cache_bytes=kv, overhead_bytes=overhead)
+    return Estimate(weights_bytes=shape.file_bytes, kv_cache_bytes=kv, overhead_bytes=overhead,
+                    n_layer=shape.n_layer)
 
 
 def _get(args: Mapping[str, str], *keys: str) -> str | None:
@@ -376,39 +374,6 @@ def measure_rss(pid: int) -> int | None:
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return total
-
-
-def gpu_memory_by_pid() -> dict[int, int]:
-    """GPU memory in bytes per process id, summed over GPUs, as reported by ``nvidia-smi``.
-
-    ``{}`` when nvidia-smi is absent, fails or takes more than 5 s; never raises.
-    """
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return {}
-    try:
-        proc = subprocess.run(
-            [exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=_NVIDIA_SMI_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return {}
-    if proc.returncode != 0:
-        return {}
-    usage: dict[int, int] = {}
-    for line in proc.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 2:
-            continue
-        try:
-            pid, mib = int(parts[0]), float(parts[1])
-        except ValueError:  # "[N/A]", "[Not Supported]"
-            continue
-        usage[pid] = usage.get(pid, 0) + int(mib * MiB)
-    return usage
 
 
 def total_ram_bytes() -> int:

@@ -126,6 +126,9 @@ class _LiveGauges(Collector):
                                    "Requests waiting for their model", labels=["model"])
         memory = GaugeMetricFamily("llamarouter_model_memory_bytes",
                                    "Resident memory of the model's llama-server", labels=["model"])
+        gpu = GaugeMetricFamily("llamarouter_model_gpu_memory_bytes",
+                                "GPU memory the model's llama-server uses (nvidia-smi)",
+                                labels=["model", "gpu"])
         alive = 0
         for runtime in self.supervisor.models.values():
             model = runtime.preset.id
@@ -136,8 +139,10 @@ class _LiveGauges(Collector):
             alive += len(runtime.replicas) + len(runtime.spawning)
             if rss is not None:
                 memory.add_metric([model], rss)
+            for pool, used in sorted(self.supervisor.measured_devices(runtime).items()):
+                gpu.add_metric([model, pool], used)
         running.add_metric([], alive)
-        yield from (running, status, in_flight, queued, memory)
+        yield from (running, status, in_flight, queued, memory, gpu)
 
 
 def merge_child_metrics(texts: Iterable[tuple[dict[str, str], str]]

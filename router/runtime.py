@@ -66,6 +66,7 @@ class ModelRuntime:
     preset: ModelPreset
     logs: LogRing
     estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
+    estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
     cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
     status: Status = Status.UNLOADED
     replicas: list[Replica] = field(default_factory=list)
@@ -123,9 +124,9 @@ class ModelRuntime:
     def serving(self) -> bool:
         return self.status is Status.LOADED and not self.draining and bool(self.replicas)
 
-    def snapshot(self, memory: int) -> ModelSnapshot:
+    def snapshot(self, memory: int, devices: dict[str, int] | None = None) -> ModelSnapshot:
         return ModelSnapshot(self.id, self.status, self.in_flight, self.last_used, memory,
-                             self.draining, self.waiting)
+                             self.draining, self.waiting, devices or {})
 
     def pick_replica(self) -> Replica:
         """The replica with the most free slots (ties: the first)."""

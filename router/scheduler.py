@@ -7,24 +7,29 @@ exhaustively unit-testable.
 
 Policy:
 
-* Capacity is two limits at once: ``models_max`` models holding a process (<= 0: no limit) and
-  ``memory_budget`` bytes (None: no limit). A model holds capacity while loading, loaded or
-  stopping (a stopping child keeps its memory until it has exited).
+* Capacity is several limits at once: ``models_max`` models holding a process (<= 0: no
+  limit), ``memory_budget`` bytes of host RAM (None: no limit), and ``device_budgets`` bytes per
+  GPU (``{"gpu0": ..., ...}``; a device without a budget is not checked). A model holds capacity
+  while loading, loaded or stopping (a stopping child keeps its memory until it has exited).
 * Only idle loaded models (nothing in flight, nobody queued for them) are evicted, least
-  recently used first, and only as many as needed once the stopping ones are gone. Loading
+  recently used first, and only as many as needed once the stopping ones are gone; a model is
+  evicted only if it frees something still short (a model slot, or bytes in a pool that is
+  over budget), so a model on another GPU is left alone. Loading
   models and models with requests in flight or queued are never evicted.
 * Anti-thrash with a fairness bound: while every candidate is busy, the waiting model waits.
   Requests to loaded models keep being served meanwhile. Once the head of the queue has waited
   ``fairness_s``, the least recently used busy model is *drained*: it takes no new requests,
   finishes what it has, and is then evicted like any idle model.
-* A model that can never fit (its estimate alone exceeds the budget) is refused at once.
+* A model that can never fit (its estimate alone exceeds a budget) is refused at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
+
+RAM = "ram"  # the host-memory pool; GPUs are "gpu0", "gpu1", ...
 
 
 class Status(StrEnum):
@@ -47,13 +52,17 @@ class ModelSnapshot:
     status: Status
     in_flight: int = 0
     last_used: float = 0.0
-    memory: int = 0  # bytes it holds (or is expected to hold) while it has processes
+    memory: int = 0  # host RAM it holds (or is expected to hold) while it has processes
     draining: bool = False
     waiting: int = 0  # requests queued for it (e.g. woken by its load, not yet served)
+    devices: Mapping[str, int] = field(default_factory=dict)  # GPU bytes per device pool
 
     @property
     def busy(self) -> bool:
         return self.in_flight > 0 or self.waiting > 0
+
+    def pools(self) -> dict[str, int]:
+        return {RAM: self.memory, **self.devices}
 
 
 @dataclass(frozen=True)
@@ -69,39 +78,62 @@ class Admission:
 
 def plan_admission(models: Sequence[ModelSnapshot], target: str, models_max: int, *,
                    target_memory: int = 0, memory_budget: int | None = None,
+                   target_devices: Mapping[str, int] | None = None,
+                   device_budgets: Mapping[str, int] | None = None,
                    waited_s: float = 0.0, fairness_s: float | None = None) -> Admission:
     """Decide whether ``target`` may start now, and what must make room for it."""
-    if memory_budget is not None and target_memory > memory_budget:
-        return Admission(admit=False, refuse=(
-            f"needs an estimated {target_memory} bytes but the memory budget is "
-            f"{memory_budget} bytes"))
+    budgets: dict[str, int] = dict(device_budgets or {})
+    if memory_budget is not None:
+        budgets[RAM] = memory_budget
+    need = {RAM: target_memory, **(target_devices or {})}
+    for pool, budget in budgets.items():
+        if need.get(pool, 0) > budget:
+            what = "memory budget" if pool == RAM else f"memory budget of {pool}"
+            return Admission(admit=False, refuse=(
+                f"needs an estimated {need[pool]} bytes but the {what} is {budget} bytes"))
     others = [m for m in models if m.id != target and m.status.holds_process]
     count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
-    bytes_over = (sum(m.memory for m in others) + target_memory - memory_budget
-                  if memory_budget is not None else 0)
-    if count_over <= 0 and bytes_over <= 0:
+    # Host RAM always counts; a GPU only if the target needs room on it (a device that is
+    # over its budget for other reasons is not this load's business).
+    over = {pool: sum(m.pools().get(pool, 0) for m in others) + need.get(pool, 0) - budget
+            for pool, budget in budgets.items() if pool == RAM or need.get(pool, 0) > 0}
+
+    def short() -> bool:
+        return count_over > 0 or any(v > 0 for v in over.values())
+
+    def helps(m: ModelSnapshot) -> bool:  # stopping m frees something still short
+        return count_over > 0 or any(over[p] > 0 and held > 0
+                                     for p, held in m.pools().items() if p in over)
+
+    def free(m: ModelSnapshot) -> None:
+        nonlocal count_over
+        count_over -= 1
+        for pool, held in m.pools().items():
+            if pool in over:
+                over[pool] -= held
+
+    if not short():
         return Admission(admit=True)
 
     # Stopping models free their capacity without further action.
     for m in others:
         if m.status is Status.STOPPING:
-            count_over -= 1
-            bytes_over -= m.memory
+            free(m)
     idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy),
                   key=lambda m: (m.last_used, m.id))
     evict: list[str] = []
     for m in idle:
-        if count_over <= 0 and bytes_over <= 0:
+        if not short():
             break
-        evict.append(m.id)
-        count_over -= 1
-        bytes_over -= m.memory
-    if count_over <= 0 and bytes_over <= 0:
+        if helps(m):
+            evict.append(m.id)
+            free(m)
+    if not short():
         return Admission(admit=False, evict=tuple(evict))
 
     drain: tuple[str, ...] = ()
     if fairness_s is not None and waited_s >= fairness_s:
-        busy = sorted((m for m in others if m.status is Status.LOADED and m.busy),
+        busy = sorted((m for m in others if m.status is Status.LOADED and m.busy and helps(m)),
                       key=lambda m: (m.last_used, m.id))
         if busy and not any(m.draining for m in busy):
             drain = (busy[0].id,)

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -24,11 +24,14 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
+from . import gpus
 from .app import State, create_app
 from .events import EventBus
 from .flags import FlagTable, Option, load_flag_table
+from .gpus import GpuDevice
 from .install import cache_root, find_llama_server
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
+from .memory import format_size
 from .metrics import RouterMetrics
 from .reload import Reloader
 from .settings import Settings
@@ -50,6 +53,8 @@ class Prepared:
     catalogue: Catalogue
     api_keys: list[str]
     build_info: str
+    gpus: list[GpuDevice] = field(default_factory=list)
+    gpu_budgets: dict[str, int] = field(default_factory=dict)
 
 
 def prepare(settings: Settings) -> Prepared:
@@ -63,8 +68,18 @@ def prepare(settings: Settings) -> Prepared:
     catalogue = build_catalogue(settings.presets, settings.models_dir, table, overrides)
     for warning in catalogue.warnings:
         log.warning("%s", warning)
+    devices = gpus.detect()
+    try:
+        gpu_budgets = gpus.budgets(settings.gpu_memory_budget, devices)
+    except ValueError as exc:
+        raise SystemExit(f"llama-router: --gpu-memory-budget: {exc}") from None
+    for device in devices:
+        budget = gpu_budgets.get(device.pool)
+        log.info("GPU %d: %s, %s, budget %s", device.index, device.name,
+                 format_size(device.total_bytes),
+                 format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, settings.all_api_keys(),
-                    _build_info(binary))
+                    _build_info(binary), devices, gpu_budgets)
 
 
 def _build_info(binary: Path) -> str:
@@ -90,7 +105,8 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
                                      verify=False) as client:  # children: plain HTTP
             events = EventBus()
             supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
-                                    prepared.binary, client, events)
+                                    prepared.binary, client, events, gpus=prepared.gpus,
+                                    gpu_budgets=prepared.gpu_budgets)
             supervisor.start()
             metrics = RouterMetrics()
             metrics.attach(supervisor)

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     memory_budget: str | None = Field(
         None, description="bytes all children may use (e.g. 24G); default: RAM minus a "
         "margin; 'off' disables the check")
+    gpu_memory_budget: str | None = Field(
+        None, description="bytes each GPU's children may use: 'auto' (default: the GPU's "
+        "memory less 1 GiB), 'off', a size for every GPU, or INDEX=SIZE,...")
     max_queue: int = Field(DEFAULT_MAX_QUEUE, gt=0)
     fairness: float = Field(DEFAULT_FAIRNESS_S, gt=0)
     crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1)

@@ -33,12 +33,13 @@ from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
+from .gpus import GpuDevice, placement, usage_by_pid
 from .logs import LogRing
 from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
 from .process import ChildError, ChildExited, ChildProcess, free_port
 from .runtime import Failure, Lease, ModelRuntime, Replica, http_threads
-from .scheduler import Status, plan_admission
+from .scheduler import RAM, Status, plan_admission
 from .settings import Settings
 from .sources import Catalogue
 
@@ -47,6 +48,7 @@ log = logging.getLogger("router.supervisor")
 PORT_RETRIES = 3
 FAILURE_LOG_LINES = 20
 STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the crash count
+GPU_POLL_S = 2.0  # how often nvidia-smi is asked what the children use
 BACKOFF_CAP_S = 30.0
 REAPER_INTERVAL_S = 1.0
 DOWNLOAD_EVENT_INTERVAL_S = 0.25
@@ -59,8 +61,13 @@ def backoff_s(failures_in_row: int) -> float:
 
 class Supervisor:
     def __init__(self, settings: Settings, catalogue: Catalogue, table: FlagTable,
-                 binary: Path, client: httpx.AsyncClient, events: EventBus) -> None:
+                 binary: Path, client: httpx.AsyncClient, events: EventBus, *,
+                 gpus: list[GpuDevice] | None = None,
+                 gpu_budgets: dict[str, int] | None = None) -> None:
         self.settings = settings
+        self.gpus = list(gpus or [])
+        self.gpu_budgets = dict(gpu_budgets or {})
+        self._gpu_usage: dict[int, dict[str, int]] = {}  # per pid, refreshed by _watch_gpus
         self.catalogue = catalogue
         self.table = table
         self.binary = binary
@@ -74,6 +81,7 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._estimated: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._gpu_watch: asyncio.Task[None] | None = None
         self._last_failure_at: dict[str, float] = {}
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
 
@@ -120,7 +128,10 @@ class Supervisor:
             try:
                 one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
                                               runtime.preset.args)
-                runtime.estimate = one.total_bytes * runtime.preset.replicas
+                where = placement(one, runtime.preset.args, self.gpus)
+                replicas = runtime.preset.replicas
+                runtime.estimate = where.pop(RAM) * replicas
+                runtime.estimate_devices = {pool: n * replicas for pool, n in where.items()}
                 if "cache-ram" not in runtime.preset.args:
                     runtime.cache_ram_mib = one.default_cache_ram_mib
                 if one.prompt_cache_unbounded:
@@ -136,10 +147,24 @@ class Supervisor:
         known = [s for s in sizes if s is not None]
         return sum(known) if known else None
 
+    def measured_devices(self, runtime: ModelRuntime) -> dict[str, int]:
+        """GPU memory its children use per device (nvidia-smi, at most a few seconds old)."""
+        total: dict[str, int] = {}
+        for replica in runtime.replicas:
+            for pool, used in self._gpu_usage.get(replica.child.pid or -1, {}).items():
+                total[pool] = total.get(pool, 0) + used
+        return total
+
     def _memory_held(self, runtime: ModelRuntime) -> int:
         """What a model holding processes counts against the budget: the larger of its
         estimate and its measured resident memory."""
         return max(runtime.estimate, self.measured(runtime) or 0)
+
+    def _devices_held(self, runtime: ModelRuntime) -> dict[str, int]:
+        """Per GPU, the larger of its estimate and its measured use."""
+        measured = self.measured_devices(runtime)
+        pools = runtime.estimate_devices.keys() | measured.keys()
+        return {p: max(runtime.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
 
     @property
     def total_waiting(self) -> int:
@@ -349,10 +374,13 @@ class Supervisor:
                 if self._admissions[0] is runtime:
                     waited = time.monotonic() - runtime.queued_since
                     plan = plan_admission(
-                        [m.snapshot(self._memory_held(m) if m.status.holds_process else 0)
+                        [m.snapshot(self._memory_held(m), self._devices_held(m))
+                         if m.status.holds_process else m.snapshot(0)
                          for m in self.models.values()],
                         runtime.id, self.settings.models_max,
                         target_memory=target_memory, memory_budget=self.memory_budget,
+                        target_devices=runtime.estimate_devices,
+                        device_budgets=self.gpu_budgets,
                         waited_s=waited, fairness_s=self.settings.fairness)
                     if plan.refuse is not None:
                         raise LoadFailed(self._never_fits_message(runtime))
@@ -373,6 +401,12 @@ class Supervisor:
             self._notify()
 
     def _never_fits_message(self, runtime: ModelRuntime) -> str:
+        for pool, need in sorted(runtime.estimate_devices.items()):
+            budget = self.gpu_budgets.get(pool)
+            if budget is not None and need > budget:
+                return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
+                        f"{format_size(need)} on {pool} but the memory budget of {pool} is "
+                        f"{format_size(budget)} (--gpu-memory-budget)")
         assert self.memory_budget is not None
         return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
                 f"{format_size(runtime.estimate)} but the memory budget is "
@@ -642,6 +676,7 @@ class Supervisor:
                 changed.append(model_id)
                 self._estimated.discard(model_id)
                 runtime.estimate = 0
+                runtime.estimate_devices = {}
                 runtime.cache_ram_mib = None
                 runtime.crash_loop = False
                 runtime.failures_in_row = 0
@@ -677,8 +712,17 @@ class Supervisor:
     # ----------------------------------------------------------------- idle TTL
 
     def start(self) -> None:
-        """Start background work (the idle reaper); ``close()`` stops it."""
+        """Start background work (the idle reaper, GPU measurement); ``close()`` stops it."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
+        if self.gpus:
+            self._gpu_watch = asyncio.create_task(self._watch_gpus(), name="gpu-usage")
+
+    async def _watch_gpus(self) -> None:
+        """Refresh per-process GPU usage every ``GPU_POLL_S`` while any child runs."""
+        while True:
+            if any(r.replicas for r in self.models.values()):
+                self._gpu_usage = await asyncio.to_thread(usage_by_pid, self.gpus)
+            await asyncio.sleep(GPU_POLL_S)
 
     async def _reap_idle(self) -> None:
         while True:
@@ -699,6 +743,8 @@ class Supervisor:
         """Stop every child (loading ones are killed); used at shutdown."""
         if self._reaper is not None:
             self._reaper.cancel()
+        if self._gpu_watch is not None:
+            self._gpu_watch.cancel()
         loads = [r.load_task for r in self.models.values()
                  if r.load_task is not None and not r.load_task.done()]
         for task in loads:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,7 +14,6 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from router import memory
 from router.memory import (
     BASE_OVERHEAD_BYTES,
     Estimate,
@@ -24,7 +22,6 @@ from router.memory import (
     estimate,
     estimate_for_args,
     format_size,
-    gpu_memory_by_pid,
     measure_rss,
     parse_size,
     read_shape,
@@ -321,40 +318,6 @@ def test_format_parse_round_trip() -> None:
 
 
 # --------------------------------------------------------------------------- measurement
-
-
-def test_gpu_memory_by_pid_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch,
-                                              tmp_path: Path) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert gpu_memory_by_pid() == {}
-
-
-def _fake_nvidia_smi(directory: Path, body: str) -> None:
-    exe = directory / "nvidia-smi"
-    exe.write_text(f"#!{sys.executable}\n{body}\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-
-
-def test_gpu_memory_by_pid_parses_output(monkeypatch: pytest.MonkeyPatch,
-                                         tmp_path: Path) -> None:
-    _fake_nvidia_smi(tmp_path, "print('123, 1024\\n456, 10\\n123, 1\\n789, [N/A]\\n')")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert gpu_memory_by_pid() == {123: 1025 * MiB, 456: 10 * MiB}
-
-
-def test_gpu_memory_by_pid_failure_is_empty(monkeypatch: pytest.MonkeyPatch,
-                                            tmp_path: Path) -> None:
-    _fake_nvidia_smi(tmp_path, "import sys; print('123, 1024'); sys.exit(9)")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert gpu_memory_by_pid() == {}
-
-
-def test_gpu_memory_by_pid_timeout_is_empty(monkeypatch: pytest.MonkeyPatch,
-                                            tmp_path: Path) -> None:
-    _fake_nvidia_smi(tmp_path, "import time; time.sleep(30)")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(memory, "_NVIDIA_SMI_TIMEOUT_S", 0.5)
-    assert gpu_memory_by_pid() == {}
 
 
 def test_measure_rss_of_self() -> None:

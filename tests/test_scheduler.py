@@ -245,3 +245,85 @@ def test_loading_models_are_never_drained() -> None:
     models = [m("a", Status.LOADING, in_flight=0)]
     plan = plan_admission(models, "t", 1, waited_s=30, fairness_s=10)
     assert plan == Admission(admit=False)
+
+
+# --- GPU devices: one pool each, next to host RAM ------------------------------------------
+
+def gpu(model_id: str, status: Status, devices: dict[str, int], ram: int = 0,
+        last_used: float = 0.0, in_flight: int = 0) -> ModelSnapshot:
+    return ModelSnapshot(model_id, status, in_flight, last_used, memory=ram, devices=devices)
+
+
+def test_a_model_on_another_gpu_is_left_alone() -> None:
+    models = [gpu("on1", L, {"gpu1": 30}, last_used=1.0),  # least recently used
+              gpu("on0", L, {"gpu0": 30}, last_used=2.0)]
+    plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
+                          device_budgets={"gpu0": 40, "gpu1": 40})
+    assert plan == Admission(admit=False, evict=("on0",))
+
+
+def test_fits_when_each_device_has_room() -> None:
+    models = [gpu("a", L, {"gpu0": 20, "gpu1": 20})]
+    plan = plan_admission(models, "new", 0, target_devices={"gpu0": 20, "gpu1": 20},
+                          device_budgets={"gpu0": 40, "gpu1": 40})
+    assert plan == Admission(admit=True)
+
+
+def test_split_model_frees_both_devices() -> None:
+    models = [gpu("split", L, {"gpu0": 20, "gpu1": 20}, last_used=1.0),
+              gpu("solo", L, {"gpu1": 10}, last_used=2.0)]
+    plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
+                          device_budgets={"gpu0": 40, "gpu1": 40})
+    assert plan == Admission(admit=False, evict=("split",))
+
+
+def test_ram_and_gpu_both_must_fit() -> None:
+    models = [gpu("ram-heavy", L, {}, ram=90, last_used=1.0),
+              gpu("gpu-heavy", L, {"gpu0": 90}, last_used=2.0)]
+    plan = plan_admission(models, "new", 0, target_memory=20, memory_budget=100,
+                          target_devices={"gpu0": 20}, device_budgets={"gpu0": 100})
+    assert plan == Admission(admit=False, evict=("ram-heavy", "gpu-heavy"))
+
+
+def test_a_device_without_a_budget_is_not_checked() -> None:
+    models = [gpu("a", L, {"gpu0": 1000})]
+    assert plan_admission(models, "new", 0, target_devices={"gpu0": 1000},
+                          device_budgets={}) == Admission(admit=True)
+
+
+def test_larger_than_a_device_budget_is_refused_naming_the_device() -> None:
+    plan = plan_admission([], "new", 0, target_devices={"gpu1": 50},
+                          device_budgets={"gpu0": 100, "gpu1": 40})
+    assert not plan.admit and plan.refuse is not None
+    assert "gpu1" in plan.refuse and "50" in plan.refuse and "40" in plan.refuse
+
+
+def test_busy_model_on_the_needed_gpu_is_the_one_drained() -> None:
+    models = [gpu("other", L, {"gpu1": 30}, last_used=1.0, in_flight=1),
+              gpu("same", L, {"gpu0": 30}, last_used=2.0, in_flight=1)]
+    plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
+                          device_budgets={"gpu0": 40, "gpu1": 40}, waited_s=20, fairness_s=10)
+    assert plan == Admission(admit=False, drain=("same",))
+
+
+def test_brute_force_devices_eviction_is_minimal_lru_and_sufficient() -> None:
+    """Every mix of three idle models on two GPUs: the plan frees enough on the devices the
+    new model needs, and evicts only models holding memory there."""
+    placements = [{}, {"gpu0": 30}, {"gpu1": 30}, {"gpu0": 15, "gpu1": 15}]
+    budgets = {"gpu0": 50, "gpu1": 50}
+    for combo in itertools.product(placements, repeat=3):
+        for target in placements[1:]:
+            models = [gpu(f"m{i}", L, dict(p), last_used=float(i)) for i, p in enumerate(combo)]
+            plan = plan_admission(models, "new", 0, target_devices=target,
+                                  device_budgets=budgets)
+            assert plan.refuse is None
+            if plan.admit:
+                assert plan.evict == ()
+            kept = [m for m in models if m.id not in plan.evict]
+            for pool in target:  # a device the load does not touch is not its business
+                budget = budgets[pool]
+                used = sum(m.devices.get(pool, 0) for m in kept) + target.get(pool, 0)
+                assert used <= budget, (combo, target, plan)
+            for victim in plan.evict:
+                held = next(m for m in models if m.id == victim).devices
+                assert any(held.get(pool, 0) for pool in target), (combo, target, plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import httpx
 import pytest
 from support import alive, start_router, wait_until, write_presets
 
+from router.gpus import GpuDevice, placement
 from router.memory import estimate_for_args
 
 pytestmark = pytest.mark.real
@@ -162,6 +164,61 @@ def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Pa
         message = refused.json()["error"]["message"]
         assert "can never be loaded" in message and "memory budget is" in message
         assert router.models()["beta"]["status"]["value"] == "loaded"  # nothing was evicted
+
+
+def test_gpu_budgets_evict_only_models_on_the_gpu_that_is_full(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """Two GPUs (a fake nvidia-smi: this machine has none; the children are the real CPU
+    llama-server, which accepts and ignores the GPU flags). Each GPU's budget fits two of the
+    models by estimate."""
+    gpus_json = tmp_path / "nvidia-smi.json"
+    gpus_json.write_text(json.dumps({
+        "gpus": [[0, "GPU-a", "Fake GPU", 1000], [1, "GPU-b", "Fake GPU", 1000]],
+        "per_process": {"name": "llama-server", "uuid": "GPU-a", "used_mib": 1}}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = Path(__file__).with_name("fake_nvidia_smi.py")
+    (bin_dir / "nvidia-smi").write_text(f"#!{sys.executable}\nimport runpy\n"
+                                        f"runpy.run_path({str(fake)!r}, run_name='__main__')\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_NVIDIA_SMI": str(gpus_json)}
+
+    args = {"ctx-size": "1024", "parallel": "2", "split-mode": "none"}
+    devices = [GpuDevice(0, "GPU-a", "Fake GPU", 1000 << 20),
+               GpuDevice(1, "GPU-b", "Fake GPU", 1000 << 20)]
+    on_gpu = placement(estimate_for_args(tiny_models["alpha"], args), args, devices)["gpu0"]
+    budget = int(on_gpu * 2.5)
+    text = "[*]\nctx-size = 1024\nparallel = 2\nsplit-mode = none\n"
+    for name, gpu in (("alpha", 0), ("beta", 0), ("gamma", 1), ("delta", 0)):
+        model = tiny_models["embed" if name == "delta" else name]
+        text += f"[{name}]\nmodel = {model}\nmain-gpu = {gpu}\n"
+    text += f"[huge]\nmodel = {tiny_models['alpha']}\nctx-size = 100000000\n"
+    presets = write_presets(tmp_path / "gpus.ini", text)
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "0",
+                      "--memory-budget", "off", "--gpu-memory-budget",
+                      f"0={budget},1={budget}", env=env) as router, router.client() as client:
+        for name in ("alpha", "beta", "gamma"):
+            assert client.post("/v1/chat/completions", json=chat(name)).status_code == 200
+        status = {m: d["status"]["value"] for m, d in router.models().items()}
+        assert [status[m] for m in ("alpha", "beta", "gamma")] == ["loaded"] * 3
+        assert client.post("/v1/chat/completions", json=chat("delta")).status_code == 200
+        status = {m: d["status"]["value"] for m, d in router.models().items()}
+        assert status["alpha"] == "unloaded"  # least recently used on gpu0
+        assert status["beta"] == status["gamma"] == status["delta"] == "loaded"  # gamma: gpu1
+
+        memory = router.models()["gamma"]["status"]["memory"]
+        assert memory["gpus"]["gpu1"]["estimate"] == on_gpu
+        assert wait_until(lambda: router.models()["beta"]["status"]["memory"]["gpus"][
+            "gpu0"].get("measured") == 1 << 20, timeout=10.0)  # the fake's 1 MiB per child
+        assert 'llamarouter_model_gpu_memory_bytes{gpu="gpu0",model="beta"}' in \
+            client.get("/metrics").text
+
+        refused = client.post("/v1/chat/completions", json=chat("huge"))
+        assert refused.status_code == 503
+        message = refused.json()["error"]["message"]
+        assert "can never be loaded" in message and "on gpu0" in message
+        assert "--gpu-memory-budget" in message
+        assert "GPU 1: Fake GPU" in router.log()
 
 
 def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict[str, Path],

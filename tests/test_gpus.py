@@ -1,0 +1,125 @@
+"""GPU detection, per-process usage, budgets and placement, with a fake nvidia-smi."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router import gpus
+from router.gpus import GpuDevice, budgets, detect, placement, usage_by_pid
+from router.memory import BASE_OVERHEAD_BYTES, Estimate
+from router.scheduler import RAM
+
+MiB = 1 << 20
+GiB = 1 << 30
+FAKE = Path(__file__).with_name("fake_nvidia_smi.py")
+TWO = [[0, "GPU-a", "NVIDIA H200", 143771], [1, "GPU-b", "NVIDIA H200", 143771]]
+
+
+def install_fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: dict[str, Any]
+                 ) -> Path:
+    """Put a fake ``nvidia-smi`` first on PATH, answering from ``config``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(FAKE)!r}\n"
+                   f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    config_path = tmp_path / "nvidia-smi.json"
+    config_path.write_text(json.dumps(config))
+    monkeypatch.setenv("FAKE_NVIDIA_SMI", str(config_path))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{'/usr/bin:/bin'}")
+    return config_path
+
+
+def test_no_nvidia_smi_means_no_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect() == []
+    assert usage_by_pid([]) == {}
+
+
+def test_detect_and_usage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    install_fake(monkeypatch, tmp_path, {
+        "gpus": [*TWO, [2, "GPU-c", "broken", "[N/A]"]],
+        "apps": [[123, "GPU-a", 1024], [123, "GPU-b", 10], [123, "GPU-a", 1],
+                 [456, "GPU-b", 5], [789, "GPU-a", "[N/A]"], [9, "GPU-unknown", 3]]})
+    devices = detect()
+    assert devices == [GpuDevice(0, "GPU-a", "NVIDIA H200", 143771 * MiB),
+                       GpuDevice(1, "GPU-b", "NVIDIA H200", 143771 * MiB)]
+    assert [d.pool for d in devices] == ["gpu0", "gpu1"]
+    assert usage_by_pid(devices) == {123: {"gpu0": 1025 * MiB, "gpu1": 10 * MiB},
+                                     456: {"gpu1": 5 * MiB}}
+
+
+def test_failing_or_hanging_nvidia_smi_means_no_gpus(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    install_fake(monkeypatch, tmp_path, {"gpus": TWO, "exit": 9})
+    assert detect() == []
+    bin_dir = tmp_path / "slow"
+    bin_dir.mkdir()
+    slow = bin_dir / "nvidia-smi"
+    slow.write_text(f"#!{sys.executable}\nimport time; time.sleep(30)\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(gpus, "NVIDIA_SMI_TIMEOUT_S", 0.5)
+    assert detect() == []
+
+
+DEVICES = [GpuDevice(0, "GPU-a", "x", 80 * GiB), GpuDevice(1, "GPU-b", "x", 40 * GiB)]
+
+
+def test_budgets() -> None:
+    margin = gpus.DEFAULT_MARGIN_BYTES
+    auto = {"gpu0": 80 * GiB - margin, "gpu1": 40 * GiB - margin}
+    assert budgets(None, DEVICES) == auto
+    assert budgets("auto", DEVICES) == auto
+    assert budgets("off", DEVICES) == {}
+    assert budgets("20G", DEVICES) == {"gpu0": 20 * GiB, "gpu1": 20 * GiB}
+    assert budgets("1=10G", DEVICES) == {"gpu0": auto["gpu0"], "gpu1": 10 * GiB}
+    assert budgets(None, []) == {}
+    with pytest.raises(ValueError, match="no GPU 7"):
+        budgets("7=1G", DEVICES)
+    with pytest.raises(ValueError, match="INDEX=SIZE"):
+        budgets("a=1G", DEVICES)
+
+
+ESTIMATE = Estimate(weights_bytes=8 * GiB, kv_cache_bytes=2 * GiB,
+                    overhead_bytes=BASE_OVERHEAD_BYTES + GiB, prompt_cache_bytes=2 * GiB,
+                    n_layer=40)
+
+
+def test_without_gpus_everything_is_ram() -> None:
+    assert placement(ESTIMATE, {}, []) == {RAM: ESTIMATE.total_bytes}
+    assert placement(ESTIMATE, {"device": "none"}, DEVICES) == {RAM: ESTIMATE.total_bytes}
+    assert placement(ESTIMATE, {"n-gpu-layers": "0"}, DEVICES) == {RAM: ESTIMATE.total_bytes}
+
+
+def test_full_offload_splits_evenly_and_keeps_the_prompt_cache_in_ram() -> None:
+    got = placement(ESTIMATE, {}, DEVICES)
+    assert got == {RAM: BASE_OVERHEAD_BYTES + 2 * GiB, "gpu0": 5 * GiB + GiB, "gpu1": 5 * GiB}
+    assert sum(got.values()) == ESTIMATE.total_bytes
+    assert placement(ESTIMATE, {"ngl": "all"}, DEVICES) == got
+    assert placement(ESTIMATE, {"n-gpu-layers": "999"}, DEVICES) == got
+
+
+def test_partial_offload() -> None:
+    got = placement(ESTIMATE, {"n-gpu-layers": "10", "device": "CUDA1"}, DEVICES)
+    offloaded = (10 * GiB) // 4
+    assert got == {RAM: ESTIMATE.total_bytes - offloaded - GiB, "gpu1": offloaded + GiB}
+
+
+def test_split_mode_none_uses_the_main_gpu_only() -> None:
+    got = placement(ESTIMATE, {"split-mode": "none", "main-gpu": "1"}, DEVICES)
+    assert set(got) == {RAM, "gpu1"}
+    assert got["gpu1"] == 10 * GiB + GiB
+
+
+def test_tensor_split_proportions() -> None:
+    got = placement(ESTIMATE, {"tensor-split": "3,1"}, DEVICES)
+    assert got["gpu0"] == int(10 * GiB * 0.75) + GiB
+    assert got["gpu1"] == int(10 * GiB * 0.25)
