@@ -209,16 +209,19 @@ class ConnectionClosed(UpstreamError):
 class Cancel:
     """Lets another task abort an exchange in progress (the client went away)."""
 
-    __slots__ = ("cancelled", "conn")
+    __slots__ = ("cancelled", "conn", "waiter")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.conn: _Connection | None = None
+        self.waiter: asyncio.Future[_Connection | None] | None = None  # queued for a place
 
     def __call__(self) -> None:
         self.cancelled = True
         if self.conn is not None:
             self.conn.abort()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionClosed(received_any=False))
 
 
 class UpstreamResponse:
@@ -312,7 +315,7 @@ class ChildConnections:
 
         fresh = False
         while True:
-            conn, reused = await self._acquire(fresh)
+            conn, reused = await self._acquire(fresh, cancel)
             if cancel is not None:
                 if cancel.cancelled:
                     self._release(conn)
@@ -342,9 +345,10 @@ class ChildConnections:
 
     # -- pool ---------------------------------------------------------------------------------
 
-    async def _acquire(self, fresh: bool) -> tuple[_Connection, bool]:
+    async def _acquire(self, fresh: bool, cancel: Cancel | None = None
+                       ) -> tuple[_Connection, bool]:
         """A connection and whether it was used before: an idle one (unless ``fresh``), a
-        new one within the cap, or else the next one released."""
+        new one within the cap, or else the next one released (``cancel`` ends the wait)."""
         if not fresh and (conn := self._take()) is not None:
             return conn, True
         if self._open < self.max_connections and not self._waiters:
@@ -353,8 +357,14 @@ class ChildConnections:
         waiter: asyncio.Future[_Connection | None] = \
             asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        if cancel is not None:
+            cancel.waiter = waiter
         try:
             granted = await waiter
+        except ConnectionClosed:  # cancelled while waiting: nothing was granted
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            raise
         except BaseException:
             if waiter.done() and not waiter.cancelled():  # granted as we were cancelled
                 self._give_back(waiter.result())

@@ -428,3 +428,32 @@ async def test_a_failed_connect_frees_its_place() -> None:
         with pytest.raises(UpstreamError, match="could not reach"):
             await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
     assert pool.open_connections == 0
+
+
+async def test_cancel_ends_a_wait_for_a_place() -> None:
+    gate = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        while await server.read_request(reader) is not None:
+            await gate.wait()
+            writer.write(ok(b"x"))
+
+    async with serve(held) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
+        first = asyncio.ensure_future(pool.send("GET", b"/a", [], b""))
+        await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
+        cancel = Cancel()
+        queued = asyncio.ensure_future(pool.send("GET", b"/b", [], b"", cancel=cancel))
+        async with asyncio.timeout(TIMEOUT):
+            while not pool._waiters:  # noqa: ASYNC110 (pool state, no event)
+                await asyncio.sleep(0)
+        cancel()
+        with pytest.raises(UpstreamError):
+            await asyncio.wait_for(queued, TIMEOUT)
+        assert not pool._waiters
+        gate.set()
+        response = await asyncio.wait_for(first, TIMEOUT)
+        await response.read()
+        response.release()
+        assert len(server.requests) == 1  # the cancelled request never reached the server
