@@ -89,7 +89,7 @@ class _Connection(asyncio.Protocol):
         await self._headers_done
 
     async def next_chunk(self) -> bytes | None:
-        """The next piece of the body, or None at its end."""
+        """The body received since the last call (waiting for some), or None at its end."""
         while not self._chunks:
             if self.complete:
                 return None
@@ -100,8 +100,10 @@ class _Connection(asyncio.Protocol):
                 await self._body_waiter
             finally:
                 self._body_waiter = None
-        chunk = self._chunks.popleft()
-        self._buffered -= len(chunk)
+        # Everything that has arrived goes out in one piece: fewer writes to the client.
+        chunk = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
         if self._paused and self._buffered < READ_HIGH_WATER // 2 and self.transport:
             self._paused = False
             self.transport.resume_reading()
