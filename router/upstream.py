@@ -54,11 +54,11 @@ class BrokenBody(UpstreamError):
 class _Connection(asyncio.Protocol):
     """One TCP connection to a child, carrying one exchange at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.on_lost: Callable[[], None] | None = None  # called once, when it closes
+        self.on_lost = on_lost  # called once, when a connection that was made closes
         self._loop = asyncio.get_running_loop()
         self._reset(head_only=False)
 
@@ -83,6 +83,9 @@ class _Connection(asyncio.Protocol):
     def begin(self, request: bytes, head_only: bool) -> None:
         assert self.transport is not None
         self._reset(head_only)
+        if self.closed:  # closed since it was chosen: fail this exchange, never hang it
+            self._fail(ConnectionClosed(received_any=False))
+            return
         self.transport.write(request)
 
     async def headers_received(self) -> None:
@@ -379,14 +382,18 @@ class ChildConnections:
         return granted, True
 
     async def _open_reserved(self) -> _Connection:
-        """Connect in a place already counted in ``_open``."""
+        """Connect in a place already counted in ``_open``; the place is freed exactly once,
+        by the connection's loss or, if it was never made, here."""
+        conn = _Connection(on_lost=self._lost)
         try:
-            conn = await self._connect()
+            await self._connect(conn)
         except BaseException:
-            self._open -= 1
-            self._grant_places()
+            if conn.transport is None:
+                self._open -= 1
+                self._grant_places()
+            else:
+                conn.abort()  # made after all (a late cancellation): its loss frees the place
             raise
-        conn.on_lost = self._lost
         return conn
 
     def _give_back(self, granted: _Connection | None) -> None:
@@ -458,12 +465,11 @@ class ChildConnections:
         conn.keep_alive = True
         self._release(conn)
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                _, conn = await loop.create_connection(_Connection, self.host, self.port)
+                await loop.create_connection(lambda: conn, self.host, self.port)
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"could not reach the model's llama-server on port "
                                 f"{self.port}: {exc!r}") from exc
-        return conn

@@ -457,3 +457,56 @@ async def test_cancel_ends_a_wait_for_a_place() -> None:
         await response.read()
         response.release()
         assert len(server.requests) == 1  # the cancelled request never reached the server
+
+
+async def test_a_connection_closed_as_soon_as_it_is_made_fails_fast_and_frees_its_place(
+        ) -> None:
+    async def slam(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        return  # closed at once, before any request
+
+    async with serve(slam) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
+        for _ in range(3):
+            with pytest.raises(UpstreamError):
+                await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
+        async with asyncio.timeout(TIMEOUT):
+            while pool.open_connections:  # noqa: ASYNC110 (pool state, no event)
+                await asyncio.sleep(0)
+
+
+async def test_places_are_not_lost_when_requests_are_cancelled_at_every_stage() -> None:
+    gate = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        while await server.read_request(reader) is not None:
+            await gate.wait()
+            writer.write(ok(b"x"))
+
+    async with serve(held) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=2)
+
+        async def one() -> bytes:
+            response = await pool.send("GET", b"/x", [], b"")
+            try:
+                return await response.read()
+            finally:
+                response.release()
+
+        tasks = [asyncio.ensure_future(one()) for _ in range(8)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        for task in tasks[::2]:  # connecting, sending or queued
+            task.cancel()
+        gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
+                                         TIMEOUT)
+        assert results[1::2] == [b"x"] * 4
+        async with asyncio.timeout(TIMEOUT):
+            while pool._waiters:  # noqa: ASYNC110 (pool state, no event)
+                await asyncio.sleep(0)
+        assert pool.open_connections <= 2
+        response = await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
+        assert await response.read() == b"x"
+        response.release()
