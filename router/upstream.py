@@ -107,7 +107,7 @@ class _Connection(asyncio.Protocol):
         chunk = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
-        if self._paused and self._buffered < READ_HIGH_WATER // 2 and self.transport:
+        if self._paused and self.transport:  # all taken: read on
             self._paused = False
             self.transport.resume_reading()
         return chunk
@@ -232,7 +232,7 @@ class Cancel:
 class UpstreamResponse:
     """A response whose headers have arrived; read its body with ``next_chunk``.
 
-    ``release()`` must be called exactly once (``StreamedResponse`` does): it returns the
+    ``release()`` must be called exactly once (``proxy.relay`` does): it returns the
     connection to the pool if the body was read to the end, and closes it otherwise.
     """
 
