@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     from .server import serve
-    from .settings import Settings
+    from .settings import ConfigurationError, Settings
 
     values = {k: v for k, v in vars(args).items() if k != "command"}
     if "api_key" in values:
@@ -138,7 +138,7 @@ def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
-    except InstallError as exc:
+    except (InstallError, ConfigurationError) as exc:
         print(f"llama-router: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -93,31 +93,49 @@ def usage_by_pid(devices: list[GpuDevice]) -> dict[int, dict[str, int]]:
     return usage
 
 
-def budgets(spec: str | None, devices: list[GpuDevice]) -> dict[str, int]:
-    """Per-pool budgets from ``--gpu-memory-budget``.
+BudgetSpec = str | int | dict[int, int]  # "auto", "off", a size for all, or per GPU index
 
-    ``None``/``auto``: each GPU's memory less ``DEFAULT_MARGIN_BYTES``. ``off``: none. ``SIZE``:
-    every GPU. ``0=20G,1=40G``: per GPU index (others: auto). Raises ValueError.
-    """
-    auto = {d.pool: max(d.total_bytes - DEFAULT_MARGIN_BYTES, 0) for d in devices}
+
+def parse_budget(spec: str | None) -> BudgetSpec:
+    """Check and read ``--gpu-memory-budget`` (see ``budgets``). Raises ValueError."""
     text = (spec or "auto").strip()
     if text.lower() == "auto":
-        return auto
-    if text.lower() in ("off", "none"):
-        return {}
+        return "auto"
+    if text.lower() in ("off", "none", "0"):
+        return "off"
     if "=" not in text:
-        size = parse_size(text)
-        return {pool: size for pool in auto}
-    result = dict(auto)
+        return parse_size(text)
+    per_index: dict[int, int] = {}
     for item in text.split(","):
         index, sep, amount = item.partition("=")
         if not sep or not index.strip().isdigit():
             raise ValueError(f"expected INDEX=SIZE, got {item.strip()!r}")
-        pool = f"gpu{int(index)}"
+        per_index[int(index)] = parse_size(amount)
+    return per_index
+
+
+def budgets(spec: str | None, devices: list[GpuDevice]) -> dict[str, int]:
+    """Per-pool budgets from ``--gpu-memory-budget``.
+
+    ``None``/``auto``: each GPU's memory less ``DEFAULT_MARGIN_BYTES``. ``off``/``0``: none.
+    ``SIZE``: every GPU. ``0=20G,1=40G``: per GPU index (others: auto). Raises ValueError.
+    """
+    auto = {d.pool: max(d.total_bytes - DEFAULT_MARGIN_BYTES, 0) for d in devices}
+    parsed = parse_budget(spec)
+    if parsed == "auto":
+        return auto
+    if parsed == "off":
+        return {}
+    if isinstance(parsed, int):
+        return {pool: parsed for pool in auto}
+    assert isinstance(parsed, dict)
+    result = dict(auto)
+    for index, size in parsed.items():
+        pool = f"gpu{index}"
         if pool not in auto:
-            raise ValueError(f"there is no GPU {index.strip()} (nvidia-smi lists "
+            raise ValueError(f"there is no GPU {index} (nvidia-smi lists "
                              f"{', '.join(sorted(auto)) or 'none'})")
-        result[pool] = parse_size(amount)
+        result[pool] = size
     return result
 
 

@@ -34,7 +34,7 @@ from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .memory import format_size
 from .metrics import RouterMetrics
 from .reload import Reloader
-from .settings import Settings
+from .settings import ConfigurationError, Settings
 from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
 from .systemd import Notifier
@@ -64,7 +64,7 @@ def prepare(settings: Settings) -> Prepared:
     try:
         overrides = table.parse_argv(settings.child_args)
     except ValueError as exc:
-        raise SystemExit(f"llama-router: pass-through args after --: {exc}") from None
+        raise ConfigurationError(f"pass-through args after --: {exc}") from None
     catalogue = build_catalogue(settings.presets, settings.models_dir, table, overrides)
     for warning in catalogue.warnings:
         log.warning("%s", warning)
@@ -72,7 +72,7 @@ def prepare(settings: Settings) -> Prepared:
     try:
         gpu_budgets = gpus.budgets(settings.gpu_memory_budget, devices)
     except ValueError as exc:
-        raise SystemExit(f"llama-router: --gpu-memory-budget: {exc}") from None
+        raise ConfigurationError(f"--gpu-memory-budget: {exc}") from None
     for device in devices:
         budget = gpu_budgets.get(device.pool)
         log.info("GPU %d: %s, %s, budget %s", device.index, device.name,

@@ -27,6 +27,11 @@ DEFAULT_SHUTDOWN_GRACE_S = 30.0
 HEALTH_POLL_INTERVAL_S = 0.02
 
 
+class ConfigurationError(Exception):
+    """Settings that are well-formed but do not fit this machine (e.g. a GPU that is not
+    there); the CLI prints it and exits 2."""
+
+
 class Settings(BaseSettings):
     """Everything ``llama-router serve`` is configured by.
 
@@ -70,6 +75,23 @@ class Settings(BaseSettings):
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_memory_budget(cls, value: str | None) -> str | None:
+        from .memory import parse_size
+
+        if value is not None and value.strip().lower() not in ("off", "none", "0"):
+            parse_size(value)  # a ValueError becomes a validation error naming the setting
+        return value
+
+    @field_validator("gpu_memory_budget")
+    @classmethod
+    def _check_gpu_memory_budget(cls, value: str | None) -> str | None:
+        from .gpus import parse_budget
+
+        parse_budget(value)
         return value
 
     def memory_budget_bytes(self) -> int | None:

@@ -93,3 +93,24 @@ def test_models_dir_source(tmp_path: Path, tiny_models: dict[str, Path]) -> None
             response = client.post("/v1/chat/completions", json={
                 "model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
             assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--memory-budget", "lots"), "memory_budget"),
+    (("--gpu-memory-budget", "1:2G"), "gpu_memory_budget"),
+    (("--gpu-memory-budget", "x=2G"), "expected INDEX=SIZE"),
+])
+def test_bad_budgets_are_refused_before_anything_starts(args: tuple[str, ...],
+                                                        expected: str) -> None:
+    result = run("serve", "--port", "0", *args)
+    assert result.returncode == 2
+    assert "invalid settings" in result.stderr and expected in result.stderr
+
+
+@pytest.mark.real
+def test_a_budget_for_a_gpu_that_is_not_there(tmp_path: Path, llama_server: Path) -> None:
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}  # no nvidia-smi: no GPUs
+    result = run("serve", "--port", "0", "--llama-server", str(llama_server),
+                 "--gpu-memory-budget", "7=1G", env=env)
+    assert result.returncode == 2
+    assert "--gpu-memory-budget: there is no GPU 7 (nvidia-smi lists none)" in result.stderr
