@@ -335,9 +335,7 @@ class Supervisor:
                                   "pid": children[0].pid, "port": children[0].port,
                                   "duration": duration})
         for replica in runtime.replicas:
-            watcher = asyncio.create_task(self._watch_exit(runtime, replica),
-                                          name=f"exit:{runtime.id}")
-            watcher.add_done_callback(_consume_exception)
+            self._start_exit_watch(runtime, replica)
 
     async def _spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
                            timeout: float, started: float) -> None:
@@ -605,11 +603,10 @@ class Supervisor:
             children: list[ChildProcess] = []
             try:
                 await self._spawn_ready(runtime, children, timeout, time.monotonic())
-            except asyncio.CancelledError:
+            except BaseException as exc:
                 await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
-                raise
-            except Exception as exc:
-                await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+                if not isinstance(exc, Exception):  # cancelled: the model is stopping
+                    raise
                 failure = _failure_from(exc)
                 self._record_failure(runtime, failure, crashed_after=None)
                 log.error("replica restart failed: %s", failure.message,
@@ -617,14 +614,17 @@ class Supervisor:
                 continue
             replica = Replica(children[-1])
             runtime.replicas.append(replica)
-            watcher = asyncio.create_task(self._watch_exit(runtime, replica),
-                                          name=f"exit:{runtime.id}")
-            watcher.add_done_callback(_consume_exception)
+            self._start_exit_watch(runtime, replica)
             log.info("replica restarted", extra={
                 "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
                 "port": replica.child.port})
             self.events.publish(runtime.id, "replica_restarted",
                                 {"pid": replica.child.pid, "replicas": len(runtime.replicas)})
+
+    def _start_exit_watch(self, runtime: ModelRuntime, replica: Replica) -> None:
+        watcher = asyncio.create_task(self._watch_exit(runtime, replica),
+                                      name=f"exit:{runtime.id}")
+        watcher.add_done_callback(_consume_exception)
 
     def _close_pool_later(self, replica: Replica) -> None:
         task = asyncio.create_task(replica.child.close_pool())
