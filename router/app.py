@@ -44,7 +44,7 @@ from .events import EventBus
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .presets import ModelPreset
-from .proxy import relay, upstream_headers
+from .proxy import relay, upstream_headers, wait_disconnect
 from .reload import Reloader
 from .requests import header, model_from_body, read_body
 from .runtime import Lease, ModelRuntime
@@ -305,7 +305,7 @@ class EventStream:
 async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive,
                             closing: asyncio.Event) -> None:
     """Run ``work`` until it ends, the client disconnects or the router shuts down."""
-    tasks = {asyncio.ensure_future(work), asyncio.ensure_future(_wait_disconnect(receive)),
+    tasks = {asyncio.ensure_future(work), asyncio.ensure_future(wait_disconnect(receive)),
              asyncio.ensure_future(closing.wait())}
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task in tasks:
@@ -317,11 +317,6 @@ async def _end_stream(send: Send) -> None:
     """Close the chunked body cleanly (the client may already be gone)."""
     with contextlib.suppress(Exception):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def metrics(request: Request) -> Response:
@@ -384,7 +379,7 @@ async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
                                        receive: Receive) -> Lease:
     """Wait for a lease, but leave the queue at once if the client goes away."""
     acquire_task = asyncio.ensure_future(acquire)
-    watch_task = asyncio.ensure_future(_wait_disconnect(receive))
+    watch_task = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait({acquire_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:

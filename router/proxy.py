@@ -70,8 +70,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
 
 async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel) -> None:
     headers = [(k, v) for k, v in response.headers if k not in RESPONSE_DROP]
-    content_type = response.header(b"content-type") or b""
-    is_sse = content_type.startswith(b"text/event-stream")
+    is_sse = response.event_stream
     length = response.header(b"content-length")
     if not is_sse and length is not None and length.isdigit() and int(length) <= SMALL_BODY:
         try:
@@ -102,6 +101,12 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client has disconnected (the request body must be read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class DisconnectWatch:
     """Call ``on_gone`` when the client disconnects, watching only after ``after`` seconds.
 
@@ -122,8 +127,7 @@ class DisconnectWatch:
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
+        await wait_disconnect(self._receive)
         self._on_gone()
 
     def stop(self) -> None:

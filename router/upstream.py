@@ -241,6 +241,7 @@ class UpstreamResponse:
         self._conn = conn
         self.status = conn.status
         self.headers = conn.headers
+        self.event_stream = conn.event_stream  # text/event-stream
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
