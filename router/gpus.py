@@ -28,7 +28,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .memory import BASE_OVERHEAD_BYTES, Estimate, MiB, parse_size
+from .memory import BASE_OVERHEAD_BYTES, Estimate, MiB, option_value, parse_size
 from .scheduler import RAM
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
@@ -139,13 +139,6 @@ def budgets(spec: str | None, devices: list[GpuDevice]) -> dict[str, int]:
     return result
 
 
-def _arg(args: Mapping[str, str], *keys: str) -> str | None:
-    for key in keys:
-        if key in args:
-            return args[key].strip()
-    return None
-
-
 def placement(estimate: Estimate, args: Mapping[str, str],
               devices: list[GpuDevice]) -> dict[str, int]:
     """Bytes per pool (``ram``, ``gpu<i>``) one child is expected to need (see the module)."""
@@ -153,7 +146,7 @@ def placement(estimate: Estimate, args: Mapping[str, str],
     used = _devices_used(args, devices)
     if not used:
         return {RAM: total}
-    layers = _arg(args, "n-gpu-layers", "gpu-layers", "ngl")
+    layers = option_value(args, "n-gpu-layers", "gpu-layers", "ngl")
     fraction = 1.0
     if layers is not None and layers.lower() not in ("auto", "all", "-1", ""):
         n_layer = max(estimate.n_layer, 1)
@@ -172,7 +165,7 @@ def placement(estimate: Estimate, args: Mapping[str, str],
 
 
 def _devices_used(args: Mapping[str, str], devices: list[GpuDevice]) -> list[GpuDevice]:
-    listed = _arg(args, "device", "dev")
+    listed = option_value(args, "device", "dev")
     if listed is None or listed == "":
         return list(devices)
     if listed.lower() == "none":
@@ -188,12 +181,12 @@ def _devices_used(args: Mapping[str, str], devices: list[GpuDevice]) -> list[Gpu
 
 def _shares(args: Mapping[str, str], count: int) -> list[float]:
     """Each used device's share of the offloaded bytes."""
-    if (_arg(args, "split-mode", "sm") or "").lower() == "none":
-        main = _arg(args, "main-gpu", "mg")
+    if (option_value(args, "split-mode", "sm") or "").lower() == "none":
+        main = option_value(args, "main-gpu", "mg")
         index = int(main) if main is not None and main.isdigit() else 0
         index = index if index < count else 0
         return [1.0 if i == index else 0.0 for i in range(count)]
-    split = _arg(args, "tensor-split", "ts")
+    split = option_value(args, "tensor-split", "ts")
     if split:
         try:
             weights = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]

@@ -66,6 +66,7 @@ __all__ = [
     "estimate_for_args",
     "format_size",
     "measure_rss",
+    "option_value",
     "parse_size",
     "read_shape",
     "total_ram_bytes",
@@ -283,7 +284,9 @@ def estimate(
                     n_layer=shape.n_layer)
 
 
-def _get(args: Mapping[str, str], *keys: str) -> str | None:
+def option_value(args: Mapping[str, str], *keys: str) -> str | None:
+    """The value of the first of ``keys`` (spellings of one llama-server option) in ``args``,
+    stripped; None if none is there."""
     for key in keys:
         value = args.get(key)
         if value is not None:
@@ -292,7 +295,7 @@ def _get(args: Mapping[str, str], *keys: str) -> str | None:
 
 
 def _int_arg(args: Mapping[str, str], *keys: str) -> int | None:
-    value = _get(args, *keys)
+    value = option_value(args, *keys)
     if value is None or value == "":
         return None
     try:
@@ -302,7 +305,7 @@ def _int_arg(args: Mapping[str, str], *keys: str) -> int | None:
 
 
 def _bool_arg(args: Mapping[str, str], *keys: str) -> bool | None:
-    value = _get(args, *keys)
+    value = option_value(args, *keys)
     if value is None:
         return None
     lowered = value.lower()
@@ -344,8 +347,8 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
         shape,
         ctx_size=ctx,
         parallel=parallel,
-        cache_type_k=_get(args, "cache-type-k", "ctk") or "f16",
-        cache_type_v=_get(args, "cache-type-v", "ctv") or "f16",
+        cache_type_k=option_value(args, "cache-type-k", "ctk") or "f16",
+        cache_type_v=option_value(args, "cache-type-v", "ctv") or "f16",
         kv_unified=_bool_arg(args, "kv-unified", "kvu"),
         ubatch_size=ubatch,
         flash_attn=_bool_arg(args, "flash-attn", "fa"),
