@@ -126,6 +126,21 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         assert not leftovers, f"children left behind: {leftovers}\n{router.log()}"
 
 
+def fake_nvidia_smi(directory: Path, config: dict[str, object]) -> dict[str, str]:
+    """Install tests/fake_nvidia_smi.py as ``directory/bin/nvidia-smi`` answering from
+    ``config``; the environment entries that put it first on PATH."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = Path(__file__).with_name("fake_nvidia_smi.py")
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(f"#!{sys.executable}\nimport runpy\n"
+                   f"runpy.run_path({str(fake)!r}, run_name='__main__')\n")
+    exe.chmod(0o755)
+    config_path = directory / "nvidia-smi.json"
+    config_path.write_text(json.dumps(config))
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_NVIDIA_SMI": str(config_path)}
+
+
 def write_presets(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

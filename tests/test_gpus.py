@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import fake_nvidia_smi
 
 from router import gpus
 from router.gpus import GpuDevice, budgets, detect, placement, usage_by_pid
@@ -17,24 +17,14 @@ from router.scheduler import RAM
 
 MiB = 1 << 20
 GiB = 1 << 30
-FAKE = Path(__file__).with_name("fake_nvidia_smi.py")
 TWO = [[0, "GPU-a", "NVIDIA H200", 143771], [1, "GPU-b", "NVIDIA H200", 143771]]
 
 
 def install_fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: dict[str, Any]
-                 ) -> Path:
+                 ) -> None:
     """Put a fake ``nvidia-smi`` first on PATH, answering from ``config``."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    exe = bin_dir / "nvidia-smi"
-    exe.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(FAKE)!r}\n"
-                   f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    config_path = tmp_path / "nvidia-smi.json"
-    config_path.write_text(json.dumps(config))
-    monkeypatch.setenv("FAKE_NVIDIA_SMI", str(config_path))
-    monkeypatch.setenv("PATH", f"{bin_dir}:{'/usr/bin:/bin'}")
-    return config_path
+    for name, value in fake_nvidia_smi(tmp_path, config).items():
+        monkeypatch.setenv(name, value)
 
 
 def test_no_nvidia_smi_means_no_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

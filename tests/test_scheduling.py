@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import alive, start_router, wait_until, write_presets
+from support import alive, fake_nvidia_smi, start_router, wait_until, write_presets
 
 from router.gpus import GpuDevice, placement
 from router.memory import estimate_for_args
@@ -171,17 +170,9 @@ def test_gpu_budgets_evict_only_models_on_the_gpu_that_is_full(
     """Two GPUs (a fake nvidia-smi: this machine has none; the children are the real CPU
     llama-server, which accepts and ignores the GPU flags). Each GPU's budget fits two of the
     models by estimate."""
-    gpus_json = tmp_path / "nvidia-smi.json"
-    gpus_json.write_text(json.dumps({
+    env = fake_nvidia_smi(tmp_path, {
         "gpus": [[0, "GPU-a", "Fake GPU", 1000], [1, "GPU-b", "Fake GPU", 1000]],
-        "per_process": {"name": "llama-server", "uuid": "GPU-a", "used_mib": 1}}))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = Path(__file__).with_name("fake_nvidia_smi.py")
-    (bin_dir / "nvidia-smi").write_text(f"#!{sys.executable}\nimport runpy\n"
-                                        f"runpy.run_path({str(fake)!r}, run_name='__main__')\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_NVIDIA_SMI": str(gpus_json)}
+        "per_process": {"name": "llama-server", "uuid": "GPU-a", "used_mib": 1}})
 
     args = {"ctx-size": "1024", "parallel": "2", "split-mode": "none"}
     devices = [GpuDevice(0, "GPU-a", "Fake GPU", 1000 << 20),

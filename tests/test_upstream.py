@@ -74,6 +74,43 @@ async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             return
 
 
+async def answer_and_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           server: Server) -> None:
+    await server.read_request(reader)
+    writer.write(ok(b"bye", b"connection: close"))
+
+
+async def fetch(pool: ChildConnections, target: bytes) -> bytes:
+    """GET ``target`` and read the whole answer, giving the connection back."""
+    response = await pool.send("GET", target, [], b"")
+    try:
+        return await response.read()
+    finally:
+        response.release()
+
+
+def reply_once(raw: bytes) -> Handler:
+    """A server that sends ``raw`` to the first request, then waits for the client to close."""
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(raw)
+        await reader.read()
+
+    return reply
+
+
+def answer_after(gate: asyncio.Event) -> Handler:
+    """A server that answers each request with ``x`` once ``gate`` is set."""
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   server: Server) -> None:
+        while await server.read_request(reader) is not None:
+            await gate.wait()
+            writer.write(ok(b"x"))
+
+    return held
+
+
 async def test_keep_alive_connection_is_reused_and_request_is_framed() -> None:
     async with serve(answer_each) as server:
         pool = ChildConnections("127.0.0.1", server.port)
@@ -92,9 +129,7 @@ async def test_keep_alive_connection_is_reused_and_request_is_framed() -> None:
 async def test_get_without_body_sends_no_content_length() -> None:
     async with serve(answer_each) as server:
         pool = ChildConnections("127.0.0.1", server.port)
-        response = await pool.send("GET", b"/slots", [], b"")
-        await response.read()
-        response.release()
+        await fetch(pool, b"/slots")
     assert b"content-length" not in server.requests[0]
 
 
@@ -177,13 +212,7 @@ async def test_body_cut_short_is_a_broken_body() -> None:
 
 
 async def test_malformed_response_is_an_error() -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      server: Server) -> None:
-        await server.read_request(reader)
-        writer.write(b"SPDY/9 banana\r\n\r\n")
-        await reader.read()
-
-    async with serve(garbage) as server:
+    async with serve(reply_once(b"SPDY/9 banana\r\n\r\n")) as server:
         pool = ChildConnections("127.0.0.1", server.port)
         with pytest.raises(UpstreamError):
             await pool.send("GET", b"/x", [], b"")
@@ -198,13 +227,8 @@ async def test_nothing_listening_is_an_error_naming_the_port() -> None:
 
 
 async def test_unread_body_closes_the_connection_instead_of_pooling_it() -> None:
-    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        server: Server) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
-        await reader.read()  # until the client goes away
-
-    async with serve(slow_body) as server:
+    partial = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789"
+    async with serve(reply_once(partial)) as server:
         pool = ChildConnections("127.0.0.1", server.port)
         response = await pool.send("GET", b"/x", [], b"")
         response.release()  # body not read to its end
@@ -235,12 +259,7 @@ async def test_connection_close_is_asked_for_and_never_pooled() -> None:
 
 
 async def test_server_that_closes_after_its_answer_is_not_pooled() -> None:
-    async def close_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          server: Server) -> None:
-        await server.read_request(reader)
-        writer.write(ok(b"bye", b"connection: close"))
-
-    async with serve(close_after) as server:
+    async with serve(answer_and_close) as server:
         pool = ChildConnections("127.0.0.1", server.port)
         response = await pool.send("GET", b"/x", [], b"")
         assert await response.read() == b"bye"
@@ -269,24 +288,14 @@ async def test_cancel_aborts_a_request_waiting_for_its_answer() -> None:
 async def test_expired_idle_connection_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve(answer_each) as server:
         pool = ChildConnections("127.0.0.1", server.port)
-        response = await pool.send("GET", b"/x", [], b"")
-        await response.read()
-        response.release()
+        await fetch(pool, b"/x")
         monkeypatch.setattr(upstream, "IDLE_EXPIRY_S", 0.0)
-        response = await pool.send("GET", b"/x", [], b"")
-        await response.read()
-        response.release()
+        await fetch(pool, b"/x")
     assert server.connections == 2
 
 
 async def test_head_response_is_complete_at_its_headers() -> None:
-    async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   server: Server) -> None:
-        await server.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n")
-        await reader.read()
-
-    async with serve(head) as server:
+    async with serve(reply_once(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n")) as server:
         pool = ChildConnections("127.0.0.1", server.port)
         response = await pool.send("HEAD", b"/x", [], b"")
         assert response.header(b"content-length") == b"50"
@@ -298,14 +307,10 @@ async def test_head_response_is_complete_at_its_headers() -> None:
 async def test_aclose_closes_idle_connections_and_later_ones_on_release() -> None:
     async with serve(answer_each) as server:
         pool = ChildConnections("127.0.0.1", server.port)
-        response = await pool.send("GET", b"/x", [], b"")
-        await response.read()
-        response.release()
+        await fetch(pool, b"/x")
         await pool.aclose()
         await asyncio.wait_for(server.closed.wait(), TIMEOUT)
-        response = await pool.send("GET", b"/x", [], b"")
-        await response.read()
-        response.release()
+        await fetch(pool, b"/x")
         assert b"connection: close" in server.requests[-1]
         assert not pool._idle
 
@@ -377,14 +382,7 @@ async def test_connections_stay_within_the_cap_and_waiters_are_served_in_order()
 
 async def test_a_waiter_that_gives_up_keeps_nobody_waiting() -> None:
     gate = asyncio.Event()
-
-    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   server: Server) -> None:
-        while await server.read_request(reader) is not None:
-            await gate.wait()
-            writer.write(ok(b"x"))
-
-    async with serve(held) as server:
+    async with serve(answer_after(gate)) as server:
         pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
         first = asyncio.ensure_future(pool.send("GET", b"/a", [], b""))
         await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
@@ -406,12 +404,7 @@ async def test_a_waiter_that_gives_up_keeps_nobody_waiting() -> None:
 
 
 async def test_a_closed_connection_frees_its_place() -> None:
-    async def one_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       server: Server) -> None:
-        await server.read_request(reader)
-        writer.write(ok(b"bye", b"connection: close"))
-
-    async with serve(one_each) as server:
+    async with serve(answer_and_close) as server:
         pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
         for _ in range(3):
             response = await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
@@ -432,14 +425,7 @@ async def test_a_failed_connect_frees_its_place() -> None:
 
 async def test_cancel_ends_a_wait_for_a_place() -> None:
     gate = asyncio.Event()
-
-    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   server: Server) -> None:
-        while await server.read_request(reader) is not None:
-            await gate.wait()
-            writer.write(ok(b"x"))
-
-    async with serve(held) as server:
+    async with serve(answer_after(gate)) as server:
         pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
         first = asyncio.ensure_future(pool.send("GET", b"/a", [], b""))
         await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
@@ -477,14 +463,7 @@ async def test_a_connection_closed_as_soon_as_it_is_made_fails_fast_and_frees_it
 
 async def test_places_are_not_lost_when_requests_are_cancelled_at_every_stage() -> None:
     gate = asyncio.Event()
-
-    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   server: Server) -> None:
-        while await server.read_request(reader) is not None:
-            await gate.wait()
-            writer.write(ok(b"x"))
-
-    async with serve(held) as server:
+    async with serve(answer_after(gate)) as server:
         pool = ChildConnections("127.0.0.1", server.port, max_connections=2)
 
         async def one() -> bytes:
