@@ -37,6 +37,7 @@ from .errors import (
     ModelMissing,
     NotFound,
     RouterError,
+    Unauthorized,
     envelope,
     envelope_bytes,
 )
@@ -436,10 +437,10 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         await _forward(scope, receive, send)
     except RouterError as exc:
-        await _send_json(send, exc.status, exc.envelope(), exc.headers)
+        await send_error(send, exc)
     except Exception as exc:
         log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
-        await _send_json(send, 500, envelope(500, f"internal error: {type(exc).__name__}"))
+        await send_error(send, RouterError(f"internal error: {type(exc).__name__}"))
 
 
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
@@ -478,12 +479,12 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         lease.release()
 
 
-async def _send_json(send: Send, status: int, content: Any,
-                     headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(content).encode()
+async def send_error(send: Send, exc: RouterError) -> None:
+    """Answer with the error's envelope and headers, in plain ASGI."""
+    body = envelope_bytes(exc.status, exc.message, exc.type)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
+    raw += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -514,11 +515,7 @@ class ApiKeyMiddleware:
         if ok:
             await self.app(scope, receive, send)
             return
-        body = envelope_bytes(401, "Invalid API Key", "authentication_error")
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, Unauthorized())
 
 
 class RequestMetricsMiddleware:

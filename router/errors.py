@@ -69,7 +69,7 @@ class Unauthorized(RouterError):
     type = "authentication_error"
 
     def __init__(self, message: str = "Invalid API Key") -> None:
-        super().__init__(message)
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class NotFound(RouterError):
