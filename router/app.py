@@ -146,9 +146,15 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         status.update(pid=child.pid, port=child.port)
     if runtime.loaded_at is not None:
         status["uptime_s"] = round(time.monotonic() - runtime.loaded_at, 1)
+    if child is not None:
+        status["cpu"] = child.cpu.describe() if child.cpu is not None else {
+            "threads": preset.args.get("threads"), "cores": None,
+            "placed_by": "preset" if supervisor.cores else "llama-server"}
     if preset.replicas > 1 or len(runtime.replicas) > 1:
         status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
-                               "in_flight": r.in_flight} for r in runtime.replicas]
+                               "in_flight": r.in_flight,
+                               **({"cpu": r.child.cpu.describe()} if r.child.cpu else {})}
+                              for r in runtime.replicas]
     if runtime.draining:
         status["draining"] = True
     position = supervisor.queue_position(runtime)

@@ -59,6 +59,9 @@ def _serve_parser(sub: Any) -> None:
                    help="requests that may wait for models at once; more get 429 (default 1000)")
     p.add_argument("--fairness", type=float, default=S, metavar="S",
                    help="a swap waiting this long drains the busy model in its way (default 10)")
+    p.add_argument("--no-cpu-sharing", dest="cpu_sharing", action="store_false", default=S,
+                   help="start every CPU child with llama-server's own thread defaults instead "
+                   "of giving each its own cores (docs/scheduling.md)")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
 
 

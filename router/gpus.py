@@ -143,7 +143,7 @@ def placement(estimate: Estimate, args: Mapping[str, str],
               devices: list[GpuDevice]) -> dict[str, int]:
     """Bytes per pool (``ram``, ``gpu<i>``) one child is expected to need (see the module)."""
     total = estimate.total_bytes
-    used = _devices_used(args, devices)
+    used = devices_used(args, devices)
     if not used:
         return {RAM: total}
     layers = option_value(args, "n-gpu-layers", "gpu-layers", "ngl")
@@ -164,7 +164,8 @@ def placement(estimate: Estimate, args: Mapping[str, str],
     return result
 
 
-def _devices_used(args: Mapping[str, str], devices: list[GpuDevice]) -> list[GpuDevice]:
+def devices_used(args: Mapping[str, str], devices: list[GpuDevice]) -> list[GpuDevice]:
+    """The GPUs a child's ``device`` option selects (all of them when unset)."""
     listed = option_value(args, "device", "dev")
     if listed is None or listed == "":
         return list(devices)

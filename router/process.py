@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from .cpus import CpuShare
 from .logs import LogRing
 from .settings import HEALTH_POLL_INTERVAL_S
 from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
@@ -98,8 +99,10 @@ class ChildProcess:
 
     def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
                  client: httpx.AsyncClient, env: dict[str, str] | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 cpu: CpuShare | None = None) -> None:
         self.model_id = model_id
+        self.cpu = cpu  # the cores it computes on, when the router placed it (``cpus``)
         self.argv = list(argv)
         self.port = port
         self.logs = logs

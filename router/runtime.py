@@ -68,6 +68,7 @@ class ModelRuntime:
     estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
     estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
     cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
+    n_layer: int | None = None  # from the GGUF header, once estimated
     status: Status = Status.UNLOADED
     replicas: list[Replica] = field(default_factory=list)
     spawning: list[ChildProcess] = field(default_factory=list)  # children of a load under way
@@ -110,6 +111,10 @@ class ModelRuntime:
         if self.replicas:
             return self.replicas[0].child
         return self.spawning[0] if self.spawning else None
+
+    def children(self) -> list[ChildProcess]:
+        """Every process it holds: serving replicas and children still starting."""
+        return [r.child for r in self.replicas] + self.spawning
 
     @property
     def slots(self) -> int:

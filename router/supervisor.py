@@ -29,11 +29,19 @@ from typing import Any
 
 import httpx
 
+from .cpus import (
+    CpuShare,
+    all_layers_offloaded,
+    expected_children,
+    machine_cores,
+    places_itself,
+    plan_shares,
+)
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
-from .gpus import GpuDevice, placement, usage_by_pid
+from .gpus import GpuDevice, devices_used, placement, usage_by_pid
 from .logs import LogRing
 from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
@@ -63,8 +71,12 @@ class Supervisor:
     def __init__(self, settings: Settings, catalogue: Catalogue, table: FlagTable,
                  binary: Path, client: httpx.AsyncClient, events: EventBus, *,
                  gpus: list[GpuDevice] | None = None,
-                 gpu_budgets: dict[str, int] | None = None) -> None:
+                 gpu_budgets: dict[str, int] | None = None,
+                 cores: list[int] | None = None) -> None:
         self.settings = settings
+        # Cores shared among CPU children (``cpus``); empty when CPU sharing is off.
+        self.cores = (cores if cores is not None else machine_cores()) \
+            if settings.cpu_sharing else []
         self.gpus = list(gpus or [])
         self.gpu_budgets = dict(gpu_budgets or {})
         self._gpu_usage: dict[int, dict[str, int]] = {}  # per pid, refreshed by _watch_gpus
@@ -103,10 +115,13 @@ class Supervisor:
         return cached[2]
 
     def child_argv(self, preset: ModelPreset, port: int,
-                   cache_ram_mib: int | None = None) -> list[str]:
-        """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated."""
+                   cache_ram_mib: int | None = None, cpu: CpuShare | None = None) -> list[str]:
+        """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated;
+        ``cpu``: the cores the child computes on (``cpus``), when the router places it."""
         argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
                 "--alias", preset.id, "--metrics"]
+        if cpu is not None and cpu.cores:
+            argv += cpu.argv()
         if "threads-http" not in preset.args:  # the proxy pool is sized by it
             argv += ["--threads-http", str(http_threads(preset.args))]
         if cache_ram_mib is not None and "cache-ram" not in preset.args:
@@ -128,6 +143,7 @@ class Supervisor:
             try:
                 one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
                                               runtime.preset.args)
+                runtime.n_layer = one.n_layer
                 where = placement(one, runtime.preset.args, self.gpus)
                 replicas = runtime.preset.replicas
                 runtime.estimate = where.pop(RAM) * replicas
@@ -141,6 +157,30 @@ class Supervisor:
             except (OSError, ValueError) as exc:
                 log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
         return runtime.estimate
+
+    def _computes_on_cpu(self, runtime: ModelRuntime) -> bool:
+        """A model the router places on cores: it does not place itself and does not run
+        every layer on a GPU (judged from its arguments until its header has been read)."""
+        args = runtime.preset.args
+        if places_itself(args):
+            return False
+        on_gpu = bool(runtime.estimate_devices) if runtime.n_layer is not None \
+            else bool(devices_used(args, self.gpus))
+        return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
+
+    def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
+        """Where ``count`` new children of a model compute, given the children running now;
+        None for each when sharing is off or the preset places its children itself."""
+        if not self.cores or places_itself(runtime.preset.args):
+            return [None] * count
+        held = [child.cpu for model in self.models.values() for child in model.children()
+                if child.cpu is not None]
+        expected = expected_children(
+            (m.preset.replicas for m in self.models.values() if self._computes_on_cpu(m)),
+            self.settings.models_max)
+        return list(plan_shares(self.cores, held, count,
+                                fair_share=len(self.cores) // expected,
+                                narrow=not self._computes_on_cpu(runtime)))
 
     def measured(self, runtime: ModelRuntime) -> int | None:
         sizes = [measure_rss(r.child.pid) for r in runtime.replicas if r.child.pid is not None]
@@ -306,8 +346,9 @@ class Supervisor:
         runtime.spawning = children
         try:
             results = await asyncio.gather(
-                *(self._spawn_ready(runtime, children, timeout, started)
-                  for _ in range(preset.replicas)), return_exceptions=True)
+                *(self._spawn_ready(runtime, children, timeout, started, share)
+                  for share in self.cpu_shares(runtime, preset.replicas)),
+                return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
@@ -338,14 +379,14 @@ class Supervisor:
             self._start_exit_watch(runtime, replica)
 
     async def _spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
-                           timeout: float, started: float) -> None:
+                           timeout: float, started: float, cpu: CpuShare | None) -> None:
         """Spawn one child (retrying a taken port) and wait until it is healthy."""
         for attempt in range(PORT_RETRIES):
             port = free_port()
-            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib)
+            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
             child = ChildProcess(runtime.id, argv, port,
                                  runtime.logs, self._client,
-                                 max_connections=runtime.max_connections)
+                                 max_connections=runtime.max_connections, cpu=cpu)
             children.append(child)
             await child.start()
             try:
@@ -601,9 +642,12 @@ class Supervisor:
                 continue  # check again: the model may have stopped meanwhile
             timeout = runtime.preset.load_timeout or self.settings.load_timeout
             children: list[ChildProcess] = []
+            [share] = self.cpu_shares(runtime, 1)
+            runtime.spawning = children  # its cores count as held while it starts
             try:
-                await self._spawn_ready(runtime, children, timeout, time.monotonic())
+                await self._spawn_ready(runtime, children, timeout, time.monotonic(), share)
             except BaseException as exc:
+                runtime.spawning = []
                 await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
                 if not isinstance(exc, Exception):  # cancelled: the model is stopping
                     raise
@@ -612,6 +656,7 @@ class Supervisor:
                 log.error("replica restart failed: %s", failure.message,
                           extra={"event": "replica_failed", "model": runtime.id})
                 continue
+            runtime.spawning = []
             replica = Replica(children[-1])
             runtime.replicas.append(replica)
             self._start_exit_watch(runtime, replica)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from support import alive, fake_nvidia_smi, start_router, wait_until, write_presets
 
+from router.cpus import machine_cores
 from router.gpus import GpuDevice, placement
 from router.memory import estimate_for_args
 
@@ -214,9 +215,9 @@ def test_gpu_budgets_evict_only_models_on_the_gpu_that_is_full(
 
 def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict[str, Path],
                                                llama_server: Path) -> None:
-    # One thread each: two replicas with llama.cpp's default thread count oversubscribe a
-    # 2-core machine, and ggml's spinning threads then crawl (3 tokens/s).
-    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\nthreads = 1\n"},
+    # The router gives each replica its own cores: with llama.cpp's default thread count both
+    # would spin on every core and crawl (3 tokens/s on 2 cores).
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\n"},
                           names=("alpha",))
     with start_router(tmp_path, "--presets", str(presets)) as router:
         bodies = [{**chat("alpha", 200), "stream": True, "ignore_eos": True}
@@ -226,6 +227,8 @@ def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict
                    for r in responses)
         replicas = router.models()["alpha"]["status"]["replicas"]
         assert len(replicas) == 2 and len({r["pid"] for r in replicas}) == 2
+        if len(machine_cores()) >= 2:
+            assert not set(replicas[0]["cpu"]["cores"]) & set(replicas[1]["cpu"]["cores"])
         for replica in replicas:
             metrics = httpx.get(f"http://127.0.0.1:{replica['port']}/metrics").text
             line = next(x for x in metrics.splitlines()
@@ -235,7 +238,7 @@ def test_two_replicas_share_concurrent_streams(tmp_path: Path, tiny_models: dict
 
 def test_a_crashed_replica_is_replaced_while_the_others_serve(
         tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
-    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\nthreads = 1\n"},
+    presets = presets_for(tmp_path, tiny_models, {"alpha": "replicas = 2\n"},
                           names=("alpha",))
     with start_router(tmp_path, "--presets", str(presets)) as router, \
             router.client() as client:
@@ -259,6 +262,9 @@ def test_a_crashed_replica_is_replaced_while_the_others_serve(
         assert not alive(before[0])
         for replica in status["replicas"]:  # both answer
             assert httpx.get(f"http://127.0.0.1:{replica['port']}/health").status_code == 200
+        # the replacement took the cores its predecessor freed
+        cores = [tuple(r["cpu"]["cores"]) for r in status["replicas"]]
+        assert len(set(cores)) == len(cores) or len(machine_cores()) < 2
         assert "event=replica_restarted" in router.log()
 
 

@@ -1,0 +1,216 @@
+"""CPU sharing: which cores each llama-server child computes on, and with how many threads.
+
+Why: llama-server sizes its thread pool as if it owned the machine, and ggml's threads
+spin-wait at every barrier of every graph. Two children whose thread sets overlap on a core
+therefore stall each other: a spinning thread holds the core that the thread it waits for
+needs (measured on 2 cores: 1,000 tokens each from two tiny models took 0.6 s one after the
+other and 14 to 81 s at the same time). Threads pinned to cores of their own never do.
+
+Policy (``plan_shares``, a pure function; the supervisor calls it when it spawns children):
+
+* The machine's cores are ``machine_cores()``: the router's own CPU affinity, one logical CPU
+  per physical core (SMT siblings share a core's units, as llama.cpp's default thread count
+  assumes), at most as many as a cgroup CPU quota allows (a container limited to 4 CPUs has 4).
+* A child's **fair share** is the machine's cores divided by how many CPU children may be
+  loaded at once (``expected_children``: from ``--models-max``, the models that compute on
+  the CPU, and their replicas). One model at a time gets the whole machine; two get half each.
+* A share is placed on cores that no other *wide* child (one with more than one thread) holds,
+  least used first, and pinned there strictly (``--cpu-mask`` + ``--cpu-strict 1``), one thread
+  per core. So at most one multi-threaded child computes on any core; single-threaded
+  children never spin at a barrier, so sharing a core with them costs time, never a stall.
+  When fewer cores are free than the share, the child takes what is free, or one thread on the
+  least used core.
+* A child whose layers all run on a GPU computes little on the CPU: one thread, least used core.
+* A preset (or ``--`` child argument) that sets any of ``CPU_KEYS`` places its child itself:
+  the router adds nothing and does not count it.
+
+Shares are decided at spawn and kept for the child's life (llama-server cannot change its
+threads while running); unloads free cores for the next children.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Preset keys (canonical llama-server option names) that mean "I place this child myself".
+CPU_KEYS = frozenset({
+    "threads", "threads-batch", "cpu-mask", "cpu-range", "cpu-strict",
+    "cpu-mask-batch", "cpu-range-batch", "cpu-strict-batch"})
+# Environment variables a child would read its thread count from.
+CPU_ENV = ("LLAMA_ARG_THREADS",)
+
+_SYS_CPU = Path("/sys/devices/system/cpu")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """Where one child computes: ``threads`` threads, thread i pinned to ``cores[i]``."""
+
+    cores: tuple[int, ...]
+
+    @property
+    def threads(self) -> int:
+        return len(self.cores)
+
+    @property
+    def wide(self) -> bool:
+        """More than one thread: it spin-waits at barriers, so it needs its cores alone."""
+        return len(self.cores) > 1
+
+    def argv(self) -> list[str]:
+        """llama-server options for this share (batch threads inherit the mask and strictness)."""
+        mask = sum(1 << core for core in self.cores)
+        n = str(self.threads)
+        return ["--threads", n, "--threads-batch", n,
+                "--cpu-mask", f"{mask:x}", "--cpu-strict", "1"]
+
+    def describe(self) -> dict[str, object]:
+        """What ``/models`` shows in ``status.cpu``."""
+        return {"threads": self.threads, "cores": list(self.cores), "placed_by": "router"}
+
+
+def places_itself(args: Mapping[str, str], environ: Mapping[str, str] | None = None) -> bool:
+    """True when the preset (or the environment) already says where the child computes."""
+    env = os.environ if environ is None else environ
+    return any(key in args for key in CPU_KEYS) or any(env.get(name) for name in CPU_ENV)
+
+
+def all_layers_offloaded(args: Mapping[str, str], n_layer: int | None) -> bool:
+    """Whether a child that uses a GPU runs every layer there (``n-gpu-layers`` unset, auto,
+    all, -1, or at least the model's layer count)."""
+    layers = next((args[k] for k in ("n-gpu-layers", "gpu-layers", "ngl") if k in args), None)
+    if layers is None or layers.strip().lower() in ("", "auto", "all", "-1"):
+        return True
+    try:
+        return n_layer is not None and int(layers) >= n_layer
+    except ValueError:
+        return False
+
+
+def expected_children(replica_counts: Iterable[int], models_max: int) -> int:
+    """How many CPU children may be loaded at once: the replicas of the ``models_max`` CPU
+    models with the most replicas (all of them when ``models_max`` <= 0); at least 1."""
+    counts = sorted((max(n, 1) for n in replica_counts), reverse=True)
+    if models_max > 0:
+        counts = counts[:models_max]
+    return max(sum(counts), 1)
+
+
+def plan_shares(cores: Sequence[int], held: Iterable[CpuShare], count: int, *,
+                fair_share: int, narrow: bool = False) -> list[CpuShare]:
+    """Shares for ``count`` new children (the replicas of one load), given the shares that
+    running children ``held``. Each gets up to ``fair_share`` cores that no wide child holds,
+    least used first; ``narrow`` (a GPU child) gets one core. Pure; see the module."""
+    if not cores:
+        return [CpuShare(()) for _ in range(count)]
+    use: Counter[int] = Counter()
+    wide_held: set[int] = set()
+    for share in held:
+        use.update(share.cores)
+        if share.wide:
+            wide_held.update(share.cores)
+    size = 1 if narrow else max(1, min(fair_share, len(cores)))
+    out: list[CpuShare] = []
+    for _ in range(count):
+        free = [c for c in cores if c not in wide_held]
+        free.sort(key=lambda c: (use[c], c))  # stable order: least used, then lowest number
+        if size > 1 and len(free) >= 2:
+            chosen = tuple(sorted(free[:size]))
+        else:
+            chosen = (min(cores, key=lambda c: (use[c], c)),)
+        share = CpuShare(chosen)
+        out.append(share)
+        use.update(share.cores)
+        if share.wide:
+            wide_held.update(share.cores)
+    return out
+
+
+# ------------------------------------------------------------------------ reading the machine
+
+def machine_cores() -> list[int]:
+    """The cores children may use: one logical CPU per physical core in the router's affinity,
+    at most as many as the cgroup CPU quota allows."""
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    return select_cores(affinity, {cpu: _core_id(cpu) for cpu in affinity}, cgroup_cpu_limit())
+
+
+def select_cores(affinity: Sequence[int], core_of: Mapping[int, object],
+                 limit: float | None) -> list[int]:
+    """Pure part of ``machine_cores``: the first logical CPU of each physical core, then the
+    first ``ceil(limit)`` of those."""
+    seen: set[object] = set()
+    cores: list[int] = []
+    for cpu in sorted(affinity):
+        key = core_of.get(cpu, cpu)
+        if key not in seen:
+            seen.add(key)
+            cores.append(cpu)
+    if limit is not None and limit > 0:
+        cores = cores[:max(1, math.ceil(limit))]
+    return cores
+
+
+def _core_id(cpu: int) -> object:
+    topology = _SYS_CPU / f"cpu{cpu}" / "topology"
+    try:
+        return ((topology / "physical_package_id").read_text().strip(),
+                (topology / "core_id").read_text().strip())
+    except OSError:
+        return cpu
+
+
+def cgroup_cpu_limit(root: Path = _CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")
+                     ) -> float | None:
+    """CPUs' worth of time the router's cgroup may use (v2 ``cpu.max`` or v1 CFS quota, the
+    tightest along the path), or None when unlimited or unknown."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            limits += _walk(root, path, _v2_limit)
+        elif "cpu" in controllers.split(","):
+            base = next((root / name for name in ("cpu,cpuacct", "cpu")
+                         if (root / name).is_dir()), None)
+            if base is not None:
+                limits += _walk(base, path, _v1_limit)
+    return min(limits) if limits else None
+
+
+def _walk(base: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """``read`` of the cgroup's folder and of every folder above it."""
+    found: list[float] = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        value = read(base.joinpath(*parts[:depth]))
+        if value is not None:
+            found.append(value)
+    return found
+
+
+def _v2_limit(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_limit(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period

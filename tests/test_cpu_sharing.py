@@ -1,0 +1,126 @@
+"""CPU sharing with the real llama-server: children generating at once on their own cores."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from support import start_router, write_presets
+
+from router.cpus import machine_cores
+from router.tinymodel import write_tiny_model
+
+pytestmark = pytest.mark.real
+
+# 2,000 tokens each. Shared cores finish both in about 1 s on 2 cores; with llama.cpp's
+# default threads, two children spin against each other and took 15 to 160 s for this.
+TOKENS = 2000
+HANG_GUARD_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def long_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("cpu-models")
+    return {name: write_tiny_model(directory / f"{name}.gguf", seed=seed, name=name,
+                                   n_ctx_train=8192)
+            for seed, name in ((21, "left"), (22, "right"))}
+
+
+def presets(tmp_path: Path, models: dict[str, Path], extra: dict[str, str] | None = None
+            ) -> Path:
+    text = "[*]\nctx-size = 4096\nparallel = 1\n"
+    for name, path in models.items():
+        text += f"[{name}]\nmodel = {path}\n{(extra or {}).get(name, '')}"
+    return write_presets(tmp_path / "cpu.ini", text)
+
+
+def generate(url: str, model: str, tokens: int = TOKENS) -> dict[str, Any]:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 0}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=HANG_GUARD_S * 2)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def child_argv(pid: int) -> list[str]:
+    return psutil.Process(pid).cmdline()
+
+
+def option(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_two_children_generating_at_once_both_finish(tmp_path: Path, llama_server: Path,
+                                                     long_models: dict[str, Path]) -> None:
+    cores = machine_cores()
+    with start_router(tmp_path, "--presets", str(presets(tmp_path, long_models))) as router:
+        for name in long_models:  # load both first: the race is between generations
+            generate(router.url, name, 4)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(generate, router.url, name) for name in long_models]
+            done, _ = concurrent.futures.wait(futures, timeout=HANG_GUARD_S)
+            assert len(done) == 2, f"two children generating at once stalled:\n{router.log()}"
+        for future in futures:
+            assert future.result()["usage"]["completion_tokens"] == TOKENS
+
+        placed = {name: router.models()[name]["status"] for name in long_models}
+        shares = [status["cpu"] for status in placed.values()]
+        assert all(share["placed_by"] == "router" for share in shares)
+        # Two models may be loaded at once: each gets half the machine, on cores of its own.
+        expected = max(1, len(cores) // 2)
+        assert [share["threads"] for share in shares] == [expected, expected]
+        if len(cores) >= 2:
+            assert not set(shares[0]["cores"]) & set(shares[1]["cores"])
+        for status, share in zip(placed.values(), shares, strict=True):
+            argv = child_argv(status["pid"])
+            assert option(argv, "--threads") == str(share["threads"])
+            assert option(argv, "--cpu-strict") == "1"
+            mask = int(option(argv, "--cpu-mask") or "0", 16)
+            assert mask == sum(1 << c for c in share["cores"])
+
+
+def test_a_model_alone_gets_every_core(tmp_path: Path, llama_server: Path,
+                                       long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini), "--models-max", "1") as router:
+        generate(router.url, "left", 4)
+        status = router.models()["left"]["status"]
+        assert status["cpu"]["cores"] == machine_cores()
+        assert option(child_argv(status["pid"]), "--threads") == str(len(machine_cores()))
+
+
+def test_a_preset_that_sets_threads_places_its_child_itself(
+        tmp_path: Path, llama_server: Path, long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models, {"left": "threads = 1\n"})
+    with start_router(tmp_path, "--presets", str(ini)) as router:
+        generate(router.url, "left", 4)
+        status = router.models()["left"]["status"]
+        assert status["cpu"] == {"threads": "1", "cores": None, "placed_by": "preset"}
+        argv = child_argv(status["pid"])
+        assert argv.count("--threads") == 1 and option(argv, "--threads") == "1"
+        assert "--cpu-mask" not in argv and "--cpu-strict" not in argv
+
+
+def test_pass_through_threads_win(tmp_path: Path, llama_server: Path,
+                                  long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini), child_args=("--threads", "1")) as router:
+        generate(router.url, "left", 4)
+        argv = child_argv(router.models()["left"]["status"]["pid"])
+        assert option(argv, "--threads") == "1" and "--cpu-mask" not in argv
+
+
+def test_cpu_sharing_can_be_turned_off(tmp_path: Path, llama_server: Path,
+                                       long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini), "--no-cpu-sharing") as router:
+        generate(router.url, "left", 4)
+        status = router.models()["left"]["status"]
+        assert status["cpu"]["placed_by"] == "llama-server"
+        argv = child_argv(status["pid"])
+        assert "--threads" not in argv and "--cpu-mask" not in argv

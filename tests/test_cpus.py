@@ -1,0 +1,178 @@
+"""CPU sharing: the pure allocation of cores to children, and reading the machine's cores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.cpus import (
+    CpuShare,
+    all_layers_offloaded,
+    cgroup_cpu_limit,
+    expected_children,
+    places_itself,
+    plan_shares,
+    select_cores,
+)
+
+
+def cores_of(shares: list[CpuShare]) -> list[tuple[int, ...]]:
+    return [s.cores for s in shares]
+
+
+def assert_no_core_has_two_wide(shares: list[CpuShare]) -> None:
+    """The invariant that keeps spinning threads from stalling each other."""
+    wide = [c for s in shares if s.wide for c in s.cores]
+    assert len(wide) == len(set(wide)), shares
+
+
+# ------------------------------------------------------------------------------ CpuShare
+
+def test_share_renders_llama_server_options_one_thread_per_core() -> None:
+    share = CpuShare((0, 1, 5))
+    assert share.threads == 3 and share.wide
+    assert share.argv() == ["--threads", "3", "--threads-batch", "3",
+                            "--cpu-mask", "23", "--cpu-strict", "1"]  # bits 0, 1, 5
+    assert share.describe() == {"threads": 3, "cores": [0, 1, 5], "placed_by": "router"}
+    assert not CpuShare((7,)).wide
+    assert CpuShare((64,)).argv()[5] == "1" + "0" * 16  # hex digits past 64 CPUs
+
+
+# ------------------------------------------------------------------------------ plan_shares
+
+def test_a_lone_model_gets_the_whole_machine() -> None:
+    assert cores_of(plan_shares([0, 1], [], 1, fair_share=2)) == [(0, 1)]
+    assert cores_of(plan_shares(list(range(8)), [], 1, fair_share=8)) == [tuple(range(8))]
+
+
+def test_two_models_get_disjoint_halves() -> None:
+    first = plan_shares(list(range(8)), [], 1, fair_share=4)
+    second = plan_shares(list(range(8)), first, 1, fair_share=4)
+    assert cores_of(first) == [(0, 1, 2, 3)]
+    assert cores_of(second) == [(4, 5, 6, 7)]
+
+
+def test_replicas_split_the_cores_in_one_plan() -> None:
+    assert cores_of(plan_shares([0, 1], [], 2, fair_share=1)) == [(0,), (1,)]
+    assert cores_of(plan_shares(list(range(6)), [], 3, fair_share=2)) == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_more_children_than_cores_share_cores_single_threaded() -> None:
+    shares = plan_shares([0, 1], [], 3, fair_share=1)
+    assert cores_of(shares) == [(0,), (1,), (0,)]
+    assert not any(s.wide for s in shares)
+
+
+def test_a_new_child_never_shares_a_core_with_a_wide_one() -> None:
+    wide = CpuShare((0, 1))
+    [new] = plan_shares([0, 1, 2, 3], [wide], 1, fair_share=2)
+    assert new.cores == (2, 3)
+    # no free core left for a wide share: one thread on the least used core
+    [narrow] = plan_shares([0, 1], [wide], 1, fair_share=2)
+    assert narrow.cores == (0,) and not narrow.wide
+
+
+def test_a_partial_fit_takes_the_free_cores() -> None:
+    [share] = plan_shares(list(range(4)), [CpuShare((0, 1, 2))], 1, fair_share=4)
+    assert share.cores == (3,)
+    [share] = plan_shares(list(range(6)), [CpuShare((0, 1, 2, 3))], 1, fair_share=4)
+    assert share.cores == (4, 5)
+
+
+def test_single_threaded_children_do_not_block_a_wide_share() -> None:
+    held = [CpuShare((0,)), CpuShare((1,))]
+    [share] = plan_shares([0, 1], held, 1, fair_share=2)
+    assert share.cores == (0, 1)  # they time-share; no spinning thread waits on them
+
+
+def test_narrow_children_take_one_thread_on_the_least_used_core() -> None:
+    held = [CpuShare((0, 1)), CpuShare((2,))]
+    assert cores_of(plan_shares([0, 1, 2, 3], held, 2, fair_share=4, narrow=True)) == \
+        [(3,), (0,)]
+
+
+def test_no_cores_known_gives_empty_shares() -> None:
+    assert plan_shares([], [], 2, fair_share=1) == [CpuShare(()), CpuShare(())]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("fair", [1, 2, 3, 8])
+def test_invariant_holds_through_loads_and_unloads(cores: int, fair: int) -> None:
+    machine = list(range(cores))
+    held: list[CpuShare] = []
+    for step in range(12):
+        held += plan_shares(machine, held, 1 + step % 2, fair_share=fair, narrow=step % 5 == 4)
+        assert_no_core_has_two_wide(held)
+        assert all(set(s.cores) <= set(machine) and 1 <= s.threads <= fair or not s.wide
+                   for s in held)
+        if step % 3 == 2:
+            held.pop(0)  # an unload frees its cores
+
+
+# ------------------------------------------------------------------------- counting models
+
+def test_expected_children_counts_the_models_that_may_be_loaded_at_once() -> None:
+    assert expected_children([], 4) == 1
+    assert expected_children([1], 4) == 1
+    assert expected_children([1, 1, 1], 4) == 3
+    assert expected_children([1, 1, 1], 1) == 1
+    assert expected_children([1, 3, 2], 2) == 5  # the two with the most replicas
+    assert expected_children([1, 1, 1, 1, 1], 0) == 5  # no limit
+
+
+def test_places_itself_when_a_preset_or_the_environment_sets_threads() -> None:
+    assert not places_itself({"ctx-size": "512"}, environ={})
+    for key in ("threads", "threads-batch", "cpu-mask", "cpu-range", "cpu-strict"):
+        assert places_itself({key: "1"}, environ={})
+    assert places_itself({}, environ={"LLAMA_ARG_THREADS": "4"})
+
+
+def test_all_layers_offloaded() -> None:
+    assert all_layers_offloaded({}, None)
+    assert all_layers_offloaded({"n-gpu-layers": "auto"}, 32)
+    assert all_layers_offloaded({"n-gpu-layers": "99"}, 32)
+    assert not all_layers_offloaded({"n-gpu-layers": "10"}, 32)
+    assert not all_layers_offloaded({"n-gpu-layers": "99"}, None)  # unknown depth: CPU too
+
+
+# ------------------------------------------------------------------------ reading the machine
+
+def test_select_cores_keeps_one_logical_cpu_per_physical_core() -> None:
+    core_of = {0: "a", 1: "b", 2: "a", 3: "b"}  # 2 cores with 2 SMT threads each
+    assert select_cores([0, 1, 2, 3], core_of, None) == [0, 1]
+    assert select_cores([2, 3], core_of, None) == [2, 3]  # affinity limits first
+
+
+def test_select_cores_honours_a_cpu_quota() -> None:
+    assert select_cores(range(16), {}, 4.0) == [0, 1, 2, 3]
+    assert select_cores(range(16), {}, 2.5) == [0, 1, 2]
+    assert select_cores(range(16), {}, 0.5) == [0]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_cgroup_v2_quota_is_the_tightest_along_the_path(tmp_path: Path) -> None:
+    proc = write(tmp_path / "proc", "0::/system.slice/router.service\n")
+    write(tmp_path / "cg/cpu.max", "max 100000\n")
+    write(tmp_path / "cg/system.slice/cpu.max", "600000 100000\n")
+    write(tmp_path / "cg/system.slice/router.service/cpu.max", "max 100000\n")
+    assert cgroup_cpu_limit(tmp_path / "cg", proc) == 6.0
+
+
+def test_cgroup_v1_quota(tmp_path: Path) -> None:
+    proc = write(tmp_path / "proc", "4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n")
+    write(tmp_path / "cg/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "200000\n")
+    write(tmp_path / "cg/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_limit(tmp_path / "cg", proc) == 2.0
+
+
+def test_no_cgroup_limit(tmp_path: Path) -> None:
+    proc = write(tmp_path / "proc", "0::/\n")
+    write(tmp_path / "cg/cpu.max", "max 100000\n")
+    assert cgroup_cpu_limit(tmp_path / "cg", proc) is None
+    assert cgroup_cpu_limit(tmp_path / "cg", tmp_path / "missing") is None
