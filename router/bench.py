@@ -93,6 +93,9 @@ class Config:
     loadgen: str = "auto"
     profile: bool = False
     workdir: Path | None = None
+    sharing_reps: int = 3  # repetitions of the CPU-sharing phase (benchcpu); 0 skips it
+    only_sharing: bool = False
+    stall_bound: float = 30.0  # seconds before a concurrent run counts as stalled
 
 
 # --------------------------------------------------------------------------- processes
@@ -1114,8 +1117,15 @@ def run_bench(cfg: Config) -> dict[str, Any]:
     began = time.perf_counter()
     load_before = os.getloadavg()
     leftovers: list[str] = []
+    results: dict[str, Any] = {}
+    sharing: dict[str, Any] | None = None
     try:
-        results = bench.run()
+        if not cfg.only_sharing:
+            results = bench.run()
+        if cfg.sharing_reps > 0:
+            from .benchcpu import run_phase  # imports this module
+
+            sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound)
     except BaseException:
         for item in procs.items:
             print(f"--- {item.name} log tail ---\n{item.tail(15)}", file=sys.stderr)
@@ -1127,20 +1137,25 @@ def run_bench(cfg: Config) -> dict[str, Any]:
             shutil.rmtree(workdir, ignore_errors=True)
         if leftovers:
             print(f"WARNING: killed leftover processes: {leftovers}", file=sys.stderr)
-    rows = build_rows(results, cfg.presets)
     report: dict[str, Any] = {
         "machine": machine_info(binary),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
         "columns": {c: LABELS[c] for c in COLUMNS},
-        "metrics": {r.key: {"label": r.label, "unit": r.unit, "kind": r.kind, **r.values}
-                    for r in rows},
-        "targets": evaluate(results, rows),
         "details": results,
         "leftover_processes": leftovers,
         "loadavg_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.perf_counter() - began, 1),
+        "targets": {},
     }
-    report["table"] = render_table(rows)
+    if results:
+        rows = build_rows(results, cfg.presets)
+        report["metrics"] = {r.key: {"label": r.label, "unit": r.unit, "kind": r.kind,
+                                     **r.values} for r in rows}
+        report["targets"] = evaluate(results, rows)
+        report["table"] = render_table(rows)
+    if sharing is not None:
+        report["sharing"] = sharing
+        report["targets"].update(sharing["targets"])
     return report
 
 
@@ -1150,10 +1165,17 @@ def print_report(report: dict[str, Any]) -> None:
           f"Python {machine['python']}, llama.cpp {machine['llama_cpp_build']}")
     details = report["details"]
     print(f"llama-router source: {machine['router_source']}")
-    print(f"throughput generator: {details['throughput']['tool']}; wall {report['wall_s']} s; "
+    tool = details["throughput"]["tool"] if details else "-"
+    print(f"throughput generator: {tool}; wall {report['wall_s']} s; "
           f"1-min load average {report['loadavg_1m']['start']} -> {report['loadavg_1m']['end']}\n")
-    print(report["table"])
-    print()
+    if "table" in report:
+        print(report["table"])
+        print()
+    if "sharing" in report:
+        print("Models generating at the same time on the CPU (seconds; '>' = stalled past "
+              "the bound):")
+        print(report["sharing"]["table"])
+        print()
     for target in report["targets"].values():
         mark = "MET   " if target["met"] else "MISSED"
         print(f"{mark} {target['goal']}: {target['measured']}")
@@ -1195,6 +1217,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy llama-router under the /tokenize load (extra run)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke test (a few seconds per phase)")
+    parser.add_argument("--sharing-reps", type=int,
+                        help="repetitions of the CPU-sharing phase (default 3; 0 skips it)")
+    parser.add_argument("--stall-bound", type=float,
+                        help="seconds before a run of the CPU-sharing phase counts as stalled "
+                        "(default 30)")
+    parser.add_argument("--only-sharing", action="store_true",
+                        help="run only the CPU-sharing phase")
     parser.add_argument("--workdir", type=Path, help="keep models, presets and logs here")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--loadgen", help=argparse.SUPPRESS)
@@ -1216,6 +1245,17 @@ def main(argv: list[str] | None = None) -> int:
             if value <= 0:
                 parser.error(f"--{name.replace('_', '-')} must be positive")
             setattr(cfg, name, value)
+    if args.quick:
+        cfg.sharing_reps = 1
+    if args.sharing_reps is not None:
+        if args.sharing_reps < 0:
+            parser.error("--sharing-reps must be 0 or more")
+        cfg.sharing_reps = args.sharing_reps
+    cfg.only_sharing = args.only_sharing
+    if args.stall_bound is not None:
+        if args.stall_bound <= 0:
+            parser.error("--stall-bound must be positive")
+        cfg.stall_bound = args.stall_bound
     cfg.loadgen = args.loadgen_tool
     cfg.profile = args.profile
     cfg.workdir = args.workdir

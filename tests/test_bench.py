@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "router.bench", "--quick", "--workdir", str(tmp_path / "work"),
-         "--out", str(out)],
+        [sys.executable, "-m", "router.bench", "--quick", "--sharing-reps", "0",
+         "--workdir", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     report = json.loads(out.read_text())
@@ -39,3 +39,23 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
     assert len(report["targets"]) == 6
     assert all(isinstance(t["met"], bool) for t in report["targets"].values())
     assert "| metric" in result.stdout
+
+
+def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
+    out = tmp_path / "sharing.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "router.bench", "--only-sharing", "--sharing-reps", "1",
+         "--stall-bound", "5", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    report = json.loads(out.read_text())
+    assert report["leftover_processes"] == []
+    sharing = report["sharing"]["results"]
+    for column in COLUMNS:
+        row = sharing["tiny"][column]
+        assert len(row["one_after_the_other_s"]) == len(row["at_once_s"]) == 1
+        assert all(x > 0 for x in row["one_after_the_other_s"] + row["at_once_s"])
+    replicas = sharing["replicas_tiny"]
+    assert set(replicas) >= {"router_placement", "threads_1_by_hand"}
+    assert {"pair_tiny", "lone_tiny", "replicas"} <= set(report["targets"])
+    assert "Models generating at the same time" in result.stdout
