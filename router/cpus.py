@@ -4,28 +4,25 @@ Why: llama-server sizes its thread pool as if it owned the machine, and ggml's t
 spin-wait at every barrier of every graph. Two children whose thread sets overlap on a core
 therefore stall each other: a spinning thread holds the core that the thread it waits for
 needs (measured on 2 cores: 1,000 tokens each from two tiny models took 0.6 s one after the
-other and 14 to 81 s at the same time). Threads pinned to cores of their own never do.
+other and 14 to 81 s at the same time).
 
 Policy (``plan_shares``, a pure function; the supervisor calls it when it spawns children):
 
 * The machine's cores are ``machine_cores()``: the router's own CPU affinity, one logical CPU
   per physical core (SMT siblings share a core's units, as llama.cpp's default thread count
   assumes), at most as many as a cgroup CPU quota allows (a container limited to 4 CPUs has 4).
-* A child's **fair share** is the machine's cores divided by how many CPU children may be
-  loaded at once (``expected_children``: from ``--models-max``, the models that compute on
-  the CPU, and their replicas). One model at a time gets the whole machine; two get half each.
-* A share is placed on cores that no other *wide* child (one with more than one thread) holds,
-  least used first, and pinned there strictly (``--cpu-mask`` + ``--cpu-strict 1``), one thread
-  per core. So at most one multi-threaded child computes on any core; single-threaded
-  children never spin at a barrier, so sharing a core with them costs time, never a stall.
-  When fewer cores are free than the share, the child takes what is free, or one thread on the
-  least used core.
-* A child whose layers all run on a GPU computes little on the CPU: one thread, least used core.
+* A model's children split those cores: one child gets all of them, ``replicas = N`` gives
+  each replica 1/N, disjoint, one thread per core, confined to them with ``--cpu-mask``. So
+  a model alone always has the whole machine, and replicas of one model never share a core.
+* Different models do share cores; ``cpugate`` makes those with more than one thread take
+  turns while several have requests in flight, so they never spin against each other.
+* A child whose layers all run on a GPU computes little on the CPU: one thread on the least
+  used core (single-threaded children never spin at a barrier, so sharing costs no stall).
 * A preset (or ``--`` child argument) that sets any of ``CPU_KEYS`` places its child itself:
-  the router adds nothing and does not count it.
+  the router adds nothing, does not count it and does not pause it.
 
 Shares are decided at spawn and kept for the child's life (llama-server cannot change its
-threads while running); unloads free cores for the next children.
+threads while running); a crashed replica's replacement takes the cores it freed.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 @dataclass(frozen=True)
 class CpuShare:
-    """Where one child computes: ``threads`` threads, thread i pinned to ``cores[i]``."""
+    """Where one child computes: one thread per core of ``cores``, on those cores."""
 
     cores: tuple[int, ...]
 
@@ -64,15 +61,21 @@ class CpuShare:
         return len(self.cores) > 1
 
     def argv(self) -> list[str]:
-        """llama-server options for this share (batch threads inherit the mask and strictness)."""
-        mask = sum(1 << core for core in self.cores)
+        """llama-server options for this share. A wide share's threads are confined to its
+        cores (``--cpu-mask``; batch threads inherit it) but not each to one core: the kernel
+        may still move them within the set, away from a core the router itself needs for a
+        moment (strict pinning measured slower). A single thread never spins at a barrier, so
+        it is not confined at all."""
         n = str(self.threads)
-        return ["--threads", n, "--threads-batch", n,
-                "--cpu-mask", f"{mask:x}", "--cpu-strict", "1"]
+        argv = ["--threads", n, "--threads-batch", n]
+        if self.wide:
+            argv += ["--cpu-mask", f"{sum(1 << core for core in self.cores):x}"]
+        return argv
 
     def describe(self) -> dict[str, object]:
-        """What ``/models`` shows in ``status.cpu``."""
-        return {"threads": self.threads, "cores": list(self.cores), "placed_by": "router"}
+        """What ``/models`` shows in ``status.cpu``: ``cores`` it is confined to (None: any)."""
+        return {"threads": self.threads, "cores": list(self.cores) if self.wide else None,
+                "placed_by": "router"}
 
 
 def places_itself(args: Mapping[str, str], environ: Mapping[str, str] | None = None) -> bool:
@@ -91,15 +94,6 @@ def all_layers_offloaded(args: Mapping[str, str], n_layer: int | None) -> bool:
         return n_layer is not None and int(layers) >= n_layer
     except ValueError:
         return False
-
-
-def expected_children(replica_counts: Iterable[int], models_max: int) -> int:
-    """How many CPU children may be loaded at once: the replicas of the ``models_max`` CPU
-    models with the most replicas (all of them when ``models_max`` <= 0); at least 1."""
-    counts = sorted((max(n, 1) for n in replica_counts), reverse=True)
-    if models_max > 0:
-        counts = counts[:models_max]
-    return max(sum(counts), 1)
 
 
 def plan_shares(cores: Sequence[int], held: Iterable[CpuShare], count: int, *,

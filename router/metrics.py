@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -142,7 +142,13 @@ class _LiveGauges(Collector):
             for pool, used in sorted(self.supervisor.measured_devices(runtime).items()):
                 gpu.add_metric([model, pool], used)
         running.add_metric([], alive)
-        yield from (running, status, in_flight, queued, memory, gpu)
+        turns = CounterMetricFamily("llamarouter_cpu_turns", "Turns given while models that "
+                                    "share CPU cores computed at the same time (cpugate)")
+        turns.add_metric([], self.supervisor.cpu_gate.turns)
+        paused = GaugeMetricFamily("llamarouter_children_paused",
+                                   "Children paused while another model has its CPU turn")
+        paused.add_metric([], len(self.supervisor.cpu_gate.paused))
+        yield from (running, status, in_flight, queued, memory, gpu, turns, paused)
 
 
 def merge_child_metrics(texts: Iterable[tuple[dict[str, str], str]]

@@ -228,6 +228,7 @@ class ChildProcess:
         if proc.returncode is None:
             await self.close_pool()
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a paused child could not act on SIGTERM
             try:
                 await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
             except TimeoutError:
@@ -239,6 +240,18 @@ class ChildProcess:
         log.info("stopped", extra={"event": "stopped", "model": self.model_id, "pid": proc.pid,
                                    "exit_code": code})
         return code
+
+    def pause(self) -> bool:
+        """SIGSTOP the child (``cpugate``: it computes in turns); False if it is not running."""
+        if self._proc is None or self._proc.returncode is not None:
+            return False
+        self._signal_group(signal.SIGSTOP)
+        return True
+
+    def resume(self) -> None:
+        """SIGCONT a child that ``pause()`` stopped."""
+        if self._proc is not None and self._proc.returncode is None:
+            self._signal_group(signal.SIGCONT)
 
     def kill_now(self) -> None:
         """SIGKILL the group without waiting (used during interpreter shutdown)."""

@@ -29,14 +29,8 @@ from typing import Any
 
 import httpx
 
-from .cpus import (
-    CpuShare,
-    all_layers_offloaded,
-    expected_children,
-    machine_cores,
-    places_itself,
-    plan_shares,
-)
+from .cpugate import CpuGate
+from .cpus import CpuShare, all_layers_offloaded, machine_cores, places_itself, plan_shares
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
@@ -77,6 +71,7 @@ class Supervisor:
         # Cores shared among CPU children (``cpus``); empty when CPU sharing is off.
         self.cores = (cores if cores is not None else machine_cores()) \
             if settings.cpu_sharing else []
+        self.cpu_gate = CpuGate(self._cpu_turn_members)
         self.gpus = list(gpus or [])
         self.gpu_budgets = dict(gpu_budgets or {})
         self._gpu_usage: dict[int, dict[str, int]] = {}  # per pid, refreshed by _watch_gpus
@@ -169,18 +164,29 @@ class Supervisor:
         return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
 
     def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
-        """Where ``count`` new children of a model compute, given the children running now;
-        None for each when sharing is off or the preset places its children itself."""
+        """Where ``count`` new children of a model compute: its replicas split the machine's
+        cores (other models take turns with it, ``cpugate``); a GPU child gets one thread on
+        the least used core. None for each when sharing is off or the preset places its
+        children itself."""
         if not self.cores or places_itself(runtime.preset.args):
             return [None] * count
-        held = [child.cpu for model in self.models.values() for child in model.children()
-                if child.cpu is not None]
-        expected = expected_children(
-            (m.preset.replicas for m in self.models.values() if self._computes_on_cpu(m)),
-            self.settings.models_max)
-        return list(plan_shares(self.cores, held, count,
-                                fair_share=len(self.cores) // expected,
-                                narrow=not self._computes_on_cpu(runtime)))
+        if not self._computes_on_cpu(runtime):
+            held = [c.cpu for m in self.models.values() for c in m.children() if c.cpu]
+            return list(plan_shares(self.cores, held, count, fair_share=1, narrow=True))
+        own = [c.cpu for c in runtime.children() if c.cpu is not None]
+        return list(plan_shares(self.cores, own, count,
+                                fair_share=len(self.cores) // max(runtime.preset.replicas, 1)))
+
+    def _cpu_turn_members(self) -> dict[str, list[ChildProcess]]:
+        """Models that compute on shared cores and have requests in flight: their children
+        with more than one thread (``cpugate``)."""
+        members: dict[str, list[ChildProcess]] = {}
+        for model in self.models.values():
+            if model.in_flight and model.status is Status.LOADED:
+                wide = [r.child for r in model.replicas if r.child.cpu and r.child.cpu.wide]
+                if wide:
+                    members[model.id] = wide
+        return members
 
     def measured(self, runtime: ModelRuntime) -> int | None:
         sizes = [measure_rss(r.child.pid) for r in runtime.replicas if r.child.pid is not None]
@@ -265,6 +271,8 @@ class Supervisor:
         replica.in_flight += 1
         runtime.in_flight += 1
         runtime.last_used = time.monotonic()
+        if runtime.in_flight == 1:
+            self.cpu_gate.notify()
         return Lease(self, runtime, replica)
 
     def _release(self, runtime: ModelRuntime, replica: Replica) -> None:
@@ -274,6 +282,7 @@ class Supervisor:
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._close_pool_later(replica)
         if runtime.in_flight == 0:
+            self.cpu_gate.notify()
             if runtime.stop_when_idle is not None:
                 self._begin_stop(runtime, runtime.stop_when_idle)
             self._notify()
@@ -759,6 +768,8 @@ class Supervisor:
     def start(self) -> None:
         """Start background work (the idle reaper, GPU measurement); ``close()`` stops it."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
+        if self.cores:
+            self.cpu_gate.start()
         if self.gpus:
             self._gpu_watch = asyncio.create_task(self._watch_gpus(), name="gpu-usage")
 
@@ -790,6 +801,7 @@ class Supervisor:
             self._reaper.cancel()
         if self._gpu_watch is not None:
             self._gpu_watch.cancel()
+        await self.cpu_gate.close()  # continue every paused child before stopping them
         loads = [r.load_task for r in self.models.values()
                  if r.load_task is not None and not r.load_task.done()]
         for task in loads:

@@ -10,7 +10,6 @@ from router.cpus import (
     CpuShare,
     all_layers_offloaded,
     cgroup_cpu_limit,
-    expected_children,
     places_itself,
     plan_shares,
     select_cores,
@@ -33,10 +32,13 @@ def test_share_renders_llama_server_options_one_thread_per_core() -> None:
     share = CpuShare((0, 1, 5))
     assert share.threads == 3 and share.wide
     assert share.argv() == ["--threads", "3", "--threads-batch", "3",
-                            "--cpu-mask", "23", "--cpu-strict", "1"]  # bits 0, 1, 5
+                            "--cpu-mask", "23"]  # bits 0, 1, 5
     assert share.describe() == {"threads": 3, "cores": [0, 1, 5], "placed_by": "router"}
-    assert not CpuShare((7,)).wide
-    assert CpuShare((64,)).argv()[5] == "1" + "0" * 16  # hex digits past 64 CPUs
+    assert CpuShare((63, 64)).argv()[5] == "18" + "0" * 15  # hex digits past 64 CPUs
+    single = CpuShare((7,))  # one thread never spins: not confined
+    assert not single.wide
+    assert single.argv() == ["--threads", "1", "--threads-batch", "1"]
+    assert single.describe() == {"threads": 1, "cores": None, "placed_by": "router"}
 
 
 # ------------------------------------------------------------------------------ plan_shares
@@ -111,15 +113,6 @@ def test_invariant_holds_through_loads_and_unloads(cores: int, fair: int) -> Non
 
 
 # ------------------------------------------------------------------------- counting models
-
-def test_expected_children_counts_the_models_that_may_be_loaded_at_once() -> None:
-    assert expected_children([], 4) == 1
-    assert expected_children([1], 4) == 1
-    assert expected_children([1, 1, 1], 4) == 3
-    assert expected_children([1, 1, 1], 1) == 1
-    assert expected_children([1, 3, 2], 2) == 5  # the two with the most replicas
-    assert expected_children([1, 1, 1, 1, 1], 0) == 5  # no limit
-
 
 def test_places_itself_when_a_preset_or_the_environment_sets_threads() -> None:
     assert not places_itself({"ctx-size": "512"}, environ={})
