@@ -96,6 +96,7 @@ class Config:
     sharing_reps: int = 3  # repetitions of the CPU-sharing phase (benchcpu); 0 skips it
     only_sharing: bool = False
     stall_bound: float = 30.0  # seconds before a concurrent run counts as stalled
+    quick: bool = False
 
 
 # --------------------------------------------------------------------------- processes
@@ -1125,7 +1126,8 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         if cfg.sharing_reps > 0:
             from .benchcpu import run_phase  # imports this module
 
-            sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound)
+            sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound,
+                                cfg.quick)
     except BaseException:
         for item in procs.items:
             print(f"--- {item.name} log tail ---\n{item.tail(15)}", file=sys.stderr)
@@ -1247,6 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg, name, value)
     if args.quick:
         cfg.sharing_reps = 1
+        cfg.quick = True
     if args.sharing_reps is not None:
         if args.sharing_reps < 0:
             parser.error("--sharing-reps must be 0 or more")

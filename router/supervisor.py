@@ -30,7 +30,14 @@ from typing import Any
 import httpx
 
 from .cpugate import CpuGate
-from .cpus import CpuShare, all_layers_offloaded, machine_cores, places_itself, plan_shares
+from .cpus import (
+    CpuShare,
+    all_layers_offloaded,
+    machine_cores,
+    places_itself,
+    plan_shares,
+    spin_environment,
+)
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
@@ -39,7 +46,7 @@ from .gpus import GpuDevice, devices_used, placement, usage_by_pid
 from .logs import LogRing
 from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
-from .process import ChildError, ChildExited, ChildProcess, free_port
+from .process import ChildError, ChildExited, ChildProcess, child_environment, free_port
 from .runtime import Failure, Lease, ModelRuntime, Replica, http_threads
 from .scheduler import RAM, Status, plan_admission
 from .settings import Settings
@@ -393,8 +400,8 @@ class Supervisor:
         for attempt in range(PORT_RETRIES):
             port = free_port()
             argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
-            child = ChildProcess(runtime.id, argv, port,
-                                 runtime.logs, self._client,
+            env = {**child_environment(), **spin_environment()} if self.cores else None
+            child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client, env=env,
                                  max_connections=runtime.max_connections, cpu=cpu)
             children.append(child)
             await child.start()

@@ -44,7 +44,7 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
 def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
     out = tmp_path / "sharing.json"
     result = subprocess.run(
-        [sys.executable, "-m", "router.bench", "--only-sharing", "--sharing-reps", "1",
+        [sys.executable, "-m", "router.bench", "--quick", "--only-sharing",
          "--stall-bound", "5", "--workdir", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

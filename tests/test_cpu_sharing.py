@@ -80,6 +80,7 @@ def test_two_children_generating_at_once_both_finish(tmp_path: Path, llama_serve
         assert (turns > 0) == (len(cores) > 1)
         assert "llamarouter_children_paused 0.0" in metrics  # nobody left paused
         for status, share in zip(placed.values(), shares, strict=True):
+            assert psutil.Process(status["pid"]).environ().get("GOMP_SPINCOUNT") == "1000"
             argv = child_argv(status["pid"])
             assert option(argv, "--threads") == str(share["threads"])
             if len(cores) > 1:
@@ -129,3 +130,4 @@ def test_cpu_sharing_can_be_turned_off(tmp_path: Path, llama_server: Path,
         assert status["cpu"]["placed_by"] == "llama-server"
         argv = child_argv(status["pid"])
         assert "--threads" not in argv and "--cpu-mask" not in argv
+        assert "GOMP_SPINCOUNT" not in psutil.Process(status["pid"]).environ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from router.cpus import (
@@ -13,7 +14,15 @@ from router.cpus import (
     places_itself,
     plan_shares,
     select_cores,
+    spin_environment,
 )
+from router.events import EventBus
+from router.flags import FlagTable
+from router.gpus import GpuDevice
+from router.presets import ModelPreset
+from router.settings import Settings
+from router.sources import Catalogue
+from router.supervisor import Supervisor
 
 
 def cores_of(shares: list[CpuShare]) -> list[tuple[int, ...]]:
@@ -169,3 +178,44 @@ def test_no_cgroup_limit(tmp_path: Path) -> None:
     write(tmp_path / "cg/cpu.max", "max 100000\n")
     assert cgroup_cpu_limit(tmp_path / "cg", proc) is None
     assert cgroup_cpu_limit(tmp_path / "cg", tmp_path / "missing") is None
+
+
+# ------------------------------------------------------------------- the supervisor's choice
+
+def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
+                    replicas: int = 1, cpu_sharing: bool = True) -> Supervisor:
+    catalogue = Catalogue(models={
+        name: ModelPreset(name, {"model": f"/m/{name}.gguf", **args},
+                          replicas=replicas if name == "hot" else 1)
+        for name, args in presets.items()})
+    devices = [GpuDevice(0, "GPU-0", "Fake", 80 << 30)] if gpus else []
+    return Supervisor(Settings(cpu_sharing=cpu_sharing), catalogue, FlagTable([]),
+                      Path("/bin/true"), httpx.AsyncClient(), EventBus(), gpus=devices,
+                      cores=[0, 1, 2, 3])
+
+
+def test_a_cpu_model_gets_every_core_and_replicas_split_them() -> None:
+    sup = supervisor_with({"chat": {}, "hot": {}}, replicas=2)
+    assert sup.cpu_shares(sup.models["chat"], 1) == [CpuShare((0, 1, 2, 3))]
+    assert sup.cpu_shares(sup.models["hot"], 2) == [CpuShare((0, 1)), CpuShare((2, 3))]
+
+
+def test_a_gpu_model_gets_one_thread_and_a_partial_offload_computes_on_the_cpu() -> None:
+    sup = supervisor_with({"all": {}, "none": {"device": "none"},
+                           "part": {"n-gpu-layers": "10"}}, gpus=True)
+    assert sup.cpu_shares(sup.models["all"], 1) == [CpuShare((0,))]
+    assert sup.cpu_shares(sup.models["none"], 1) == [CpuShare((0, 1, 2, 3))]
+    assert sup.cpu_shares(sup.models["part"], 1) == [CpuShare((0, 1, 2, 3))]
+
+
+def test_no_share_for_a_preset_that_places_itself_or_with_sharing_off() -> None:
+    sup = supervisor_with({"own": {"threads": "2"}, "chat": {}})
+    assert sup.cpu_shares(sup.models["own"], 1) == [None]
+    off = supervisor_with({"chat": {}}, cpu_sharing=False)
+    assert off.cores == [] and off.cpu_shares(off.models["chat"], 2) == [None, None]
+
+
+def test_children_spin_briefly_unless_the_environment_says_otherwise() -> None:
+    assert spin_environment({}) == {"GOMP_SPINCOUNT": "1000"}
+    assert spin_environment({"OMP_WAIT_POLICY": "active"}) == {}
+    assert spin_environment({"GOMP_SPINCOUNT": "50"}) == {}
