@@ -150,6 +150,8 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         status["cpu"] = child.cpu.describe() if child.cpu is not None else {
             "threads": preset.args.get("threads"), "cores": None,
             "placed_by": "preset" if supervisor.cores else "llama-server"}
+        if supervisor.cpu_gate.is_paused(child):
+            status["cpu"]["paused"] = True  # waiting for its turn on the CPU
     if preset.replicas > 1 or len(runtime.replicas) > 1:
         status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
                                "in_flight": r.in_flight,

@@ -73,6 +73,9 @@ class CpuGate:
     def paused(self) -> frozenset[ChildProcess]:
         return frozenset(self._paused)
 
+    def is_paused(self, child: ChildProcess) -> bool:
+        return child in self._paused
+
     async def _run(self) -> None:
         try:
             while True:
