@@ -41,12 +41,13 @@ CPU_KEYS = frozenset({
 # Environment variables a child would read its thread count from.
 CPU_ENV = ("LLAMA_ARG_THREADS",)
 # How long a thread of an OpenMP build of llama-server (GCC's libgomp, the default on Linux)
-# spins at a barrier before it sleeps: 1,000 rounds instead of libgomp's 300,000. When other
+# spins at a barrier before it sleeps: 3,000 rounds instead of libgomp's 300,000. When other
 # work on the machine preempts one thread, its siblings then give their cores up within
-# microseconds instead of milliseconds. Measured on 2 cores kept busy by two other processes:
-# 500 tokens of a tiny model took 2.9 to 3.5 s with the default, 0.36 to 0.45 s with this;
-# SmolLM2 64 tokens 2.9 to 10 s vs 1.15 s. On an idle machine it made no difference.
-SPIN_ENV = {"GOMP_SPINCOUNT": "1000"}
+# microseconds instead of milliseconds. Measured through the router on 2 cores kept busy by two
+# other processes: 500 tokens of a tiny model took 0.11 to 1.6 s (default: up to 30 s), 64 of
+# SmolLM2 0.75 to 1.24 s (default: up to 85 s). On an idle machine SmolLM2 ran as fast; 1,000
+# rounds made the tiny model's thread wake-ups show (TTFT 3.3 ms instead of 1.6-1.9 ms).
+SPIN_ENV = {"GOMP_SPINCOUNT": "3000"}
 _SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 _SYS_CPU = Path("/sys/devices/system/cpu")

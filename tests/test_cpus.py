@@ -216,6 +216,6 @@ def test_no_share_for_a_preset_that_places_itself_or_with_sharing_off() -> None:
 
 
 def test_children_spin_briefly_unless_the_environment_says_otherwise() -> None:
-    assert spin_environment({}) == {"GOMP_SPINCOUNT": "1000"}
+    assert spin_environment({}) == {"GOMP_SPINCOUNT": "3000"}
     assert spin_environment({"OMP_WAIT_POLICY": "active"}) == {}
     assert spin_environment({"GOMP_SPINCOUNT": "50"}) == {}
