@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 
+from .cpus import CpuShare, machine_cores, spin_environment
 from .install import find_llama_server
 from .process import free_port
 from .tinymodel import write_tiny_model
@@ -59,6 +60,9 @@ ROUTERS = (LLAMACPP, ROUTER)
 LABELS = {DIRECT: "direct", LLAMACPP: "llama.cpp router", ROUTER: "llama-router"}
 MODELS = ("bench-a", "bench-b", "bench-c")  # a: warm latency; b: cold start; c: swap
 CHILD_FLAGS = ("-c", "2048", "-np", "4", "--metrics")
+# What llama-router gives a model alone on this machine (``cpus``); the direct server and
+# llama.cpp's router's children get the same.
+CHILD_CPU = CpuShare(tuple(machine_cores()))
 JSON_HEADERS = {"content-type": "application/json"}
 STREAM_HEADERS = {**JSON_HEADERS, "connection": "close"}
 TOKENIZE_TEXT = "The quick brown fox jumps over the lazy dog."
@@ -659,8 +663,9 @@ class Bench:
     def _start_direct(self, model: str, name: str) -> tuple[Managed, str]:
         port = free_port()
         item = self.procs.start(name, [str(self.binary), "-m", str(self.models[model]),
-                                       *CHILD_FLAGS, "--host", "127.0.0.1", "--port", str(port),
-                                       "--alias", model])
+                                       *CHILD_FLAGS, *CHILD_CPU.argv(), "--host", "127.0.0.1",
+                                       "--port", str(port), "--alias", model],
+                                env=spin_environment())
         return item, f"http://127.0.0.1:{port}"
 
     def _start_llamacpp(self, presets: Path, name: str) -> tuple[Managed, str]:
@@ -670,7 +675,8 @@ class Bench:
         item = self.procs.start(name, [str(self.binary), "--host", "127.0.0.1", "--port",
                                        str(port), "--models-preset", str(presets),
                                        "--models-max", "1"],
-                                env={"LLAMA_CACHE": str(cache)}, cwd=self.workdir)
+                                env={"LLAMA_CACHE": str(cache), **spin_environment()},
+                                cwd=self.workdir)
         return item, f"http://127.0.0.1:{port}"
 
     def _start_router(self, presets: Path, name: str) -> tuple[Managed, str]:
@@ -690,9 +696,16 @@ class Bench:
         chat = {name: self.models[name] for name in MODELS}
         many = {f"list-{i:03d}": self.models[MODELS[0]] for i in range(self.cfg.presets)}
         # llama-router always passes --metrics to its children; llama.cpp needs it in [*].
-        lc_presets = write_presets(self.workdir / "llamacpp.ini", chat, ["metrics = true"])
+        # Every child, direct or behind either router, computes alike: as llama-router runs a
+        # model alone (CHILD_CPU, spin_environment), so the rows measure the serving path.
+        flags = CHILD_CPU.argv()
+        lc_cpu = [f"{flag.lstrip('-')} = {value}"
+                  for flag, value in zip(flags[::2], flags[1::2], strict=True)]
+        lc_presets = write_presets(self.workdir / "llamacpp.ini", chat,
+                                   ["metrics = true", *lc_cpu])
         lr_presets = write_presets(self.workdir / "llama-router.ini", chat, [])
-        lc_many = write_presets(self.workdir / "llamacpp-many.ini", many, ["metrics = true"])
+        lc_many = write_presets(self.workdir / "llamacpp-many.ini", many,
+                                ["metrics = true", *lc_cpu])
         lr_many = write_presets(self.workdir / "llama-router-many.ini", many, [])
 
         starts: list[tuple[str, bool, Callable[[], tuple[Managed, str]]]] = [
