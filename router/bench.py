@@ -638,8 +638,9 @@ def unload_all(ep: Endpoint, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def write_presets(path: Path, sections: dict[str, Path], extra: Sequence[str]) -> Path:
-    lines = ["version = 1", "", "[*]", "ctx-size = 2048", "parallel = 4", *extra, ""]
+def write_presets(path: Path, sections: dict[str, Path], extra: Sequence[str],
+                  parallel: int = 4) -> Path:
+    lines = ["version = 1", "", "[*]", "ctx-size = 2048", f"parallel = {parallel}", *extra, ""]
     for name, model in sections.items():
         lines += [f"[{name}]", f"model = {model}", ""]
     path.write_text("\n".join(lines))

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from .bench import DIRECT, LLAMACPP, ROUTER, Managed, Processes, wait_healthy
+from .bench import DIRECT, LLAMACPP, ROUTER, Managed, Processes, wait_healthy, write_presets
 from .process import free_port
 from .tinymodel import write_tiny_model
 
@@ -77,14 +77,6 @@ async def _timed(jobs: Sequence[tuple[str, str]], tokens: int, bound: float,
         except TimeoutError:
             return bound, True
         return time.perf_counter() - began, False
-
-
-def _presets(path: Path, models: dict[str, Path], common: Sequence[str]) -> Path:
-    lines = ["version = 1", "", "[*]", "ctx-size = 2048", "parallel = 1", *common, ""]
-    for name, model in models.items():
-        lines += [f"[{name}]", f"model = {model}", ""]
-    path.write_text("\n".join(lines))
-    return path
 
 
 class SharingBench:
@@ -145,7 +137,7 @@ class SharingBench:
 
     def _pair_once(self, tag: str, models: dict[str, Path], column: str) -> dict[str, Any]:
         tokens = PAIR_TOKENS[tag] // self.scale
-        presets = _presets(self.workdir / f"pair-{tag}.ini", models, [])
+        presets = write_presets(self.workdir / f"pair-{tag}.ini", models, [], parallel=1)
         started = self._start_direct(models, tag) if column == DIRECT \
             else self._start(column, presets, tag)
         urls = [started[i if column == DIRECT else 0][1] for i in range(len(models))]
@@ -181,9 +173,8 @@ class SharingBench:
         tokens = REPLICA_TOKENS // self.scale
         out: dict[str, Any] = {"requests": REPLICA_REQUESTS, "tokens_each": tokens}
         for label, extra in (("router_placement", []), ("threads_1_by_hand", ["threads = 1"])):
-            presets = _presets(self.workdir / f"replicas-{label}.ini", {"hot": model},
-                               ["replicas = 2", *extra])
-            presets.write_text(presets.read_text().replace("parallel = 1", "parallel = 2"))
+            presets = write_presets(self.workdir / f"replicas-{label}.ini", {"hot": model},
+                                    ["replicas = 2", *extra], parallel=2)
             [(item, url)] = self._start(ROUTER, presets, f"replicas-{label}")
             try:
                 asyncio.run(_timed([(url, "hot")], 8, 120.0, concurrently=False))
