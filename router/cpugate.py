@@ -80,7 +80,12 @@ class CpuGate:
         try:
             while True:
                 self._wake.clear()
-                wait = self._step(self._members(), time.monotonic())
+                try:
+                    wait = self._step(self._members(), time.monotonic())
+                except Exception:  # a bug here must not leave children paused or stop turns
+                    log.exception("CPU turns failed; every child continues")
+                    self._resume_all()
+                    wait = None
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._wake.wait()

@@ -127,3 +127,30 @@ async def test_a_paused_child_is_stopped_by_sigterm_not_sigkill() -> None:
             code = await child.stop(5.0)
         assert code == -signal.SIGTERM
         assert not child.pause()  # gone: nothing to pause
+
+
+async def test_a_failing_member_list_continues_everyone_and_the_gate_keeps_running(
+        caplog: pytest.LogCaptureFixture) -> None:
+    a, b = FakeChild("a"), FakeChild("b")
+    calls = {"n": 0}
+
+    def members() -> dict[str, list[FakeChild]]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return {"a": [a], "b": [b]}
+
+    gate = CpuGate(members, turn_s=0.01)  # type: ignore[arg-type]
+    gate.start()
+    gate.notify()
+    async with asyncio.timeout(5):
+        while "CPU turns failed" not in caplog.text:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert not gate.paused  # the failure continued everyone
+    before = gate.turns
+    gate.notify()  # the next change is handled again: turns resume
+    async with asyncio.timeout(5):
+        while gate.turns <= before + 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await gate.close()
+    assert not a.stopped and not b.stopped
