@@ -60,8 +60,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--fairness", type=float, default=S, metavar="S",
                    help="a swap waiting this long drains the busy model in its way (default 10)")
     p.add_argument("--no-cpu-sharing", dest="cpu_sharing", action="store_false", default=S,
-                   help="start every CPU child with llama-server's own thread defaults instead "
-                   "of giving each its own cores (docs/scheduling.md)")
+                   help="start every child with llama.cpp's own thread defaults, no CPU "
+                   "turns between models (docs/scheduling.md#cpu-sharing)")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
 
 

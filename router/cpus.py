@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .memory import option_value
+
 # Preset keys (canonical llama-server option names) that mean "I place this child myself".
 CPU_KEYS = frozenset({
     "threads", "threads-batch", "cpu-mask", "cpu-range", "cpu-strict",
@@ -103,8 +105,8 @@ def spin_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 def all_layers_offloaded(args: Mapping[str, str], n_layer: int | None) -> bool:
     """Whether a child that uses a GPU runs every layer there (``n-gpu-layers`` unset, auto,
     all, -1, or at least the model's layer count)."""
-    layers = next((args[k] for k in ("n-gpu-layers", "gpu-layers", "ngl") if k in args), None)
-    if layers is None or layers.strip().lower() in ("", "auto", "all", "-1"):
+    layers = option_value(args, "n-gpu-layers", "gpu-layers", "ngl")
+    if layers is None or layers.lower() in ("", "auto", "all", "-1"):
         return True
     try:
         return n_layer is not None and int(layers) >= n_layer

@@ -68,7 +68,8 @@ class Settings(BaseSettings):
     crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1)
     shutdown_grace: float = Field(DEFAULT_SHUTDOWN_GRACE_S, gt=0,
                                   description="seconds in-flight requests get at shutdown")
-    cpu_sharing: bool = Field(True, description="give CPU children their own cores (cpus.py)")
+    cpu_sharing: bool = Field(True, description="place CPU children on the cores and let "
+                              "models take turns (cpus.py, cpugate.py)")
     child_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("presets", "models_dir", "api_key", "child_args", mode="before")
