@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from router.flags import FlagTable, parse_help
 from router.install import InstallError, find_llama_server
 from router.tinymodel import write_tiny_model
+
+pytest_plugins = ["browser"]
 
 TESTS = Path(__file__).parent
 
@@ -51,3 +54,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models["long"] = write_tiny_model(directory / "long.gguf", seed=9, name="long",
                                       n_ctx_train=32768)
     return models
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the test item (``browser.page`` screenshots failures)."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
