@@ -117,7 +117,7 @@ def cmd_ps(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
     running = []
     for m in _models(client):
         status = m["status"]
-        if status["value"] in ("loading", "loaded", "stopping"):
+        if status["value"] in ("loading", "loaded"):
             replicas = status.get("replicas") or [
                 {"pid": status.get("pid"), "port": status.get("port"),
                  "in_flight": status.get("in_flight", 0)}]

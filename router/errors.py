@@ -9,6 +9,7 @@ Hierarchy::
     RouterError                      500 server_error
     ├── BadRequest                   400 invalid_request_error
     │   ├── ModelMissing             400  no "model" in the request
+    │   ├── ModelNotLoaded           400  autoload disabled and model not running (as llama.cpp)
     │   └── MalformedBody            400  body is not valid JSON / form
     ├── Unauthorized                 401 authentication_error
     ├── NotFound                     404 not_found_error
@@ -19,7 +20,6 @@ Hierarchy::
     ├── ClientGone                   499  client disconnected first (never sent)
     ├── UpstreamError                502 server_error   child unreachable / died mid-request
     └── Unavailable                  503 unavailable_error
-        ├── ModelNotLoaded           503  autoload disabled and model not running
         ├── LoadFailed               503  child exited or timed out while loading
         └── WaitBudgetExceeded       503  waited longer than the request's budget
 
@@ -116,7 +116,7 @@ class Unavailable(RouterError):
     type = "unavailable_error"
 
 
-class ModelNotLoaded(Unavailable):
+class ModelNotLoaded(BadRequest):
     def __init__(self, model: str) -> None:
         super().__init__(f"model '{model}' is not loaded and autoload is disabled for this "
                          "request; load it with POST /models/load")

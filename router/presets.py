@@ -101,6 +101,10 @@ class ModelPreset:
     wait_budget: float | None = None
     ttl: float | None = None
     replicas: int = 1
+    # dedup-cache-models: hide from /models the HF-cache entries backing hf-repo and
+    # spec-draft-hf (they stay usable by id); ``listed`` is False for such a hidden entry.
+    dedup_cache_models: bool = False
+    listed: bool = True
 
     @property
     def model_path(self) -> str | None:
@@ -254,7 +258,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "replicas": (_parse_count, "replicas"),
     "alias": (_parse_list, "aliases"),
     "tags": (_parse_list, "tags"),
-    "dedup-cache-models": (_parse_bool, "_ignored"),
+    "dedup-cache-models": (_parse_bool, "dedup_cache_models"),
 }
 _PRESET_ONLY_ENV = {"__PRESET_" + k.upper().replace("-", "_"): k for k in PRESET_ONLY}
 

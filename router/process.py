@@ -4,11 +4,20 @@ Contract:
 
 * ``start()`` spawns the binary in its own process group (``start_new_session``) with
   ``PR_SET_PDEATHSIG = SIGKILL`` on Linux, so a router killed with SIGKILL takes its children
-  with it. stdin is /dev/null; stdout and stderr are merged and read line by line into a
-  ``LogRing`` and the router's log (prefixed with the model id).
-* ``wait_ready(timeout)`` polls ``GET /health`` every ``HEALTH_POLL_INTERVAL_S`` until 200,
-  racing the process's exit; it raises ``ChildExited`` or ``ChildTimeout`` (the caller stops it).
-* ``stop(timeout)`` sends SIGTERM to the group, waits ``timeout``, then SIGKILLs the group, and
+  with it.
+* Child mode: the child runs with ``LLAMA_SERVER_ROUTER_PORT`` set, as llama.cpp's own router
+  starts its children. llama-server then reports its state on stdout as lines
+  ``cmd_child_to_router:state:{"state": ..., "payload": ...}`` (load progress per stage, and
+  ``ready`` with its model info) and logs to stderr. Each state line goes to ``on_state``
+  (never to the log); every other line of either stream is read into a ``LogRing`` and the
+  router's log (prefixed with the model id). stdin is a pipe held open for the child's life:
+  a ready child exits when it reads EOF, so it also ends when the router is gone.
+* ``wait_ready(timeout)`` polls ``GET /health`` every ``HEALTH_POLL_INTERVAL_S`` until 200
+  (at once when the child says it listens or is ready), racing the process's exit; it raises
+  ``ChildExited`` or ``ChildTimeout`` (the caller stops it).
+* ``stop(timeout)`` writes llama.cpp's exit command (``cmd_router_to_child:exit``) to the
+  child's stdin and closes it (a ready child in child mode waits for that, even after
+  SIGTERM), sends SIGTERM to the group, waits ``timeout``, then SIGKILLs the group, and
   reaps. It is idempotent and safe to call at any point, including mid-start.
 """
 
@@ -17,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import httpx
 
@@ -42,7 +53,42 @@ SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_A
                               "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE"})
 SECRET_ENV_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
 _LISTENING_MARKER = "listening on http"
+CHILD_STATE_PREFIX = b"cmd_child_to_router:state:"
+EXIT_COMMAND = b"cmd_router_to_child:exit\n"
+ROUTER_PORT_ENV = "LLAMA_SERVER_ROUTER_PORT"
+# Called with (state, payload) for each state line a child writes: "loading", "ready",
+# "sleeping" or "downloading". Must be quick and must not raise.
+StateCallback = Callable[[str, dict[str, Any]], None]
 _BIND_FAILURE_MARKERS = ("couldn't bind", "address already in use", "failed to bind")
+
+
+def load_progress(previous: dict[str, Any] | None,
+                  payload: dict[str, Any]) -> dict[str, Any] | None:
+    """A child's ``loading`` payload as llama.cpp's router publishes it,
+    ``{"stages": [...], "current": stage, "value": 0.0..1.0}``; ``{"stage": s}`` (sent before
+    the mmproj loads) starts stage ``s`` at 0. None for a payload of neither shape."""
+    if "stages" in payload and "current" in payload:
+        try:
+            value = min(max(float(payload.get("value", 0.0)), 0.0), 1.0)
+        except (TypeError, ValueError):
+            return None
+        return {"stages": list(payload["stages"]), "current": payload["current"],
+                "value": value}
+    stage = payload.get("stage")
+    if isinstance(stage, str):
+        stages = list(previous["stages"]) if previous else []
+        if stage not in stages:
+            stages.append(stage)
+        return {"stages": stages, "current": stage, "value": 0.0}
+    return None
+
+
+def progress_rank(progress: dict[str, Any]) -> tuple[int, float]:
+    """Order progress reports: the later stage, then the larger value, is further."""
+    stages = progress.get("stages") or []
+    current = progress.get("current")
+    index = stages.index(current) if current in stages else 0
+    return index, float(progress.get("value", 0.0))
 
 
 class ChildError(Exception):
@@ -100,7 +146,8 @@ class ChildProcess:
     def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
                  client: httpx.AsyncClient, env: dict[str, str] | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 cpu: CpuShare | None = None) -> None:
+                 cpu: CpuShare | None = None, router_port: int = 0,
+                 on_state: StateCallback | None = None) -> None:
         self.model_id = model_id
         self.cpu = cpu  # the cores it computes on, when the router placed it (``cpus``)
         self.argv = list(argv)
@@ -108,12 +155,17 @@ class ChildProcess:
         self.logs = logs
         self.base_url = f"http://127.0.0.1:{port}"
         self._client = client
-        self._env = env if env is not None else child_environment()
+        self._env = {**(env if env is not None else child_environment()),
+                     ROUTER_PORT_ENV: str(router_port)}
+        self.on_state = on_state
+        # The child's own /v1/models entry, from its ``ready`` line (child mode only).
+        self.ready_info: dict[str, Any] | None = None
+        self.progress: dict[str, Any] | None = None  # its last load progress (``load_progress``)
         self._proc: asyncio.subprocess.Process | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
         self._connections: ChildConnections | None = None
         self._max_connections = max_connections
-        self._reader: asyncio.Task[None] | None = None
+        self._readers: list[asyncio.Task[None]] = []
         self.started_at: float | None = None
 
     def __repr__(self) -> str:
@@ -145,17 +197,18 @@ class ChildProcess:
 
     async def start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=self._env, start_new_session=True,
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=self._env, start_new_session=True,
             preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
         log.info("spawned", extra={"event": "spawned", "model": self.model_id,
                                    "pid": self._proc.pid, "port": self.port})
-        self._reader = asyncio.create_task(self._read_output(), name=f"log:{self.model_id}")
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._read_output(self._proc.stdout), name=f"out:{self.model_id}"),
+            asyncio.create_task(self._read_output(self._proc.stderr), name=f"log:{self.model_id}")]
 
-    async def _read_output(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        stream = self._proc.stdout
+    async def _read_output(self, stream: asyncio.StreamReader) -> None:
         prefix = f"[{self.model_id}] "
         while True:
             try:
@@ -164,19 +217,42 @@ class ChildProcess:
                 continue
             if not raw:
                 return
+            if raw.startswith(CHILD_STATE_PREFIX):
+                self._state_line(raw[len(CHILD_STATE_PREFIX):])
+                continue
             line = raw.decode("utf-8", "replace").rstrip()
             self.logs.append(line)
             output_log.log(_level_of(line), "%s%s", prefix, line)
             if _LISTENING_MARKER in line:
                 self._listening.set()
 
+    def _state_line(self, raw: bytes) -> None:
+        try:
+            message = json.loads(raw)
+            state, payload = str(message["state"]), message.get("payload") or {}
+            if not isinstance(payload, dict):
+                raise TypeError("payload is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable state line from the child: %s", exc,
+                        extra={"model": self.model_id})
+            return
+        if state == "ready":
+            if payload:  # waking from sleep sends {}
+                self.ready_info = payload
+            self._listening.set()  # health answers now: poll at once
+        if self.on_state is not None:
+            try:
+                self.on_state(state, payload)
+            except Exception:
+                log.exception("state callback failed", extra={"model": self.model_id})
+
     async def wait_exit(self) -> int:
         """Wait for the process to exit and its output to be drained; the exit code."""
         assert self._proc is not None
         code = await self._proc.wait()
-        if self._reader is not None:
+        if self._readers:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*self._readers)), 1.0)
         return code
 
     async def wait_ready(self, timeout: float, total: float | None = None) -> None:
@@ -227,6 +303,7 @@ class ChildProcess:
             return None
         if proc.returncode is None:
             await self.close_pool()
+            self._close_stdin(EXIT_COMMAND)
             self._signal_group(signal.SIGTERM)
             self._signal_group(signal.SIGCONT)  # a paused child could not act on SIGTERM
             try:
@@ -240,6 +317,15 @@ class ChildProcess:
         log.info("stopped", extra={"event": "stopped", "model": self.model_id, "pid": proc.pid,
                                    "exit_code": code})
         return code
+
+    def _close_stdin(self, last: bytes = b"") -> None:
+        stdin = self._proc.stdin if self._proc is not None else None
+        if stdin is None or stdin.is_closing():
+            return
+        with contextlib.suppress(OSError, RuntimeError):
+            if last:
+                stdin.write(last)
+            stdin.close()
 
     def pause(self) -> bool:
         """SIGSTOP the child (``cpugate``: it computes in turns); False if it is not running."""

@@ -91,6 +91,9 @@ class ModelRuntime:
     failures_in_row: int = 0
     crash_loop: bool = False
     info: dict[str, Any] | None = None
+    # Load progress while loading, in llama.cpp's shape {stages, current, value}: the least
+    # advanced of the children being started (their own reports, see ``process``).
+    progress: dict[str, Any] | None = None
     loaded_at: float | None = None  # monotonic
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took

@@ -33,7 +33,9 @@ RAM = "ram"  # the host-memory pool; GPUs are "gpu0", "gpu1", ...
 
 
 class Status(StrEnum):
-    """A model's lifecycle state, as shown in ``/models`` (``status.value``)."""
+    """A model's lifecycle state. Clients see ``public`` (``/models`` ``status.value``, the
+    ``status`` of ``/models/sse`` events): only llama.cpp's values, so a stopping model shows
+    ``loaded`` (its process still holds memory, as in llama.cpp) with ``stopping: true``."""
 
     UNLOADED = "unloaded"
     DOWNLOADING = "downloading"
@@ -44,6 +46,10 @@ class Status(StrEnum):
     @property
     def holds_process(self) -> bool:
         return self not in (Status.UNLOADED, Status.DOWNLOADING)
+
+    @property
+    def public(self) -> str:
+        return "loaded" if self is Status.STOPPING else self.value
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ router's pass-through args (after ``--`` on its command line) override everythin
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -184,5 +185,26 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
                 aliases[alias] = model_id
     if problems:
         raise PresetsInvalid(problems)
+    for model_id in _cache_entries_backing_dedup_presets(final):
+        final[model_id] = replace(final[model_id], listed=False)
     warnings = tuple(w for f in files for w in f.warnings)
     return Catalogue(final, aliases, warnings)
+
+
+def _cache_entries_backing_dedup_presets(models: dict[str, ModelPreset]) -> set[str]:
+    """Ids of the HF-cache entries whose files a ``dedup-cache-models`` preset uses through
+    ``hf-repo`` or ``spec-draft-hf`` (llama.cpp hides them from its model list)."""
+    used: set[str] = set()
+    for model in models.values():
+        if not model.dedup_cache_models or model.source == "cache":
+            continue
+        if model.hf_repo and model.model_path:
+            used.add(model.model_path)
+        draft = model.args.get("spec-draft-hf")
+        if draft:
+            with contextlib.suppress(ResolveError):
+                hit = resolve_cached(HfRef.parse(draft), None)
+                if hit is not None:
+                    used.add(str(hit[1][0]))
+    return {model_id for model_id, model in models.items()
+            if model.source == "cache" and model.model_path in used}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -46,7 +47,15 @@ from .gpus import GpuDevice, devices_used, placement, usage_by_pid
 from .logs import LogRing
 from .memory import estimate_for_args, format_size, measure_rss
 from .presets import ModelPreset
-from .process import ChildError, ChildExited, ChildProcess, child_environment, free_port
+from .process import (
+    ChildError,
+    ChildExited,
+    ChildProcess,
+    child_environment,
+    free_port,
+    load_progress,
+    progress_rank,
+)
 from .runtime import Failure, Lease, ModelRuntime, Replica, http_threads
 from .scheduler import RAM, Status, plan_admission
 from .settings import Settings
@@ -273,8 +282,17 @@ class Supervisor:
             if runtime.waiting == 0:
                 self._cancel_unwanted_load(runtime)
 
-    def _lease(self, runtime: ModelRuntime) -> Lease:
-        replica = runtime.pick_replica()
+    def lease_child(self, model: str, child: ChildProcess) -> Lease | None:
+        """A lease on the very replica running ``child`` while its model serves (resuming a
+        stream that child keeps); None when it no longer does. Never loads anything."""
+        runtime = self.models.get(model)
+        if runtime is None or not runtime.serving:
+            return None
+        replica = next((r for r in runtime.replicas if r.child is child), None)
+        return None if replica is None else self._lease(runtime, replica)
+
+    def _lease(self, runtime: ModelRuntime, replica: Replica | None = None) -> Lease:
+        replica = replica or runtime.pick_replica()
         replica.in_flight += 1
         runtime.in_flight += 1
         runtime.last_used = time.monotonic()
@@ -383,11 +401,13 @@ class Supervisor:
             raise LoadFailed(_load_failed_message(runtime.id, failure)) from exc
         runtime.spawning = []
         runtime.replicas = [Replica(child) for child in children]
-        runtime.info = await self._fetch_info(children[0])
+        runtime.info = children[0].ready_info or await self._fetch_info(children[0])
         runtime.loaded_at = runtime.last_used = time.monotonic()
         duration = round(runtime.loaded_at - started, 4)
         runtime.last_load_s = duration
-        self._set_status(runtime, Status.LOADED, duration=duration)
+        info = {**runtime.info, "id": runtime.id} if runtime.info else None
+        self._set_status(runtime, Status.LOADED, duration=duration,
+                         **({"info": info} if info else {}))
         log.info("loaded", extra={"event": "loaded", "model": runtime.id,
                                   "pid": children[0].pid, "port": children[0].port,
                                   "duration": duration})
@@ -402,7 +422,9 @@ class Supervisor:
             argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
             env = {**child_environment(), **spin_environment()} if self.cores else None
             child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client, env=env,
-                                 max_connections=runtime.max_connections, cpu=cpu)
+                                 max_connections=runtime.max_connections, cpu=cpu,
+                                 router_port=self.settings.port)
+            child.on_state = functools.partial(self._child_state, runtime, child)
             children.append(child)
             await child.start()
             try:
@@ -474,8 +496,27 @@ class Supervisor:
         log.info("draining to make room for %s", waiting_for,
                  extra={"event": "drain", "model": runtime.id})
         self.events.publish(runtime.id, "status_change",
-                            {"status": runtime.status.value, "draining": True})
+                            {"status": runtime.status.public, "draining": True})
         self._notify()
+
+    def _child_state(self, runtime: ModelRuntime, child: ChildProcess, state: str,
+                     payload: dict[str, Any]) -> None:
+        """A state line from a child (``process``): load progress is published while the
+        model loads, as llama.cpp's router does (``status_change`` with ``progress``)."""
+        if state != "loading" or runtime.status is not Status.LOADING:
+            return
+        progress = load_progress(child.progress, payload)
+        if progress is None:
+            return
+        child.progress = progress
+        overall = min((c.progress for c in runtime.spawning if c.progress is not None),
+                      key=progress_rank, default=progress)
+        if len(runtime.spawning) > 1 and any(c.progress is None for c in runtime.spawning):
+            overall = {**overall, "value": 0.0}  # a replica has not reported yet
+        if overall != runtime.progress:
+            runtime.progress = overall
+            self.events.publish(runtime.id, "status_change",
+                                {"status": Status.LOADING.value, "progress": overall})
 
     async def _fetch_info(self, child: ChildProcess) -> dict[str, Any] | None:
         try:
@@ -553,7 +594,7 @@ class Supervisor:
         self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
         runtime = ModelRuntime(preset, LogRing(self.settings.log_lines))
         self.models[preset.id] = runtime
-        self.events.publish(preset.id, "model_status", {"status": runtime.status.value})
+        self.events.publish(preset.id, "model_status", {"status": runtime.status.public})
         return runtime
 
     def remove_model(self, runtime: ModelRuntime) -> None:
@@ -848,8 +889,16 @@ class Supervisor:
     # ----------------------------------------------------------------- state
 
     def _set_status(self, runtime: ModelRuntime, status: Status, **extra: Any) -> None:
+        """Change the status and publish it: ``status_change`` with llama.cpp's status value,
+        except the start of a stop, which is the router's own ``stopping`` event (the status
+        clients see stays ``loaded`` until the process has exited)."""
         previous, runtime.status = runtime.status, status
-        data: dict[str, Any] = {"status": status.value, **extra}
+        data: dict[str, Any] = {"status": status.public, **extra}
+        runtime.progress = None
+        if status is Status.STOPPING:
+            self.events.publish(runtime.id, "stopping", data)
+            self._notify()
+            return
         if status is Status.LOADED:
             runtime.failed = False
         if status is Status.UNLOADED:

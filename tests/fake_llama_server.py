@@ -57,6 +57,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 T0 = time.monotonic()
+LOAD_STAGE = {"stages": ["text_model"], "current": "text_model"}
 BUILD = "b11434-fake"
 N_CTX_TRAIN = 4096
 N_EMBD = 8  # size of the fake embedding vectors
@@ -68,6 +69,23 @@ PUBLIC_PATHS = {"/health", "/v1/health", "/fake/info"}  # no API key, no loading
 def log(msg: str) -> None:
     """One stderr line, flushed at once so a supervisor reading the pipe sees it immediately."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def notify_router(state: str, payload: dict[str, Any]) -> None:
+    """Child mode (``LLAMA_SERVER_ROUTER_PORT`` set), as llama-server: a state line on stdout."""
+    if "LLAMA_SERVER_ROUTER_PORT" in os.environ:
+        line = json.dumps({"state": state, "payload": payload}, separators=(",", ":"))
+        print(f"cmd_child_to_router:state:{line}", flush=True)
+
+
+def model_entry(state: State) -> dict[str, Any]:
+    """The server's /v1/models entry (also its ``ready`` payload in child mode)."""
+    size = state.model_size
+    return {"id": state.model_id, "aliases": [state.model_id], "tags": [], "object": "model",
+            "created": state.created, "owned_by": "llamacpp",
+            "meta": {"vocab_type": 2, "n_vocab": 256, "n_ctx": state.n_ctx,
+                     "n_ctx_train": N_CTX_TRAIN, "n_embd": N_EMBD, "n_params": size // 4,
+                     "size": size, "ftype": "fake"}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,7 +576,6 @@ def build_app(state: State) -> ASGIApp:
         return JSONResponse({"status": "ok"})
 
     async def models(_: Request) -> Response:
-        size = state.model_size
         mid = state.model_id
         return JSONResponse({
             "models": [{"name": mid, "model": mid, "modified_at": "", "size": "", "digest": "",
@@ -567,12 +584,7 @@ def build_app(state: State) -> ASGIApp:
                         "parameters": "", "details": {"parent_model": "", "format": "gguf",
                         "family": "", "families": [""], "parameter_size": "",
                         "quantization_level": ""}}],
-            "object": "list",
-            "data": [{"id": mid, "aliases": [mid], "tags": [], "object": "model",
-                      "created": state.created, "owned_by": "llamacpp",
-                      "meta": {"vocab_type": 2, "n_vocab": 256, "n_ctx": state.n_ctx,
-                               "n_ctx_train": N_CTX_TRAIN, "n_embd": N_EMBD,
-                               "n_params": size // 4, "size": size, "ftype": "fake"}}]})
+            "object": "list", "data": [model_entry(state)]})
 
     async def props(_: Request) -> Response:
         return JSONResponse({
@@ -748,7 +760,9 @@ class FakeServer(uvicorn.Server):
     def loaded(self, host: str, port: int) -> None:
         log(f"srv    load_model: initializing, n_slots = {self.state.n_slots}, "
             f"n_ctx_slot = {self.state.n_ctx}")
+        notify_router("loading", {**LOAD_STAGE, "value": 1.0})
         log("main: model loaded")
+        notify_router("ready", model_entry(self.state))
         log(f"main: server is listening on http://{host}:{port} - starting the main loop")
         log("srv  update_slots: all slots are idle")
 
@@ -783,6 +797,7 @@ def main(argv: list[str]) -> int:
                   n_ctx=max(1, n_ctx_total // n_slots) if explicit_np else n_ctx_total)
     if os.path.isfile(args.model):
         state.model_size = os.path.getsize(args.model)
+    notify_router("loading", {**LOAD_STAGE, "value": 0.0})
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning",
                             lifespan="off", http="h11", ws="none", access_log=False)
     FakeServer(config, state).run()

@@ -136,6 +136,30 @@ def test_pull_then_router_lists_and_serves_the_cache_model(tmp_path: Path, hub: 
 
 
 @pytest.mark.real
+def test_dedup_cache_models_hides_the_cache_entry_a_preset_uses(tmp_path: Path, hub: FakeHub,
+                                                               llama_server: Path) -> None:
+    cache = tmp_path / "hf" / "hub"
+    env = {**os.environ, **hub_env(hub, cache)}
+    for ref in ("test-org/tiny:q8_0", "test-org/tiny:q4_k_m"):
+        pulled = subprocess.run([sys.executable, "-m", "router.cli", "pull", ref],
+                                capture_output=True, text=True, timeout=120, env=env)
+        assert pulled.returncode == 0, pulled.stderr
+    text = "[*]\ndedup-cache-models = {on}\n[mine]\nhf-repo = test-org/tiny:Q8_0\n"
+    presets = write_presets(tmp_path / "dedup.ini", text.format(on="true"))
+    with start_router(tmp_path, "--presets", str(presets), env=hub_env(hub, cache)) as router, \
+            router.client() as client:
+        listed = set(router.models())
+        assert "mine" in listed and "test-org/tiny:Q4_K_M" in listed  # another quant stays
+        assert "test-org/tiny:Q8_0" not in listed
+        # Hidden, not gone: it still answers by its id.
+        reply = client.post("/v1/chat/completions", json={"model": "test-org/tiny:Q8_0", **CHAT})
+        assert reply.status_code == 200, reply.text
+        presets.write_text(text.format(on="false"))
+        assert client.post("/models/reload").status_code == 200
+        assert "test-org/tiny:Q8_0" in router.models()
+
+
+@pytest.mark.real
 def test_post_models_validates_downloads_and_cancels(tmp_path: Path, hub: FakeHub,
                                                      llama_server: Path) -> None:
     cache = tmp_path / "hf" / "hub"

@@ -293,14 +293,13 @@ def test_router_owned_keys_warn_and_are_dropped(tmp_path: Path, help_table: Flag
     assert "[a]" in text_of and "host" in text_of and "ignored" in text_of
 
 
-def test_dedup_cache_models_is_accepted_and_ignored(tmp_path: Path,
-                                                    help_table: FlagTable) -> None:
+def test_dedup_cache_models_is_a_preset_option(tmp_path: Path, help_table: FlagTable) -> None:
     model_file(tmp_path)
     preset_file = load(tmp_path, "[*]\ndedup-cache-models = true\n[a]\nmodel = m.gguf\n",
                        help_table)
     assert preset_file.defaults is not None
-    assert preset_file.defaults.options == {}
-    assert preset_file.defaults.args == {}
+    assert preset_file.defaults.options == {"dedup_cache_models": True}
+    assert preset_file.defaults.args == {}  # never passed to a child
 
 
 def test_alias_short_and_env_spellings_set_aliases(tmp_path: Path,

@@ -384,7 +384,8 @@ def test_load_on_startup_and_autoload_off(tmp_path: Path, tiny_models: dict[str,
         assert client.post("/v1/chat/completions",
                            json={"model": "beta", **CHAT}).status_code == 200
         refused = client.post("/v1/chat/completions", json={"model": "alpha", **CHAT})
-        assert refused.status_code == 503
+        assert refused.status_code == 400  # as llama.cpp's router answers
+        assert refused.json()["error"]["type"] == "invalid_request_error"
         assert "not loaded" in refused.json()["error"]["message"]
         # ?autoload=true overrides per request.
         allowed = client.post("/v1/chat/completions?autoload=true",

@@ -285,7 +285,7 @@ def test_unauthorized() -> None:
     (RouterError("x"), 500, "server_error"),
     (MalformedBody("x"), 400, "invalid_request_error"),
     (QueueFull("x"), 429, "rate_limit_error"),
-    (ModelNotLoaded("m"), 503, "unavailable_error"),
+    (ModelNotLoaded("m"), 400, "invalid_request_error"),
     (WaitBudgetExceeded("x"), 503, "unavailable_error"),
 ])
 def test_other_errors(error: RouterError, status: int, type_: str) -> None:
