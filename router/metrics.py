@@ -48,6 +48,13 @@ class RouterMetrics:
         self.queue_seconds = Histogram(
             "llamarouter_queue_wait_seconds", "Time a request waited for its model to be ready",
             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_byte_seconds = Histogram(
+            "llamarouter_time_to_first_byte_seconds", "Time from request to the first response "
+            "body byte of a successful proxied request (queue and prompt included)", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter(
+            "llamarouter_generated_tokens", "Tokens generated, as the model's responses report "
+            "them (timings.predicted_n or usage)", ["model"], registry=r)
         self.loads = Counter("llamarouter_model_loads", "Models that became loaded", ["model"],
                              registry=r)
         self.unloads = Counter("llamarouter_model_unloads", "Children that stopped or exited",
@@ -132,7 +139,7 @@ class _LiveGauges(Collector):
         alive = 0
         for runtime in self.supervisor.models.values():
             model = runtime.preset.id
-            status.add_metric([model, runtime.status.value], 1)
+            status.add_metric([model, runtime.status.public], 1)
             in_flight.add_metric([model], runtime.in_flight)
             queued.add_metric([model], runtime.waiting)
             rss = self.supervisor.measured(runtime)

@@ -29,7 +29,13 @@ from .app import State, create_app
 from .events import EventBus
 from .flags import FlagTable, Option, load_flag_table
 from .gpus import GpuDevice
-from .install import cache_root, find_llama_server
+from .install import (
+    WEBUI_MISSING,
+    InstallError,
+    cache_root,
+    find_llama_server,
+    find_webui,
+)
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .memory import format_size
 from .metrics import RouterMetrics
@@ -38,6 +44,7 @@ from .settings import ConfigurationError, Settings
 from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
 from .systemd import Notifier
+from .webui import MissingWebUI, StaticUI, WebUI
 
 log = logging.getLogger("router.server")
 
@@ -55,6 +62,7 @@ class Prepared:
     build_info: str
     gpus: list[GpuDevice] = field(default_factory=list)
     gpu_budgets: dict[str, int] = field(default_factory=dict)
+    webui: Path | None = None  # the web UI folder to serve; None: none (see settings.webui)
 
 
 def prepare(settings: Settings) -> Prepared:
@@ -79,7 +87,30 @@ def prepare(settings: Settings) -> Prepared:
                  format_size(device.total_bytes),
                  format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, settings.all_api_keys(),
-                    _build_info(binary), devices, gpu_budgets)
+                    _build_info(binary), devices, gpu_budgets, _webui_folder(settings))
+
+
+def _webui_folder(settings: Settings) -> Path | None:
+    """The web UI to serve; a --webui-path without index.html is an InstallError."""
+    if not settings.webui:
+        return None
+    folder = find_webui(settings.webui_path)
+    if folder is None:
+        log.warning("%s", WEBUI_MISSING)
+    else:
+        log.info("web UI: %s", folder)
+    return folder
+
+
+def _webui(prepared: Prepared) -> StaticUI | None:
+    if not prepared.settings.webui:
+        return None
+    if prepared.webui is None:
+        return MissingWebUI(WEBUI_MISSING)
+    try:
+        return WebUI(prepared.webui)
+    except ValueError as exc:  # index.html gone since prepare() looked
+        raise InstallError(f"web UI: {exc}") from None
 
 
 def _build_info(binary: Path) -> str:
@@ -132,7 +163,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
                 atexit.unregister(supervisor.kill_all_now)
                 logging.getLogger().removeHandler(ring_handler)
 
-    return create_app(lifespan, prepared.api_keys)
+    return create_app(lifespan, prepared.api_keys, webui=_webui(prepared))
 
 
 def _log_startup_failure(task: asyncio.Task[None]) -> None:

@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     cpu_sharing: bool = Field(True, description="place CPU children on the cores and let "
                               "models take turns (cpus.py, cpugate.py)")
     child_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webui: bool = Field(True, description="serve llama.cpp's web UI at / (false: none)")
+    webui_path: Path | None = Field(None, description="serve the web UI built in this folder "
+                                    "(with index.html) instead of the installed one")
 
     @field_validator("presets", "models_dir", "api_key", "child_args", mode="before")
     @classmethod
@@ -78,6 +81,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("webui_path", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # LLAMA_ROUTER_WEBUI_PATH= in an env file
 
     @field_validator("memory_budget")
     @classmethod

@@ -646,13 +646,16 @@ class Supervisor:
         timeout = runtime.preset.stop_timeout
         seconds = self.settings.stop_timeout if timeout is None else timeout
         replicas, runtime.replicas = runtime.replicas, []
-        await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
+        codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.info = None
         runtime.loaded_at = None
         runtime.draining = False
         runtime.stop_when_idle = None
         runtime.stop_task = None
-        self._set_status(runtime, Status.UNLOADED)
+        # llama.cpp's router reports the exit code of a stop (0: the child exited as asked);
+        # a child that had to be killed is not a failure of the model, so no code then.
+        clean = all(code == 0 for code in codes)
+        self._set_status(runtime, Status.UNLOADED, **({"exit_code": 0} if clean else {}))
         if runtime.removed:
             self._forget(runtime)
         elif runtime.restart_after_stop:
@@ -895,8 +898,11 @@ class Supervisor:
         previous, runtime.status = runtime.status, status
         data: dict[str, Any] = {"status": status.public, **extra}
         runtime.progress = None
-        if status is Status.STOPPING:
-            self.events.publish(runtime.id, "stopping", data)
+        if status is Status.STOPPING or status is Status.LOADING:
+            # A stop starting is the router's own event; a load starting is llama.cpp's
+            # "model_status" (its progress then comes as "status_change").
+            self.events.publish(runtime.id, "stopping" if status is Status.STOPPING
+                                else "model_status", data)
             self._notify()
             return
         if status is Status.LOADED:

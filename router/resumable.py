@@ -1,0 +1,163 @@
+"""Resumable streams across children, as llama.cpp's router routes them.
+
+llama-server keeps the stream of a request sent with ``X-Conversation-Id: <id>`` so a client
+can resume it after a disconnect. Through a router the client no longer knows which child has
+it, so the router remembers, per conversation id, the model and the very child (replica) that
+serves it (``ConversationOwners``, filled by the proxy), and answers:
+
+* ``GET /v1/stream?conv_id=<id>&from=N``: relayed to the owning child; 404 "Stream not found
+  or expired" when no running child owns it, 503 while its model is still loading or
+  downloading (retry later). Never loads a model.
+* ``POST /v1/streams/lookup {"conversation_ids": [...]}``: asks only the owning children, each
+  for its own ids, and returns their sessions in one array (``[]`` for an unreadable body).
+* ``DELETE /v1/stream?conv_id=<id>``: forwarded to the owning child (which stops it), the
+  mapping is forgotten; 204 whatever happened.
+
+The table is bounded: the least recently used conversations are forgotten first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.datastructures import QueryParams
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from .errors import BadRequest, NotFound, Unavailable
+from .process import ChildProcess
+from .proxy import relay, upstream_headers
+from .scheduler import Status
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+CONVERSATION_HEADER = b"x-conversation-id"
+DEFAULT_CAPACITY = 10_000
+CHILD_TIMEOUT_S = 5.0
+
+
+class ConversationOwners:
+    """Conversation id → (model id, the child serving it once known); bounded LRU."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._owners: OrderedDict[str, tuple[str, ChildProcess | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def remember(self, conv_id: str, model: str, child: ChildProcess | None = None) -> None:
+        self._owners[conv_id] = (model, child)
+        self._owners.move_to_end(conv_id)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+    def owner(self, conv_id: str) -> tuple[str, ChildProcess | None] | None:
+        found = self._owners.get(conv_id)
+        if found is not None:
+            self._owners.move_to_end(conv_id)
+        return found
+
+    def forget(self, conv_id: str) -> None:
+        self._owners.pop(conv_id, None)
+
+
+def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
+                   conv_id: str) -> tuple[str, ChildProcess] | None:
+    """The owning model and child, if that child still serves."""
+    found = owners.owner(conv_id)
+    if found is None:
+        return None
+    model, child = found
+    if child is None:
+        return None
+    runtime = supervisor.models.get(model)
+    if runtime is None or not any(r.child is child for r in runtime.replicas):
+        return None
+    return model, child
+
+
+def _conv_id(request: Request) -> str:
+    conv_id = request.query_params.get("conv_id", "")
+    if not conv_id:
+        raise BadRequest("Missing conversation id in path")
+    return conv_id
+
+
+class StreamResume:
+    """``GET /v1/stream``: relay the owning child's replay of the stream."""
+
+    def __init__(self, supervisor: Supervisor, owners: ConversationOwners) -> None:
+        self.supervisor = supervisor
+        self.owners = owners
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        conv_id = _conv_id(request)
+        running = _running_owner(self.owners, self.supervisor, conv_id)
+        if running is None:
+            found = self.owners.owner(conv_id)
+            runtime = self.supervisor.models.get(found[0]) if found else None
+            if runtime is not None and runtime.status in (Status.LOADING, Status.DOWNLOADING):
+                raise Unavailable("Stream owner model is loading, retry later",
+                                         headers={"Retry-After": "1"})
+            raise NotFound("Stream not found or expired")
+        model, child = running
+        lease = self.supervisor.lease_child(model, child)
+        if lease is None:
+            raise NotFound("Stream not found or expired")
+        query = QueryParams({"conv_id": conv_id, **(
+            {"from": request.query_params["from"]} if "from" in request.query_params else {})})
+        try:
+            await relay(child.connections, "GET", f"/v1/stream?{query}".encode(),
+                        upstream_headers(scope["headers"]), b"", receive=receive, send=send)
+        finally:
+            lease.release()
+
+
+async def lookup(request: Request, supervisor: Supervisor, owners: ConversationOwners,
+                 client: httpx.AsyncClient) -> Response:
+    """``POST /v1/streams/lookup``: the owning children's sessions for the given ids."""
+    try:
+        body = json.loads(await request.body())
+        ids = [i for i in body.get("conversation_ids", []) if isinstance(i, str) and i]
+    except (ValueError, AttributeError, TypeError):
+        return JSONResponse([])
+    per_child: dict[ChildProcess, list[str]] = {}
+    for conv_id in ids:
+        running = _running_owner(owners, supervisor, conv_id)
+        if running is not None:
+            per_child.setdefault(running[1], []).append(conv_id)
+
+    async def ask(child: ChildProcess, wanted: list[str]) -> list[Any]:
+        try:
+            response = await client.post(child.base_url + "/v1/streams/lookup",
+                                         json={"conversation_ids": wanted},
+                                         timeout=CHILD_TIMEOUT_S)
+            sessions = response.json() if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return []
+        return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
+
+    answers = await asyncio.gather(*(ask(c, w) for c, w in per_child.items()))
+    return JSONResponse([session for sessions in answers for session in sessions])
+
+
+async def stop(request: Request, supervisor: Supervisor, owners: ConversationOwners,
+               client: httpx.AsyncClient) -> Response:
+    """``DELETE /v1/stream``: the owning child stops the stream; the mapping is forgotten."""
+    conv_id = _conv_id(request)
+    running = _running_owner(owners, supervisor, conv_id)
+    owners.forget(conv_id)
+    if running is not None:
+        with contextlib.suppress(httpx.HTTPError):  # the child is gone: so is its stream
+            await client.delete(running[1].base_url + "/v1/stream",
+                                params={"conv_id": conv_id}, timeout=CHILD_TIMEOUT_S)
+    return Response(status_code=204, media_type="application/json")
