@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import dashboard
+from . import dashboard, sse
 from .activity import TAIL_BYTES, Activity, activity_totals, generated_tokens, list_activity
 from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
 from .errors import (
@@ -66,9 +66,6 @@ log = logging.getLogger("router.app")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", *dashboard.DASHBOARD_PATHS})
 # GET endpoints of llama-server that need a model: without ?model= they are a 400, not a 404.
 CHILD_GET_PATHS = frozenset({"/slots", "/metrics", "/lora-adapters", "/props", "/v1/props"})
-SSE_KEEPALIVE_S = 15.0
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
 # Endpoint label values for metrics; any other path is counted as "other".
 KNOWN_ENDPOINTS = frozenset({
     "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
@@ -352,36 +349,11 @@ class EventStream:
                     continue
                 subscription.offer({"model": runtime.preset.id, "event": "model_status",
                                     "data": {"status": runtime.status.public}})
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
-            async def pump() -> None:
-                while True:
-                    try:
-                        event = await asyncio.wait_for(subscription.get(), SSE_KEEPALIVE_S)
-                        body = b"data: " + json.dumps(event).encode() + b"\n\n"
-                    except TimeoutError:
-                        body = b": keep-alive\n\n"
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            async def next_event() -> str:
+                return json.dumps(await subscription.get())
 
-            await _until_disconnect(pump(), receive, self.state.closing)
-        await _end_stream(send)
-
-
-async def _until_disconnect(work: Coroutine[Any, Any, None], receive: Receive,
-                            closing: asyncio.Event) -> None:
-    """Run ``work`` until it ends, the client disconnects or the router shuts down."""
-    tasks = {asyncio.ensure_future(work), asyncio.ensure_future(wait_disconnect(receive)),
-             asyncio.ensure_future(closing.wait())}
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _end_stream(send: Send) -> None:
-    """Close the chunked body cleanly (the client may already be gone)."""
-    with contextlib.suppress(Exception):
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await sse.respond(scope, receive, send, next_event, self.state.closing)
 
 
 async def metrics(request: Request) -> Response:
@@ -415,7 +387,7 @@ async def logs_stream(request: Request) -> Response:
 
 
 class LogStream:
-    """``/logs/stream``: each new log line as an SSE ``data:`` event, with keep-alives."""
+    """``/logs/stream``: each new log line as an SSE event, with keep-alives."""
 
     def __init__(self, ring: LogRing, closing: asyncio.Event) -> None:
         self.ring = ring
@@ -423,19 +395,7 @@ class LogStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with self.ring.follow() as queue:  # follow first: no line is missed after the headers
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-
-            async def pump() -> None:
-                while True:
-                    try:
-                        line = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
-                        body = b"data: " + line.encode() + b"\n\n"
-                    except TimeoutError:
-                        body = b": keep-alive\n\n"
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-
-            await _until_disconnect(pump(), receive, self.closing)
-        await _end_stream(send)
+            await sse.respond(scope, receive, send, queue.get, self.closing)
 
 
 # --------------------------------------------------------------------------- proxy
