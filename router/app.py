@@ -614,14 +614,9 @@ class RequestMetricsMiddleware:
         metrics = self.metrics()
         if metrics is not None:
             path = scope["path"]
-            endpoint = path if path in KNOWN_ENDPOINTS else "other"
-            metrics.requests.labels(model, endpoint, str(status)).inc()
-            metrics.request_seconds.labels(model, endpoint).observe(total_s)
-            if proxied and model:
-                if ttft_s is not None and status < 400:
-                    metrics.first_byte_seconds.labels(model).observe(ttft_s)
-                if tokens:
-                    metrics.generated_tokens.labels(model).inc(tokens)
+            metrics.observe_request(model, path if path in KNOWN_ENDPOINTS else "other", status,
+                                    total_s, ttft_s if proxied and model else None,
+                                    tokens if proxied and model else None)
         if self.activity is not None and (model or scope["method"] not in READ_METHODS):
             self.activity.add(
                 model=model, method=scope["method"], path=scope["path"], status=status,

@@ -67,6 +67,30 @@ class RouterMetrics:
         self.scrape_errors = Counter("llamarouter_child_scrape_errors",
                                      "Child /metrics scrapes that failed", ["model"], registry=r)
 
+        # Labelled children per (model, endpoint, status): a request is counted with one dict
+        # lookup instead of a labels() call per family (the hot path; none are ever removed).
+        self._children: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
+
+    def observe_request(self, model: str, endpoint: str, status: int, total_s: float,
+                        ttft_s: float | None, tokens: int | None) -> None:
+        """Count one answered request; ``ttft_s``/``tokens`` only for a model's requests (the
+        per-model families get no series for requests without a model)."""
+        key = (model, endpoint, status)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(model, endpoint, str(status)),
+                self.request_seconds.labels(model, endpoint),
+                self.first_byte_seconds.labels(model) if model else None,
+                self.generated_tokens.labels(model) if model else None)
+        requests, seconds, first_byte, generated = children
+        requests.inc()
+        seconds.observe(total_s)
+        if first_byte is not None and ttft_s is not None and status < 400:
+            first_byte.observe(ttft_s)
+        if generated is not None and tokens:
+            generated.inc(tokens)
+
     def attach(self, supervisor: Supervisor) -> None:
         self.registry.register(_LiveGauges(supervisor))
         supervisor.events.listeners.append(self.on_event)
