@@ -28,8 +28,10 @@ def _missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    """One Chromium per test module. Not per session: Playwright's sync API keeps an event
+    loop running in the main thread while it is open, and asyncio tests cannot run then."""
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
     try:
         from playwright.sync_api import sync_playwright
