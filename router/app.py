@@ -46,6 +46,7 @@ from .errors import (
     envelope_bytes,
 )
 from .events import EventBus
+from .leases import Lease
 from .logs import LogRing
 from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE, RouterMetrics
@@ -56,7 +57,7 @@ from .requests import header, model_from_body, read_body
 from .resumable import CONVERSATION_HEADER, ConversationOwners, StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
-from .runtime import Lease, ModelRuntime
+from .runtime import ModelRuntime
 from .scheduler import Status
 from .supervisor import Supervisor
 from .webui import StaticUI
@@ -183,7 +184,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
     child = runtime.child
     status: dict[str, Any] = {
         "value": runtime.status.public,
-        "args": child.argv if child else supervisor.display_argv(runtime),
+        "args": child.argv if child else supervisor.spawner.display_argv(runtime),
         "in_flight": runtime.in_flight,
         "waiting": runtime.waiting,
     }
@@ -214,9 +215,9 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         status["expected_wait_s"] = supervisor.expected_wait_s(runtime)
     memory: dict[str, Any] = {"estimate": runtime.estimate or None}
     if runtime.replicas:
-        memory["measured"] = supervisor.measured(runtime)
+        memory["measured"] = supervisor.accounting.measured(runtime)
     if supervisor.gpus:
-        measured = supervisor.measured_devices(runtime) if runtime.replicas else {}
+        measured = supervisor.accounting.measured_devices(runtime) if runtime.replicas else {}
         memory["gpus"] = {
             pool: {"estimate": runtime.estimate_devices.get(pool),
                    **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}

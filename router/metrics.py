@@ -166,11 +166,11 @@ class _LiveGauges(Collector):
             status.add_metric([model, runtime.status.public], 1)
             in_flight.add_metric([model], runtime.in_flight)
             queued.add_metric([model], runtime.waiting)
-            rss = self.supervisor.measured(runtime)
+            rss = self.supervisor.accounting.measured(runtime)
             alive += len(runtime.replicas) + len(runtime.spawning)
             if rss is not None:
                 memory.add_metric([model], rss)
-            for pool, used in sorted(self.supervisor.measured_devices(runtime).items()):
+            for pool, used in sorted(self.supervisor.accounting.measured_devices(runtime).items()):
                 gpu.add_metric([model, pool], used)
         running.add_metric([], alive)
         turns = CounterMetricFamily("llamarouter_cpu_turns", "Turns given while models that "

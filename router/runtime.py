@@ -11,15 +11,12 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .logs import LogRing
 from .presets import ModelPreset
 from .process import ChildProcess
 from .scheduler import ModelSnapshot, Status
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
 
 DEFAULT_SLOTS = 4  # llama-server's -np auto
 # HTTP threads each child gets unless its preset sets threads-http: llama-server's own
@@ -140,23 +137,3 @@ class ModelRuntime:
         """The replica with the most free slots (ties: the first)."""
         return max(self.replicas, key=lambda r: self.slots - r.in_flight)
 
-
-class Lease:
-    """A request's hold on one replica; ``release()`` exactly once when the response ends."""
-
-    __slots__ = ("_released", "_supervisor", "replica", "runtime")
-
-    def __init__(self, supervisor: Supervisor, runtime: ModelRuntime, replica: Replica):
-        self._supervisor = supervisor
-        self.runtime = runtime
-        self.replica = replica
-        self._released = False
-
-    @property
-    def child(self) -> ChildProcess:
-        return self.replica.child
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._supervisor._release(self.runtime, self.replica)

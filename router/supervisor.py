@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -30,43 +29,36 @@ from typing import Any
 
 import httpx
 
+from .accounting import Accounting
 from .cpugate import CpuGate
 from .cpus import (
-    CpuShare,
-    all_layers_offloaded,
     machine_cores,
-    places_itself,
-    plan_shares,
-    spin_environment,
 )
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
 from .flags import FlagTable
-from .gpus import GpuDevice, devices_used, placement, usage_by_pid
+from .gpus import GpuDevice
+from .leases import Lease, Leases
 from .logs import LogRing
-from .memory import estimate_for_args, format_size, measure_rss
+from .memory import format_size
 from .presets import ModelPreset
 from .process import (
     ChildError,
     ChildExited,
     ChildProcess,
-    child_environment,
-    free_port,
-    load_progress,
-    progress_rank,
 )
-from .runtime import Failure, Lease, ModelRuntime, Replica, http_threads
-from .scheduler import RAM, Status, plan_admission
+from .runtime import Failure, ModelRuntime, Replica
+from .scheduler import Status, plan_admission
 from .settings import Settings
 from .sources import Catalogue
+from .spawner import Spawner
 
 log = logging.getLogger("router.supervisor")
 
 PORT_RETRIES = 3
 FAILURE_LOG_LINES = 20
 STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the crash count
-GPU_POLL_S = 2.0  # how often nvidia-smi is asked what the children use
 BACKOFF_CAP_S = 30.0
 REAPER_INTERVAL_S = 1.0
 DOWNLOAD_EVENT_INTERVAL_S = 0.25
@@ -90,7 +82,7 @@ class Supervisor:
         self.cpu_gate = CpuGate(self._cpu_turn_members)
         self.gpus = list(gpus or [])
         self.gpu_budgets = dict(gpu_budgets or {})
-        self._gpu_usage: dict[int, dict[str, int]] = {}  # per pid, refreshed by _watch_gpus
+        self.accounting = Accounting(self.gpus)
         self.catalogue = catalogue
         self.table = table
         self.binary = binary
@@ -102,11 +94,13 @@ class Supervisor:
         self.memory_budget = settings.memory_budget_bytes()
         self._admissions: list[ModelRuntime] = []
         self._changed = asyncio.Event()
-        self._estimated: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
-        self._gpu_watch: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
         self._last_failure_at: dict[str, float] = {}
-        self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
+        self.spawner = Spawner(binary, table, client, events, router_port=settings.port,
+                               cores=self.cores, gpus=self.gpus, models=self.models.values)
+        self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
+                             on_replica_done=self._close_pool_later)
 
     # ----------------------------------------------------------------- lookups
 
@@ -115,83 +109,6 @@ class Supervisor:
         if model_id is None:
             raise ModelNotFound(name, self.catalogue.close_matches(name))
         return self.models[model_id]
-
-    def display_argv(self, runtime: ModelRuntime) -> list[str]:
-        """The argv a model would start with (port 0), cached per preset for ``/models``."""
-        preset, cache_ram = runtime.preset, runtime.cache_ram_mib
-        cached = self._argv_cache.get(runtime.id)
-        if cached is None or cached[0] is not preset or cached[1] != cache_ram:
-            cached = (preset, cache_ram, self.child_argv(preset, 0, cache_ram))
-            self._argv_cache[runtime.id] = cached
-        return cached[2]
-
-    def child_argv(self, preset: ModelPreset, port: int,
-                   cache_ram_mib: int | None = None, cpu: CpuShare | None = None) -> list[str]:
-        """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated;
-        ``cpu``: the cores the child computes on (``cpus``), when the router places it."""
-        argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
-                "--alias", preset.id, "--metrics"]
-        if cpu is not None and cpu.cores:
-            argv += cpu.argv()
-        if "threads-http" not in preset.args:  # the proxy pool is sized by it
-            argv += ["--threads-http", str(http_threads(preset.args))]
-        if cache_ram_mib is not None and "cache-ram" not in preset.args:
-            argv += ["--cache-ram", str(cache_ram_mib)]
-        for key, value in preset.args.items():
-            if key == "hf-repo" and "model" in preset.args:
-                continue
-            option = self.table.by_canonical(key)
-            if option is None:  # unreachable: presets are validated against the same table
-                raise LoadFailed(f"model '{preset.id}': unknown llama-server option {key!r}")
-            argv += option.render(value)
-        return argv
-
-    async def estimate(self, runtime: ModelRuntime) -> int:
-        """Bytes the model is expected to need while loaded (all replicas); 0 if unknown.
-        Read from the GGUF header once per configuration, in a thread."""
-        if runtime.id not in self._estimated and runtime.preset.model_path is not None:
-            self._estimated.add(runtime.id)
-            try:
-                one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
-                                              runtime.preset.args)
-                runtime.n_layer = one.n_layer
-                where = placement(one, runtime.preset.args, self.gpus)
-                replicas = runtime.preset.replicas
-                runtime.estimate = where.pop(RAM) * replicas
-                runtime.estimate_devices = {pool: n * replicas for pool, n in where.items()}
-                if "cache-ram" not in runtime.preset.args:
-                    runtime.cache_ram_mib = one.default_cache_ram_mib
-                if one.prompt_cache_unbounded:
-                    log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
-                                "estimate leaves it out; only the measured size counts",
-                                extra={"model": runtime.id})
-            except (OSError, ValueError) as exc:
-                log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
-        return runtime.estimate
-
-    def _computes_on_cpu(self, runtime: ModelRuntime) -> bool:
-        """A model the router places on cores: it does not place itself and does not run
-        every layer on a GPU (judged from its arguments until its header has been read)."""
-        args = runtime.preset.args
-        if places_itself(args):
-            return False
-        on_gpu = bool(runtime.estimate_devices) if runtime.n_layer is not None \
-            else bool(devices_used(args, self.gpus))
-        return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
-
-    def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
-        """Where ``count`` new children of a model compute: its replicas split the machine's
-        cores (other models take turns with it, ``cpugate``); a GPU child gets one thread on
-        the least used core. None for each when sharing is off or the preset places its
-        children itself."""
-        if not self.cores or places_itself(runtime.preset.args):
-            return [None] * count
-        if not self._computes_on_cpu(runtime):
-            held = [c.cpu for m in self.models.values() for c in m.children() if c.cpu]
-            return list(plan_shares(self.cores, held, count, fair_share=1, narrow=True))
-        own = [c.cpu for c in runtime.children() if c.cpu is not None]
-        return list(plan_shares(self.cores, own, count,
-                                fair_share=len(self.cores) // max(runtime.preset.replicas, 1)))
 
     def _cpu_turn_members(self) -> dict[str, list[ChildProcess]]:
         """Models that compute on shared cores and have requests in flight: their children
@@ -203,30 +120,6 @@ class Supervisor:
                 if wide:
                     members[model.id] = wide
         return members
-
-    def measured(self, runtime: ModelRuntime) -> int | None:
-        sizes = [measure_rss(r.child.pid) for r in runtime.replicas if r.child.pid is not None]
-        known = [s for s in sizes if s is not None]
-        return sum(known) if known else None
-
-    def measured_devices(self, runtime: ModelRuntime) -> dict[str, int]:
-        """GPU memory its children use per device (nvidia-smi, at most a few seconds old)."""
-        total: dict[str, int] = {}
-        for replica in runtime.replicas:
-            for pool, used in self._gpu_usage.get(replica.child.pid or -1, {}).items():
-                total[pool] = total.get(pool, 0) + used
-        return total
-
-    def _memory_held(self, runtime: ModelRuntime) -> int:
-        """What a model holding processes counts against the budget: the larger of its
-        estimate and its measured resident memory."""
-        return max(runtime.estimate, self.measured(runtime) or 0)
-
-    def _devices_held(self, runtime: ModelRuntime) -> dict[str, int]:
-        """Per GPU, the larger of its estimate and its measured use."""
-        measured = self.measured_devices(runtime)
-        pools = runtime.estimate_devices.keys() | measured.keys()
-        return {p: max(runtime.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
 
     @property
     def total_waiting(self) -> int:
@@ -254,7 +147,7 @@ class Supervisor:
         request. Raises ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
         runtime = self.resolve(name)
         if runtime.serving:
-            return self._lease(runtime)
+            return self.leases.take(runtime)
         if not autoload and runtime.status is Status.UNLOADED:
             raise ModelNotLoaded(runtime.id)
         if self.total_waiting >= self.settings.max_queue:
@@ -276,7 +169,7 @@ class Supervisor:
                     await asyncio.wait_for(asyncio.shield(task), remaining)
                 except TimeoutError:
                     raise self._budget_exceeded(runtime, seconds) from None
-            return self._lease(runtime)
+            return self.leases.take(runtime)
         finally:
             runtime.waiting -= 1
             if runtime.waiting == 0:
@@ -289,28 +182,16 @@ class Supervisor:
         if runtime is None or not runtime.serving:
             return None
         replica = next((r for r in runtime.replicas if r.child is child), None)
-        return None if replica is None else self._lease(runtime, replica)
+        return None if replica is None else self.leases.take(runtime, replica)
 
-    def _lease(self, runtime: ModelRuntime, replica: Replica | None = None) -> Lease:
-        replica = replica or runtime.pick_replica()
-        replica.in_flight += 1
-        runtime.in_flight += 1
-        runtime.last_used = time.monotonic()
-        if runtime.in_flight == 1:
-            self.cpu_gate.notify()
-        return Lease(self, runtime, replica)
+    def _on_busy(self, runtime: ModelRuntime) -> None:
+        self.cpu_gate.notify()
 
-    def _release(self, runtime: ModelRuntime, replica: Replica) -> None:
-        replica.in_flight -= 1
-        runtime.in_flight -= 1
-        runtime.last_used = time.monotonic()
-        if replica.in_flight == 0 and replica not in runtime.replicas:
-            self._close_pool_later(replica)
-        if runtime.in_flight == 0:
-            self.cpu_gate.notify()
-            if runtime.stop_when_idle is not None:
-                self._begin_stop(runtime, runtime.stop_when_idle)
-            self._notify()
+    def _on_idle(self, runtime: ModelRuntime) -> None:
+        self.cpu_gate.notify()
+        if runtime.stop_when_idle is not None:
+            self._begin_stop(runtime, runtime.stop_when_idle)
+        self._notify()
 
     def _budget_of(self, runtime: ModelRuntime) -> float:
         return runtime.preset.wait_budget or self.settings.wait_budget
@@ -380,8 +261,8 @@ class Supervisor:
         runtime.spawning = children
         try:
             results = await asyncio.gather(
-                *(self._spawn_ready(runtime, children, timeout, started, share)
-                  for share in self.cpu_shares(runtime, preset.replicas)),
+                *(self.spawner.spawn_ready(runtime, children, timeout, started, share)
+                  for share in self.spawner.cpu_shares(runtime, preset.replicas)),
                 return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
@@ -401,7 +282,7 @@ class Supervisor:
             raise LoadFailed(_load_failed_message(runtime.id, failure)) from exc
         runtime.spawning = []
         runtime.replicas = [Replica(child) for child in children]
-        runtime.info = children[0].ready_info or await self._fetch_info(children[0])
+        runtime.info = await self.spawner.model_info(children[0])
         runtime.loaded_at = runtime.last_used = time.monotonic()
         duration = round(runtime.loaded_at - started, 4)
         runtime.last_load_s = duration
@@ -414,31 +295,9 @@ class Supervisor:
         for replica in runtime.replicas:
             self._start_exit_watch(runtime, replica)
 
-    async def _spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
-                           timeout: float, started: float, cpu: CpuShare | None) -> None:
-        """Spawn one child (retrying a taken port) and wait until it is healthy."""
-        for attempt in range(PORT_RETRIES):
-            port = free_port()
-            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
-            env = {**child_environment(), **spin_environment()} if self.cores else None
-            child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client, env=env,
-                                 max_connections=runtime.max_connections, cpu=cpu,
-                                 router_port=self.settings.port)
-            child.on_state = functools.partial(self._child_state, runtime, child)
-            children.append(child)
-            await child.start()
-            try:
-                await child.wait_ready(timeout - (time.monotonic() - started), timeout)
-                return
-            except ChildExited as exc:
-                if not exc.port_in_use or attempt == PORT_RETRIES - 1:
-                    raise
-                children.remove(child)
-                log.warning("port %d was taken; retrying", port, extra={"model": runtime.id})
-
     async def _admit(self, runtime: ModelRuntime) -> None:
         """Queue FIFO for admission; when at the head, make room as the planner says."""
-        target_memory = await self.estimate(runtime)
+        target_memory = await self.accounting.estimate(runtime)
         runtime.queued_since = time.monotonic()
         self._admissions.append(runtime)
         self.events.publish(runtime.id, "queued", {
@@ -451,7 +310,7 @@ class Supervisor:
                 if self._admissions[0] is runtime:
                     waited = time.monotonic() - runtime.queued_since
                     plan = plan_admission(
-                        [m.snapshot(self._memory_held(m), self._devices_held(m))
+                        [m.snapshot(self.accounting.memory_held(m), self.accounting.devices_held(m))
                          if m.status.holds_process else m.snapshot(0)
                          for m in self.models.values()],
                         runtime.id, self.settings.models_max,
@@ -498,34 +357,6 @@ class Supervisor:
         self.events.publish(runtime.id, "status_change",
                             {"status": runtime.status.public, "draining": True})
         self._notify()
-
-    def _child_state(self, runtime: ModelRuntime, child: ChildProcess, state: str,
-                     payload: dict[str, Any]) -> None:
-        """A state line from a child (``process``): load progress is published while the
-        model loads, as llama.cpp's router does (``status_change`` with ``progress``)."""
-        if state != "loading" or runtime.status is not Status.LOADING:
-            return
-        progress = load_progress(child.progress, payload)
-        if progress is None:
-            return
-        child.progress = progress
-        overall = min((c.progress for c in runtime.spawning if c.progress is not None),
-                      key=progress_rank, default=progress)
-        if len(runtime.spawning) > 1 and any(c.progress is None for c in runtime.spawning):
-            overall = {**overall, "value": 0.0}  # a replica has not reported yet
-        if overall != runtime.progress:
-            runtime.progress = overall
-            self.events.publish(runtime.id, "status_change",
-                                {"status": Status.LOADING.value, "progress": overall})
-
-    async def _fetch_info(self, child: ChildProcess) -> dict[str, Any] | None:
-        try:
-            response = await self._client.get(child.base_url + "/v1/models", timeout=5.0,
-                                              headers={"connection": "close"})
-            data = response.json().get("data") or []
-            return dict(data[0]) if data else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
 
     # ----------------------------------------------------------------- downloading
 
@@ -582,7 +413,7 @@ class Supervisor:
         if resolution.mmproj is not None:
             args["mmproj"] = str(paths[-1])
         runtime.preset = replace(preset, args=MappingProxyType(args))
-        self._estimated.discard(runtime.id)
+        self.accounting.forget(runtime.id)
         log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
                                                        "model": runtime.id})
         self.events.publish(runtime.id, "download_finished")
@@ -702,10 +533,10 @@ class Supervisor:
                 continue  # check again: the model may have stopped meanwhile
             timeout = runtime.preset.load_timeout or self.settings.load_timeout
             children: list[ChildProcess] = []
-            [share] = self.cpu_shares(runtime, 1)
+            [share] = self.spawner.cpu_shares(runtime, 1)
             runtime.spawning = children  # its cores count as held while it starts
             try:
-                await self._spawn_ready(runtime, children, timeout, time.monotonic(), share)
+                await self.spawner.spawn_ready(runtime, children, timeout, time.monotonic(), share)
             except BaseException as exc:
                 runtime.spawning = []
                 await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
@@ -779,7 +610,7 @@ class Supervisor:
             runtime.preset = new
             if restart:
                 changed.append(model_id)
-                self._estimated.discard(model_id)
+                self.accounting.forget(model_id)
                 runtime.estimate = 0
                 runtime.estimate_devices = {}
                 runtime.cache_ram_mib = None
@@ -821,15 +652,8 @@ class Supervisor:
         self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
         if self.cores:
             self.cpu_gate.start()
-        if self.gpus:
-            self._gpu_watch = asyncio.create_task(self._watch_gpus(), name="gpu-usage")
-
-    async def _watch_gpus(self) -> None:
-        """Refresh per-process GPU usage every ``GPU_POLL_S`` while any child runs."""
-        while True:
-            if any(r.replicas for r in self.models.values()):
-                self._gpu_usage = await asyncio.to_thread(usage_by_pid, self.gpus)
-            await asyncio.sleep(GPU_POLL_S)
+        self._sampler = asyncio.create_task(self.accounting.run(self.models.values),
+                                            name="accounting")
 
     async def _reap_idle(self) -> None:
         while True:
@@ -850,8 +674,8 @@ class Supervisor:
         """Stop every child (loading ones are killed); used at shutdown."""
         if self._reaper is not None:
             self._reaper.cancel()
-        if self._gpu_watch is not None:
-            self._gpu_watch.cancel()
+        if self._sampler is not None:
+            self._sampler.cancel()
         await self.cpu_gate.close()  # continue every paused child before stopping them
         loads = [r.load_task for r in self.models.values()
                  if r.load_task is not None and not r.load_task.done()]

@@ -196,23 +196,23 @@ def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
 
 def test_a_cpu_model_gets_every_core_and_replicas_split_them() -> None:
     sup = supervisor_with({"chat": {}, "hot": {}}, replicas=2)
-    assert sup.cpu_shares(sup.models["chat"], 1) == [CpuShare((0, 1, 2, 3))]
-    assert sup.cpu_shares(sup.models["hot"], 2) == [CpuShare((0, 1)), CpuShare((2, 3))]
+    assert sup.spawner.cpu_shares(sup.models["chat"], 1) == [CpuShare((0, 1, 2, 3))]
+    assert sup.spawner.cpu_shares(sup.models["hot"], 2) == [CpuShare((0, 1)), CpuShare((2, 3))]
 
 
 def test_a_gpu_model_gets_one_thread_and_a_partial_offload_computes_on_the_cpu() -> None:
     sup = supervisor_with({"all": {}, "none": {"device": "none"},
                            "part": {"n-gpu-layers": "10"}}, gpus=True)
-    assert sup.cpu_shares(sup.models["all"], 1) == [CpuShare((0,))]
-    assert sup.cpu_shares(sup.models["none"], 1) == [CpuShare((0, 1, 2, 3))]
-    assert sup.cpu_shares(sup.models["part"], 1) == [CpuShare((0, 1, 2, 3))]
+    assert sup.spawner.cpu_shares(sup.models["all"], 1) == [CpuShare((0,))]
+    assert sup.spawner.cpu_shares(sup.models["none"], 1) == [CpuShare((0, 1, 2, 3))]
+    assert sup.spawner.cpu_shares(sup.models["part"], 1) == [CpuShare((0, 1, 2, 3))]
 
 
 def test_no_share_for_a_preset_that_places_itself_or_with_sharing_off() -> None:
     sup = supervisor_with({"own": {"threads": "2"}, "chat": {}})
-    assert sup.cpu_shares(sup.models["own"], 1) == [None]
+    assert sup.spawner.cpu_shares(sup.models["own"], 1) == [None]
     off = supervisor_with({"chat": {}}, cpu_sharing=False)
-    assert off.cores == [] and off.cpu_shares(off.models["chat"], 2) == [None, None]
+    assert off.cores == [] and off.spawner.cpu_shares(off.models["chat"], 2) == [None, None]
 
 
 def test_children_spin_briefly_unless_the_environment_says_otherwise() -> None:

@@ -1,0 +1,171 @@
+"""Starting a model's children: their argv, where they compute, spawn until healthy.
+
+* ``child_argv``: ``llama-server --host 127.0.0.1 --port P --alias ID --metrics`` plus the
+  router's choices (CPU placement, HTTP threads, prompt cache) and the preset's arguments.
+* ``cpu_shares``: where new children compute (``cpus``): a model's replicas split the
+  machine's cores; a child that runs every layer on a GPU gets one thread on the least used
+  core; nothing when CPU sharing is off or the preset places its children itself.
+* ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
+  waited for until healthy. While it loads, its own progress reports (child mode, see
+  ``process``) are published as llama.cpp's router does: ``status_change`` with
+  ``progress``, the least advanced of the model's children being started.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
+from .errors import LoadFailed
+from .events import EventBus
+from .flags import FlagTable
+from .gpus import GpuDevice, devices_used
+from .presets import ModelPreset
+from .process import (
+    ChildExited,
+    ChildProcess,
+    child_environment,
+    free_port,
+    load_progress,
+    progress_rank,
+)
+from .runtime import ModelRuntime, http_threads
+from .scheduler import Status
+
+log = logging.getLogger("router.spawner")
+
+PORT_RETRIES = 3
+INFO_TIMEOUT_S = 5.0
+
+
+class Spawner:
+    def __init__(self, binary: Path, table: FlagTable, client: httpx.AsyncClient,
+                 events: EventBus, *, router_port: int, cores: list[int],
+                 gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]]) -> None:
+        self.binary = binary
+        self.table = table
+        self.cores = cores  # shared among CPU children; empty when CPU sharing is off
+        self.gpus = gpus
+        self._client = client
+        self._events = events
+        self._router_port = router_port
+        self._models = models
+        self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
+
+    # ----------------------------------------------------------------- argv
+
+    def display_argv(self, runtime: ModelRuntime) -> list[str]:
+        """The argv a model would start with (port 0), cached per preset for ``/models``."""
+        preset, cache_ram = runtime.preset, runtime.cache_ram_mib
+        cached = self._argv_cache.get(runtime.id)
+        if cached is None or cached[0] is not preset or cached[1] != cache_ram:
+            cached = (preset, cache_ram, self.child_argv(preset, 0, cache_ram))
+            self._argv_cache[runtime.id] = cached
+        return cached[2]
+
+    def child_argv(self, preset: ModelPreset, port: int,
+                   cache_ram_mib: int | None = None, cpu: CpuShare | None = None) -> list[str]:
+        """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated;
+        ``cpu``: the cores the child computes on (``cpus``), when the router places it."""
+        argv = [str(self.binary), "--host", "127.0.0.1", "--port", str(port),
+                "--alias", preset.id, "--metrics"]
+        if cpu is not None and cpu.cores:
+            argv += cpu.argv()
+        if "threads-http" not in preset.args:  # the proxy pool is sized by it
+            argv += ["--threads-http", str(http_threads(preset.args))]
+        if cache_ram_mib is not None and "cache-ram" not in preset.args:
+            argv += ["--cache-ram", str(cache_ram_mib)]
+        for key, value in preset.args.items():
+            if key == "hf-repo" and "model" in preset.args:
+                continue
+            option = self.table.by_canonical(key)
+            if option is None:  # unreachable: presets are validated against the same table
+                raise LoadFailed(f"model '{preset.id}': unknown llama-server option {key!r}")
+            argv += option.render(value)
+        return argv
+
+    # ----------------------------------------------------------------- CPU placement
+
+    def _computes_on_cpu(self, runtime: ModelRuntime) -> bool:
+        """A model the router places on cores: it does not place itself and does not run
+        every layer on a GPU (judged from its arguments until its header has been read)."""
+        args = runtime.preset.args
+        if places_itself(args):
+            return False
+        on_gpu = bool(runtime.estimate_devices) if runtime.n_layer is not None \
+            else bool(devices_used(args, self.gpus))
+        return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
+
+    def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
+        """Where ``count`` new children of a model compute (see the module docstring)."""
+        if not self.cores or places_itself(runtime.preset.args):
+            return [None] * count
+        if not self._computes_on_cpu(runtime):
+            held = [c.cpu for m in self._models() for c in m.children() if c.cpu]
+            return list(plan_shares(self.cores, held, count, fair_share=1, narrow=True))
+        own = [c.cpu for c in runtime.children() if c.cpu is not None]
+        return list(plan_shares(self.cores, own, count,
+                                fair_share=len(self.cores) // max(runtime.preset.replicas, 1)))
+
+    # ----------------------------------------------------------------- spawning
+
+    async def spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
+                          timeout: float, started: float, cpu: CpuShare | None) -> None:
+        """Spawn one child into ``children`` (retrying a taken port) and wait until it is
+        healthy; raises ``ChildError`` (the caller stops what ``children`` holds)."""
+        for attempt in range(PORT_RETRIES):
+            port = free_port()
+            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
+            env = {**child_environment(), **spin_environment()} if self.cores else None
+            child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client, env=env,
+                                 max_connections=runtime.max_connections, cpu=cpu,
+                                 router_port=self._router_port)
+            child.on_state = functools.partial(self._child_state, runtime, child)
+            children.append(child)
+            await child.start()
+            try:
+                await child.wait_ready(timeout - (time.monotonic() - started), timeout)
+                return
+            except ChildExited as exc:
+                if not exc.port_in_use or attempt == PORT_RETRIES - 1:
+                    raise
+                children.remove(child)
+                log.warning("port %d was taken; retrying", port, extra={"model": runtime.id})
+
+    def _child_state(self, runtime: ModelRuntime, child: ChildProcess, state: str,
+                     payload: dict[str, Any]) -> None:
+        """A state line from a child: load progress is published while the model loads."""
+        if state != "loading" or runtime.status is not Status.LOADING:
+            return
+        progress = load_progress(child.progress, payload)
+        if progress is None:
+            return
+        child.progress = progress
+        overall = min((c.progress for c in runtime.spawning if c.progress is not None),
+                      key=progress_rank, default=progress)
+        if len(runtime.spawning) > 1 and any(c.progress is None for c in runtime.spawning):
+            overall = {**overall, "value": 0.0}  # a replica has not reported yet
+        if overall != runtime.progress:
+            runtime.progress = overall
+            self._events.publish(runtime.id, "status_change",
+                                 {"status": Status.LOADING.value, "progress": overall})
+
+    async def model_info(self, child: ChildProcess) -> dict[str, Any] | None:
+        """The child's own ``/v1/models`` entry: from its ``ready`` report, else asked."""
+        if child.ready_info:
+            return child.ready_info
+        try:
+            response = await self._client.get(child.base_url + "/v1/models",
+                                              timeout=INFO_TIMEOUT_S,
+                                              headers={"connection": "close"})
+            data = response.json().get("data") or []
+            return dict(data[0]) if data else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
