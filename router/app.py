@@ -209,10 +209,10 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         status["draining"] = True
     if runtime.status is Status.LOADING and runtime.progress is not None:
         status["progress"] = runtime.progress
-    position = supervisor.queue_position(runtime)
+    position = supervisor.admission.position(runtime)
     if position is not None:
         status["queue_position"] = position
-        status["expected_wait_s"] = supervisor.expected_wait_s(runtime)
+        status["expected_wait_s"] = supervisor.admission.expected_wait_s(runtime)
     memory: dict[str, Any] = {"estimate": runtime.estimate or None}
     if runtime.replicas:
         memory["measured"] = supervisor.accounting.measured(runtime)

@@ -3,13 +3,13 @@
 Concurrency model (one asyncio loop, no threads):
 
 * Only this module changes a model's ``status``; every change publishes one event and wakes
-  everything waiting for a change (``_wait_change``).
+  everything waiting for a change (``changes``).
 * ``acquire`` is the hot path: for a serving model it picks a replica and bumps ``in_flight``
   without awaiting anything, so no eviction can slip in between "is loaded" and "is in use".
 * Each model has at most one load task; every request for that model awaits it (shielded, so
   a waiter that gives up never cancels a load others share). A load waits for the model's old
   child to be gone, sits out the crash backoff, then queues for admission.
-* Admission is FIFO across models: only the head of ``_admissions`` asks the pure planner
+* Admission is FIFO across models (``admission``): only the head of the queue asks the planner
   (``scheduler.plan_admission``) for room, stops the idle victims and drains the busy ones it
   names, and waits for changes until admitted. Admission and the switch to ``loading`` happen
   in the same loop step, so two loads cannot both take the last slot.
@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 
 from .accounting import Accounting
+from .admission import Admission
+from .changes import Changes
 from .cpugate import CpuGate
 from .cpus import (
     machine_cores,
@@ -41,7 +43,6 @@ from .flags import FlagTable
 from .gpus import GpuDevice
 from .leases import Lease, Leases
 from .logs import LogRing
-from .memory import format_size
 from .presets import ModelPreset
 from .process import (
     ChildError,
@@ -49,7 +50,7 @@ from .process import (
     ChildProcess,
 )
 from .runtime import Failure, ModelRuntime, Replica
-from .scheduler import Status, plan_admission
+from .scheduler import Status
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner
@@ -92,13 +93,16 @@ class Supervisor:
             mid: ModelRuntime(preset, LogRing(settings.log_lines))
             for mid, preset in catalogue.models.items()}
         self.memory_budget = settings.memory_budget_bytes()
-        self._admissions: list[ModelRuntime] = []
-        self._changed = asyncio.Event()
+        self.changes = Changes()
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._last_failure_at: dict[str, float] = {}
         self.spawner = Spawner(binary, table, client, events, router_port=settings.port,
                                cores=self.cores, gpus=self.gpus, models=self.models.values)
+        self.admission = Admission(
+            settings, self.accounting, events, self.changes, memory_budget=self.memory_budget,
+            gpu_budgets=self.gpu_budgets, models=self.models.values,
+            evict=self._evict, drain=self._drain_for)
         self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
                              on_replica_done=self._close_pool_later)
 
@@ -124,22 +128,6 @@ class Supervisor:
     @property
     def total_waiting(self) -> int:
         return sum(r.waiting for r in self.models.values())
-
-    def queue_position(self, runtime: ModelRuntime) -> int | None:
-        with contextlib.suppress(ValueError):
-            return self._admissions.index(runtime)
-        return None
-
-    def expected_wait_s(self, runtime: ModelRuntime) -> float | None:
-        """A rough guess of how long until the model is loaded: the last load time of every
-        model queued up to and including it (1 s for a model never loaded)."""
-        position = self.queue_position(runtime)
-        if position is None:
-            return None
-        ahead = self._admissions[:position + 1]
-        return round(sum(r.last_load_s or 1.0 for r in ahead), 3)
-
-    # ----------------------------------------------------------------- hot path
 
     async def acquire(self, name: str, *, autoload: bool = True,
                       budget: float | None = None) -> Lease:
@@ -191,13 +179,13 @@ class Supervisor:
         self.cpu_gate.notify()
         if runtime.stop_when_idle is not None:
             self._begin_stop(runtime, runtime.stop_when_idle)
-        self._notify()
+        self.changes.notify()
 
     def _budget_of(self, runtime: ModelRuntime) -> float:
         return runtime.preset.wait_budget or self.settings.wait_budget
 
     def _budget_exceeded(self, runtime: ModelRuntime, seconds: float) -> WaitBudgetExceeded:
-        position = self.queue_position(runtime)
+        position = self.admission.position(runtime)
         where = f", queue position {position}" if position is not None else ""
         return WaitBudgetExceeded(
             f"model '{runtime.id}' was not ready within the wait budget of {seconds:g} s "
@@ -245,14 +233,14 @@ class Supervisor:
         if runtime.preset.model_path is None:  # an hf-repo model not in the cache yet
             await asyncio.shield(self.start_download(runtime))
         while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
-            await self._wait_change()
+            await self.changes.wait()
         delay = (self._last_failure_at.get(runtime.id, 0.0) + backoff_s(runtime.failures_in_row)
                  - time.monotonic())
         if delay > 0:
             log.info("waiting %.1f s before restarting after %d failures", delay,
                      runtime.failures_in_row, extra={"model": runtime.id})
             await asyncio.sleep(delay)
-        await self._admit(runtime)
+        await self.admission.admit(runtime)
         self._set_status(runtime, Status.LOADING)
         started = time.monotonic()
         preset = runtime.preset
@@ -295,58 +283,11 @@ class Supervisor:
         for replica in runtime.replicas:
             self._start_exit_watch(runtime, replica)
 
-    async def _admit(self, runtime: ModelRuntime) -> None:
-        """Queue FIFO for admission; when at the head, make room as the planner says."""
-        target_memory = await self.accounting.estimate(runtime)
-        runtime.queued_since = time.monotonic()
-        self._admissions.append(runtime)
-        self.events.publish(runtime.id, "queued", {
-            "position": len(self._admissions) - 1,
-            "expected_wait_s": self.expected_wait_s(runtime)})
-        self._notify()
-        try:
-            while True:
-                wake_in: float | None = None
-                if self._admissions[0] is runtime:
-                    waited = time.monotonic() - runtime.queued_since
-                    plan = plan_admission(
-                        [m.snapshot(self.accounting.memory_held(m), self.accounting.devices_held(m))
-                         if m.status.holds_process else m.snapshot(0)
-                         for m in self.models.values()],
-                        runtime.id, self.settings.models_max,
-                        target_memory=target_memory, memory_budget=self.memory_budget,
-                        target_devices=runtime.estimate_devices,
-                        device_budgets=self.gpu_budgets,
-                        waited_s=waited, fairness_s=self.settings.fairness)
-                    if plan.refuse is not None:
-                        raise LoadFailed(self._never_fits_message(runtime))
-                    if plan.admit:
-                        return
-                    for victim in plan.evict:
-                        log.info("evicting least recently used",
-                                 extra={"event": "evict", "model": victim})
-                        self._begin_stop(self.models[victim], "evicted")
-                    for busy in plan.drain:
-                        self._drain(self.models[busy], waiting_for=runtime.id)
-                    if not plan.evict and not plan.drain:
-                        wake_in = max(self.settings.fairness - waited, 0.0) + 0.01
-                await self._wait_change(wake_in)
-        finally:
-            self._admissions.remove(runtime)
-            runtime.queued_since = None
-            self._notify()
+    def _evict(self, model_id: str) -> None:
+        self._begin_stop(self.models[model_id], "evicted")
 
-    def _never_fits_message(self, runtime: ModelRuntime) -> str:
-        for pool, need in sorted(runtime.estimate_devices.items()):
-            budget = self.gpu_budgets.get(pool)
-            if budget is not None and need > budget:
-                return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
-                        f"{format_size(need)} on {pool} but the memory budget of {pool} is "
-                        f"{format_size(budget)} (--gpu-memory-budget)")
-        assert self.memory_budget is not None
-        return (f"model '{runtime.id}' can never be loaded: it needs an estimated "
-                f"{format_size(runtime.estimate)} but the memory budget is "
-                f"{format_size(self.memory_budget)} (--memory-budget)")
+    def _drain_for(self, model_id: str, waiting_for: str) -> None:
+        self._drain(self.models[model_id], waiting_for)
 
     def _drain(self, runtime: ModelRuntime, waiting_for: str) -> None:
         if runtime.draining:
@@ -356,7 +297,7 @@ class Supervisor:
                  extra={"event": "drain", "model": runtime.id})
         self.events.publish(runtime.id, "status_change",
                             {"status": runtime.status.public, "draining": True})
-        self._notify()
+        self.changes.notify()
 
     # ----------------------------------------------------------------- downloading
 
@@ -621,7 +562,7 @@ class Supervisor:
             if catalogue.models[model_id].load_on_startup:
                 with contextlib.suppress(LoadFailed):
                     self._ensure_load_task(self.models[model_id], on_demand=False)
-        self._notify()
+        self.changes.notify()
         return {"added": added, "removed": removed, "changed": changed}
 
     def _retire(self, runtime: ModelRuntime, reason: str) -> None:
@@ -727,7 +668,7 @@ class Supervisor:
             # "model_status" (its progress then comes as "status_change").
             self.events.publish(runtime.id, "stopping" if status is Status.STOPPING
                                 else "model_status", data)
-            self._notify()
+            self.changes.notify()
             return
         if status is Status.LOADED:
             runtime.failed = False
@@ -737,18 +678,7 @@ class Supervisor:
                 data["failed"] = True
                 data["exit_code"] = runtime.failure.exit_code
         self.events.publish(runtime.id, "status_change", data)
-        self._notify()
-
-    def _notify(self) -> None:
-        """Wake everything waiting for a change (status, capacity, queue)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _wait_change(self, timeout: float | None = None) -> None:
-        event = self._changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
-
+        self.changes.notify()
 
 def _failure_from(exc: BaseException) -> Failure:
     if isinstance(exc, ChildExited):
