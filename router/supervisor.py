@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from . import reconfig
 from .accounting import Accounting
 from .admission import Admission
 from .changes import Changes
@@ -531,39 +532,33 @@ class Supervisor:
           the old child, then stop; requests arriving meanwhile wait for the new child;
         * unchanged models keep their child (same pid); other preset fields update in place.
         """
-        old_ids, new_ids = set(self.models), set(catalogue.models)
-        added = sorted(new_ids - old_ids)
-        removed = sorted(old_ids - new_ids)
-        changed: list[str] = []
+        change = reconfig.diff({m: r.preset for m, r in self.models.items()}, catalogue.models)
         self.catalogue = catalogue
-        for model_id in added:
+        for model_id in change.added:
             self.models[model_id] = ModelRuntime(catalogue.models[model_id],
                                                  LogRing(self.settings.log_lines))
-        for model_id in removed:
+        for model_id in change.removed:
             runtime = self.models[model_id]
             runtime.removed = True
             self._retire(runtime, "removed")
-        for model_id in sorted(old_ids & new_ids):
+        for model_id in change.update:
+            self.models[model_id].preset = catalogue.models[model_id]
+        for model_id in change.restart:
             runtime = self.models[model_id]
-            new = catalogue.models[model_id]
-            restart = (dict(new.args) != dict(runtime.preset.args)
-                       or new.replicas != runtime.preset.replicas)
-            runtime.preset = new
-            if restart:
-                changed.append(model_id)
-                self.accounting.forget(model_id)
-                runtime.estimate = 0
-                runtime.estimate_devices = {}
-                runtime.cache_ram_mib = None
-                runtime.crash_loop = False
-                runtime.failures_in_row = 0
-                self._retire(runtime, "reconfigured")
-        for model_id in added:
+            runtime.preset = catalogue.models[model_id]
+            self.accounting.forget(model_id)
+            runtime.estimate = 0
+            runtime.estimate_devices = {}
+            runtime.cache_ram_mib = None
+            runtime.crash_loop = False
+            runtime.failures_in_row = 0
+            self._retire(runtime, "reconfigured")
+        for model_id in change.added:
             if catalogue.models[model_id].load_on_startup:
                 with contextlib.suppress(LoadFailed):
                     self._ensure_load_task(self.models[model_id], on_demand=False)
         self.changes.notify()
-        return {"added": added, "removed": removed, "changed": changed}
+        return change.summary()
 
     def _retire(self, runtime: ModelRuntime, reason: str) -> None:
         """Stop a model's current child once its in-flight requests are done."""
