@@ -43,6 +43,7 @@ from .events import EventBus
 from .flags import FlagTable
 from .gpus import GpuDevice
 from .leases import Lease, Leases
+from .lifecycle import Event, transition
 from .logs import LogRing
 from .presets import ModelPreset
 from .process import (
@@ -242,7 +243,7 @@ class Supervisor:
                      runtime.failures_in_row, extra={"model": runtime.id})
             await asyncio.sleep(delay)
         await self.admission.admit(runtime)
-        self._set_status(runtime, Status.LOADING)
+        self._set_status(runtime, Event.ADMITTED)
         started = time.monotonic()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
@@ -261,11 +262,11 @@ class Supervisor:
             await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
             if isinstance(exc, asyncio.CancelledError):
                 runtime.failed = False
-                self._set_status(runtime, Status.UNLOADED, reason="cancelled")
+                self._set_status(runtime, Event.LOAD_FAILED, reason="cancelled")
                 raise
             failure = _failure_from(exc)
             self._record_failure(runtime, failure, crashed_after=None)
-            self._set_status(runtime, Status.UNLOADED)
+            self._set_status(runtime, Event.LOAD_FAILED)
             log.error("load failed: %s", failure.message,
                       extra={"event": "load_failed", "model": runtime.id})
             raise LoadFailed(_load_failed_message(runtime.id, failure)) from exc
@@ -276,7 +277,7 @@ class Supervisor:
         duration = round(runtime.loaded_at - started, 4)
         runtime.last_load_s = duration
         info = {**runtime.info, "id": runtime.id} if runtime.info else None
-        self._set_status(runtime, Status.LOADED, duration=duration,
+        self._set_status(runtime, Event.READY, duration=duration,
                          **({"info": info} if info else {}))
         log.info("loaded", extra={"event": "loaded", "model": runtime.id,
                                   "pid": children[0].pid, "port": children[0].port,
@@ -330,7 +331,7 @@ class Supervisor:
             loop.call_soon_threadsafe(on_progress, name, done, total)
 
         runtime.download = {}
-        self._set_status(runtime, Status.DOWNLOADING)
+        self._set_status(runtime, Event.DOWNLOAD)
         log.info("downloading %s", preset.hf_repo, extra={"event": "download",
                                                           "model": runtime.id})
         try:
@@ -341,7 +342,7 @@ class Supervisor:
         except asyncio.CancelledError:
             runtime.download_cancel.set()
             self.events.publish(runtime.id, "download_failed", {"error": "cancelled"})
-            self._set_status(runtime, Status.UNLOADED, reason="cancelled")
+            self._set_status(runtime, Event.DOWNLOAD_FAILED, reason="cancelled")
             raise
         except Exception as exc:
             message = f"download of {preset.hf_repo} failed: {exc}"
@@ -349,7 +350,7 @@ class Supervisor:
             self.events.publish(runtime.id, "download_failed", {"error": str(exc)})
             if not isinstance(exc, DownloadCancelled):
                 self._record_failure(runtime, Failure(message, None, []), crashed_after=None)
-            self._set_status(runtime, Status.UNLOADED)
+            self._set_status(runtime, Event.DOWNLOAD_FAILED)
             raise LoadFailed(f"model '{runtime.id}': {message}") from exc
         args = {**preset.args, "model": str(paths[0])}
         if resolution.mmproj is not None:
@@ -359,7 +360,7 @@ class Supervisor:
         log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
                                                        "model": runtime.id})
         self.events.publish(runtime.id, "download_finished")
-        self._set_status(runtime, Status.UNLOADED)
+        self._set_status(runtime, Event.DOWNLOADED)
 
     def add_model(self, preset: ModelPreset) -> ModelRuntime:
         """Add a model at run time (``POST /models``)."""
@@ -404,7 +405,7 @@ class Supervisor:
         if runtime.replace_task is not None:
             runtime.replace_task.cancel()  # stops a replacement child still starting
             runtime.replace_task = None
-        self._set_status(runtime, Status.STOPPING, reason=reason)
+        self._set_status(runtime, Event.STOP, reason=reason)
         runtime.stop_task = asyncio.create_task(self._finish_stop(runtime),
                                                 name=f"stop:{runtime.id}")
         runtime.stop_task.add_done_callback(_consume_exception)
@@ -428,7 +429,7 @@ class Supervisor:
         # llama.cpp's router reports the exit code of a stop (0: the child exited as asked);
         # a child that had to be killed is not a failure of the model, so no code then.
         clean = all(code == 0 for code in codes)
-        self._set_status(runtime, Status.UNLOADED, **({"exit_code": 0} if clean else {}))
+        self._set_status(runtime, Event.STOPPED, **({"exit_code": 0} if clean else {}))
         if runtime.removed:
             self._forget(runtime)
         elif runtime.restart_after_stop:
@@ -455,7 +456,7 @@ class Supervisor:
             runtime.info = None
             runtime.loaded_at = None
             runtime.draining = False
-            self._set_status(runtime, Status.UNLOADED)
+            self._set_status(runtime, Event.LAST_REPLICA_EXITED)
         elif runtime.replace_task is None or runtime.replace_task.done():
             runtime.replace_task = asyncio.create_task(self._replace_replicas(runtime),
                                                        name=f"replace:{runtime.id}")
@@ -651,10 +652,13 @@ class Supervisor:
 
     # ----------------------------------------------------------------- state
 
-    def _set_status(self, runtime: ModelRuntime, status: Status, **extra: Any) -> None:
-        """Change the status and publish it: ``status_change`` with llama.cpp's status value,
-        except the start of a stop, which is the router's own ``stopping`` event (the status
-        clients see stays ``loaded`` until the process has exited)."""
+    def _set_status(self, runtime: ModelRuntime, event: Event, **extra: Any) -> None:
+        """Move the model through ``event`` (``lifecycle``: an event that cannot happen now
+        raises InvalidTransition) and publish it: ``status_change`` with llama.cpp's status
+        value, except the start of a load (llama.cpp's ``model_status``) and of a stop (the
+        router's own ``stopping``: the status clients see stays ``loaded`` until the process
+        has exited)."""
+        status = transition(runtime.id, runtime.status, event)
         previous, runtime.status = runtime.status, status
         data: dict[str, Any] = {"status": status.public, **extra}
         runtime.progress = None
