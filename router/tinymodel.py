@@ -14,6 +14,9 @@ gguf's writer drops empty arrays) and three control tokens: ``<|endoftext|>`` (b
 Usage::
 
     python -m router.tinymodel OUT.gguf [--seed N] [--name NAME]
+
+Needs gguf and numpy, the optional extra ``tiny`` (``pip install 'llama-router[tiny]'``): only
+``llama-router tiny-model``, the tests and the benchmark import this module, never the router.
 """
 
 from __future__ import annotations

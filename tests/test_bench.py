@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark harness (``python -m router.bench --quick``): it runs end to end
+"""Smoke test of the benchmark harness (``python -m benchmarks.bench --quick``): it runs end to end
 against the real llama-server and reports every metric for all three targets. No timing
 assertions: the numbers depend on the machine."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.bench import COLUMNS
+from benchmarks.bench import COLUMNS
 
 pytestmark = pytest.mark.real
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "router.bench", "--quick", "--sharing-reps", "0",
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--sharing-reps", "0",
          "--workdir", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -44,7 +44,7 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
 def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
     out = tmp_path / "sharing.json"
     result = subprocess.run(
-        [sys.executable, "-m", "router.bench", "--quick", "--only-sharing",
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--only-sharing",
          "--stall-bound", "5", "--workdir", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

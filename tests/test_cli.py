@@ -41,6 +41,42 @@ def test_llama_server_flag_must_be_executable(tmp_path: Path) -> None:
     assert "not an executable file" in result.stderr
 
 
+# A Python that has the router but not the `tiny` extra: importing gguf or numpy fails.
+WITHOUT_TINY_EXTRA = "import sys; sys.modules['gguf'] = sys.modules['numpy'] = None; "
+
+
+def test_the_router_imports_neither_numpy_nor_gguf() -> None:
+    """gguf and numpy are the `tiny` extra (tiny-model only): serving, the CLI and the GGUF
+    header reader must work without them."""
+    code = ("import sys, router.cli, router.server, router.app, router.ggufmeta, router.memory; "
+            "print(sorted({'numpy', 'gguf'} & {m.split('.')[0] for m in sys.modules}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TINY_EXTRA + code],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tiny_model_without_the_extra_says_which_to_install(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.gguf"
+    code = WITHOUT_TINY_EXTRA + "from router.cli import main; raise SystemExit(main())"
+    result = subprocess.run([sys.executable, "-c", code, "tiny-model", str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "llama-router: tiny-model needs the `gguf` package, which is not installed: "
+        "pip install 'llama-router[tiny]'"]
+    assert not out.exists()
+
+
+def test_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.gguf"
+    result = run("tiny-model", str(out), "--seed", "3", "--name", "t")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out) and out.stat().st_size > 100_000
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(("text", "expected"), [
     ("[m]\nmodel = {model}\nctx-sise = 512\n",

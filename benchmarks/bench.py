@@ -4,7 +4,7 @@ One run generates tiny models, starts the three targets on free 127.0.0.1 ports 
 router of each kind with a large preset file for ``GET /models``), measures them in
 interleaved rounds, prints a table and optionally writes JSON::
 
-    python -m router.bench [--rounds N] [--duration S] [--quick] [--out PATH] [--profile]
+    python -m benchmarks.bench [--rounds N] [--duration S] [--quick] [--out PATH] [--profile]
 
 Measured, round-robin across the targets so noise hits all of them alike:
 
@@ -49,11 +49,14 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 
-from .cpus import CpuShare, machine_cores, spin_environment
-from .install import find_llama_server
-from .process import free_port
-from .tinymodel import write_tiny_model
+from router.cpus import CpuShare, machine_cores, spin_environment
+from router.install import find_llama_server
+from router.process import free_port
+from router.tinymodel import write_tiny_model
 
+# The repository root: the working directory of every Python process the harness starts
+# (``-m router.cli``, ``-m benchmarks.bench --loadgen``), so both packages import from here.
+ROOT = Path(__file__).resolve().parent.parent
 DIRECT, LLAMACPP, ROUTER = "direct", "llamacpp_router", "llama_router"
 COLUMNS = (DIRECT, LLAMACPP, ROUTER)
 ROUTERS = (LLAMACPP, ROUTER)
@@ -97,7 +100,7 @@ class Config:
     loadgen: str = "auto"
     profile: bool = False
     workdir: Path | None = None
-    sharing_reps: int = 3  # repetitions of the CPU-sharing phase (benchcpu); 0 skips it
+    sharing_reps: int = 3  # repetitions of the CPU-sharing phase (benchmarks.sharing); 0 skips it
     only_sharing: bool = False
     stall_bound: float = 30.0  # seconds before a concurrent run counts as stalled
     quick: bool = False
@@ -561,7 +564,7 @@ class LoadTool:
             return ["wrk", "-t1", f"-c{connections}", f"-d{duration:g}s", "--timeout", "10s",
                     "--latency",
                     "-s", str(self.script), url + "/tokenize"]
-        return [sys.executable, "-m", "router.bench", "--loadgen", url + "/tokenize",
+        return [sys.executable, "-m", "benchmarks.bench", "--loadgen", url + "/tokenize",
                 "--loadgen-body", tokenize_body(model).decode(),
                 "--connections", str(connections), "--duration", str(duration)]
 
@@ -592,7 +595,8 @@ def run_load(tool: LoadTool, ep: Endpoint, model: str, cfg: Config,
     target_before = ep.cpu_seconds()
     began = time.perf_counter()
     peak = 0
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          cwd=ROOT) as proc:
         while proc.poll() is None:
             if watch_rss:
                 with contextlib.suppress(psutil.Error):
@@ -686,7 +690,7 @@ class Bench:
                                        "--presets", str(presets), "--port", str(port),
                                        "--models-max", "1", "--log-level", "warning",
                                        "--llama-server", str(self.binary)],
-                                cwd=Path(__file__).resolve().parent.parent)
+                                cwd=ROOT)
         return item, f"http://127.0.0.1:{port}"
 
     def setup(self) -> None:
@@ -1106,7 +1110,7 @@ def machine_info(binary: Path) -> dict[str, Any]:
         out = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
         wrk_version = (out.stdout + out.stderr).splitlines()[0] if out.stdout + out.stderr \
             else "unknown"
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     source = str(root)
     if (root / ".git").exists():
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
@@ -1138,7 +1142,7 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         if not cfg.only_sharing:
             results = bench.run()
         if cfg.sharing_reps > 0:
-            from .benchcpu import run_phase  # imports this module
+            from .sharing import run_phase  # imports this module
 
             sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound,
                                 cfg.quick)
@@ -1212,7 +1216,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m router.bench",
+        prog="python -m benchmarks.bench",
         description="Benchmark a direct llama-server, llama.cpp's router mode and "
         "llama-router on this machine (tiny generated models).")
     parser.add_argument("--rounds", type=int, help="interleaved latency rounds (default 10)")

@@ -27,10 +27,20 @@ from typing import Any
 
 import httpx
 
-from .bench import DIRECT, LLAMACPP, ROUTER, Managed, Processes, wait_healthy, write_presets
-from .process import free_port
-from .smollm2 import INSTALL_HINT, find_smollm2
-from .tinymodel import write_tiny_model
+from router.process import free_port
+from router.smollm2 import INSTALL_HINT, find_smollm2
+from router.tinymodel import write_tiny_model
+
+from .bench import (
+    DIRECT,
+    LLAMACPP,
+    ROOT,
+    ROUTER,
+    Managed,
+    Processes,
+    wait_healthy,
+    write_presets,
+)
 
 PAIR_TOKENS = {"tiny": 1000, "smollm2": 64}
 REPLICA_REQUESTS, REPLICA_TOKENS = 8, 400
@@ -96,7 +106,7 @@ class SharingBench:
             argv = [sys.executable, "-m", "router.cli", "serve", "--presets", str(presets),
                     "--port", str(port), "--llama-server", str(self.binary), *extra]
             item = self.procs.start(f"{tag}-llama-router", argv,
-                                    cwd=Path(__file__).resolve().parent.parent)
+                                    cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(item, url)
         return [(item, url)]
