@@ -15,11 +15,12 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-import router.app as app_module
+import router.middleware as middleware_module
 from router.activity import TAIL_BYTES, Activity, Record, generated_tokens
-from router.app import RequestMetricsMiddleware, create_app
+from router.app import create_app
 from router.dashboard import DASHBOARD_PATHS
 from router.metrics import RouterMetrics
+from router.middleware import RequestMetricsMiddleware
 
 # The end of a real llama-server b11434 chat stream: the last event carries the timings.
 STREAM_END = (
@@ -107,7 +108,7 @@ def test_generated_tokens_reads_only_the_tail() -> None:
 # --------------------------------------------------------------------------- the middleware
 
 class Clock:
-    """``time`` for ``router.app``: perf_counter advances only when a test says so."""
+    """``time`` for ``router.middleware``: perf_counter advances only when a test says so."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -122,7 +123,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(app_module, "time", types.SimpleNamespace(
+    monkeypatch.setattr(middleware_module, "time", types.SimpleNamespace(
         perf_counter=fake.perf_counter, time=fake.time))
     return fake
 

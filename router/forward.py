@@ -1,0 +1,169 @@
+"""The hot path: every request the router does not answer itself goes to the child serving
+its model (JSON body ``model``, multipart ``model`` field, or ``?model=``), so every
+llama-server endpoint, including ones newer than this router, passes through. A GET or HEAD
+without a model that is ``/`` or a file of llama.cpp's web UI (``webui.py``) gets that file
+instead of the 404 it would get otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from starlette.datastructures import QueryParams
+from starlette.types import Receive, Scope, Send
+
+from .errors import (
+    BadRequest,
+    ClientGone,
+    MethodNotAllowed,
+    ModelMissing,
+    NotFound,
+    RouterError,
+    envelope_bytes,
+)
+from .leases import Lease
+from .paths import (
+    API_ROOTS,
+    CHILD_GET_PATHS,
+    METHODS,
+)
+from .proxy import relay, upstream_headers, wait_disconnect
+from .requests import header, model_from_body, read_body
+from .resumable import CONVERSATION_HEADER
+from .state import State
+from .webui import StaticUI
+
+log = logging.getLogger("router.forward")
+
+
+WAIT_BUDGET_HEADER = b"x-wait-budget"
+NO_PARAMS = QueryParams("")
+
+
+
+async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
+                                       receive: Receive) -> Lease:
+    """Wait for a lease, but leave the queue at once if the client goes away."""
+    acquire_task = asyncio.ensure_future(acquire)
+    watch_task = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({acquire_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone = watch_task.done() and not watch_task.cancelled()
+        watch_task.cancel()
+        if gone or not acquire_task.done():
+            acquire_task.cancel()
+        results = await asyncio.gather(watch_task, acquire_task, return_exceptions=True)
+    lease = results[1]
+    if gone or not acquire_task.done():
+        if isinstance(lease, Lease):  # granted in the same instant: give it back
+            lease.release()
+        raise ClientGone("client disconnected while waiting for its model")
+    return acquire_task.result()
+
+
+def _autoload(params: QueryParams, default: bool) -> bool:
+    value = params.get("autoload")
+    if value is None or value == "":
+        return default
+    return value.lower() in ("1", "true")
+
+
+def _budget(scope: Scope) -> float | None:
+    raw = header(scope, WAIT_BUDGET_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a number of seconds, "
+                         f"got {raw.decode('latin-1')!r}") from None
+    if value <= 0:
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be positive")
+    return value
+
+
+def _target(scope: Scope) -> bytes:
+    """The request target as the client sent it (percent-encoding kept)."""
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope["query_string"]
+    target = path + b"?" + query if query else path
+    if not target.startswith(b"/") or any(c in target for c in (b" ", b"\r", b"\n")):
+        raise BadRequest("malformed request target")
+    return target
+
+
+async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
+    """Every request the router does not answer itself goes to the child serving its model.
+
+    Plain ASGI, no Starlette request object: this is the hot path. The model comes from the
+    JSON body's ``model``, a multipart ``model`` field, or ``?model=``.
+    """
+    try:
+        await _forward(scope, receive, send)
+    except RouterError as exc:
+        await send_error(send, exc)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+        await send_error(send, RouterError(f"internal error: {type(exc).__name__}"))
+
+
+async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
+    state: State = scope["app"].state.router
+    sup = state.supervisor
+    method: str = scope["method"]
+    if method not in METHODS:
+        raise MethodNotAllowed(f"method {method} is not allowed")
+    body = await read_body(scope, receive, sup.settings.max_body_bytes)
+    model: str | None = None
+    if method in ("POST", "PUT", "PATCH"):
+        content_type = header(scope, b"content-type") or b""
+        model, _ = model_from_body(content_type.decode("latin-1"), body)
+    params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
+    model = model or params.get("model")
+    if not model:
+        webui: StaticUI | None = scope["app"].state.webui
+        if webui is not None and method in ("GET", "HEAD") and await webui.answer(
+                scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
+            return
+        if method == "GET" and scope["path"] not in CHILD_GET_PATHS:
+            raise NotFound("File Not Found")
+        raise ModelMissing()
+    budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
+    runtime = sup.resolve(model)
+    request_state = scope.setdefault("state", {})
+    request_state["model"] = runtime.preset.id
+    autoload = _autoload(params, sup.settings.models_autoload)
+    conv_id = header(scope, CONVERSATION_HEADER) if body else None
+    if conv_id:  # a resumable stream: remember whose it is, also while the model loads
+        state.conversations.remember(conv_id.decode("latin-1"), runtime.id)
+    if runtime.serving:  # hot path: no waiting, no tasks
+        lease = await sup.acquire(model, autoload=autoload, budget=budget)
+    else:
+        waited = time.perf_counter()
+        try:
+            lease = await _acquire_unless_disconnected(
+                sup.acquire(model, autoload=autoload, budget=budget), receive)
+        finally:  # for the activity record, also when the wait failed
+            request_state["queue_s"] = queued = time.perf_counter() - waited
+        state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    if conv_id:
+        state.conversations.remember(conv_id.decode("latin-1"), runtime.id, lease.child)
+    try:
+        await relay(lease.child.connections, method, _target(scope),
+                    upstream_headers(scope["headers"]), body, receive=receive, send=send)
+    finally:
+        lease.release()
+
+
+async def send_error(send: Send, exc: RouterError) -> None:
+    """Answer with the error's envelope and headers, in plain ASGI."""
+    body = envelope_bytes(exc.status, exc.message, exc.type)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,167 @@
+"""Middleware and error handlers: request metrics and activity, the API key, and the
+switch that sends every non-local path to the proxy before any routing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .activity import TAIL_BYTES, Activity, generated_tokens
+from .errors import (
+    RouterError,
+    Unauthorized,
+    envelope,
+)
+from .forward import proxy, send_error
+from .metrics import RouterMetrics
+from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS, is_local
+from .state import error_response
+from .webui import StaticUI
+
+log = logging.getLogger("router.middleware")
+
+
+class ApiKeyMiddleware:
+    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], webui: StaticUI | None = None) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.webui = webui
+
+    def _ui_file(self, scope: Scope) -> bool:
+        """``/`` and the web UI's files are public, as llama-server's UI files are (not with
+        anything naming a model in the query: that goes to a child)."""
+        return (self.webui is not None and scope["method"] in ("GET", "HEAD")
+                and self.webui.is_public(scope["path"]) and b"model" not in scope["query_string"])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS
+                or scope["method"] == "OPTIONS" or self._ui_file(scope)):
+            await self.app(scope, receive, send)
+            return
+        presented = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                presented = value[7:].strip() if value[:7].lower() == b"bearer " else value
+            elif name == b"x-api-key" and not presented:
+                presented = value.strip()
+        # Compare against every key so timing does not reveal which one matched.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(presented, key)
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        await send_error(send, Unauthorized())
+
+
+class RequestMetricsMiddleware:
+    """Count every request by model, endpoint and status, time it to its first and last body
+    byte, and record it in ``activity``: requests to a model, and every other request that is
+    not a GET/HEAD/OPTIONS (load, unload, pull, ...); reads without a model (model list,
+    metrics, logs, event streams, the web UI's and the dashboard's files and polls) are only
+    counted."""
+
+    def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
+                 activity: Activity | None = None) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.activity = activity
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        first = 0.0  # when the first non-empty body chunk went out
+        # The last two non-empty body chunks (a stream ends with its last event, then
+        # "data: [DONE]"), for the token count. The streaming hot path: no copies here.
+        previous = last = b""
+
+        async def send_wrapper(message: Any) -> None:
+            nonlocal status, first, previous, last
+            if message["type"] == "http.response.body":
+                body = message.get("body")
+                if body:
+                    if not first:
+                        first = time.perf_counter()
+                    previous, last = last, body
+            elif message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            ended = time.perf_counter()
+            tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
+            self._observe(scope, status, ended - started, first - started if first else None,
+                          tail)
+
+    def _observe(self, scope: Scope, status: int, total_s: float, ttft_s: float | None,
+                 tail: bytes) -> None:
+        request_state = scope.get("state", {})
+        model: str = request_state.get("model", "")
+        proxied = not is_local(scope)
+        tokens = generated_tokens(tail) if proxied and model and tail else None
+        metrics = self.metrics()
+        if metrics is not None:
+            path = scope["path"]
+            metrics.observe_request(model, path if path in KNOWN_ENDPOINTS else "other", status,
+                                    total_s, ttft_s if proxied and model else None,
+                                    tokens if proxied and model else None)
+        if self.activity is not None and (model or scope["method"] not in READ_METHODS):
+            self.activity.add(
+                model=model, method=scope["method"], path=scope["path"], status=status,
+                started=time.time() - total_s, total_s=total_s, ttft_s=ttft_s, tokens=tokens,
+                queue_s=request_state.get("queue_s", 0.0) if proxied and model else None,
+                proxied=proxied)
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = "File Not Found" if exc.status_code == 404 else str(exc.detail)
+    return JSONResponse(envelope(exc.status_code, message), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(envelope(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+
+
+
+class ProxyMiddleware:
+    """Send every path the router does not answer itself to ``proxy`` before any routing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not is_local(scope):
+            await proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+# For Starlette's exception middleware: every answer the router makes is the JSON envelope.
+EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}

@@ -1,0 +1,51 @@
+"""Which paths the router answers itself, which it proxies, and how they are labelled.
+
+One set of tables for every part that must agree: the proxy (``middleware.ProxyMiddleware``
+sends everything not local to ``forward``), the API-key check (public paths), the metrics
+(endpoint labels) and the web UI's page fallback (API roots never get it).
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import QueryParams
+from starlette.types import Scope
+
+from . import dashboard
+
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", *dashboard.DASHBOARD_PATHS})
+# GET endpoints of llama-server that need a model: without ?model= they are a 400, not a 404.
+CHILD_GET_PATHS = frozenset({"/slots", "/metrics", "/lora-adapters", "/props", "/v1/props"})
+# Endpoint label values for metrics; any other path is counted as "other".
+KNOWN_ENDPOINTS = frozenset({
+    "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
+    "/models/unload", "/models/sse", "/metrics", "/logs", "/logs/stream", "/slots",
+    "/lora-adapters", "/v1/chat/completions", "/chat/completions", "/v1/completions",
+    "/completions", "/completion", "/v1/responses", "/responses", "/v1/embeddings",
+    "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking",
+    "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize",
+    "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions", "/activity",
+    "/activity/totals"})
+# Paths the router answers itself; every other path is proxied. /props and /metrics with
+# ?model= are the model's own, and proxied too.
+LOCAL_PATHS = frozenset({
+    "/health", "/v1/health", "/props", "/models", "/v1/models", "/models/load",
+    "/models/unload", "/models/reload", "/models/sse", "/metrics", "/logs", "/logs/stream",
+    "/activity", "/activity/totals", *dashboard.DASHBOARD_PATHS,
+    "/tools", "/cors-proxy", "/v1/stream", "/v1/streams/lookup"})
+MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})
+# First segments of API paths: those never get the web UI's page as an SPA fallback.
+API_ROOTS = frozenset({p.split("/")[1] for p in KNOWN_ENDPOINTS | LOCAL_PATHS | CHILD_GET_PATHS}
+                      | {"v1", "tools", "cors-proxy", "api"})
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def is_local(scope: Scope) -> bool:
+    """Answered by the router itself (not proxied): a local path, except ``/props`` and
+    ``/metrics`` with ``?model=`` (the model's own)."""
+    path = scope["path"]
+    if path not in LOCAL_PATHS:
+        return False
+    if path in MODEL_SCOPED_PATHS and scope["query_string"]:
+        return not QueryParams(scope["query_string"]).get("model")
+    return True

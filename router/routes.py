@@ -1,0 +1,339 @@
+"""The routes the router answers itself: llama.cpp router mode's (``/health``, ``/props``
+without ``?model=``, ``/models`` and ``/v1/models``, ``/models/load``, ``/models/unload``,
+``/models/sse``, ``/tools``, resumable streams) and its own (``/models/reload``, pulls and
+removals, ``/metrics``, ``/logs``, ``/activity``, the dashboard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from . import dashboard, sse
+from .activity import activity_totals, list_activity
+from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
+from .errors import (
+    BadRequest,
+    ModelMissing,
+    envelope,
+)
+from .logs import LogRing
+from .memory import total_ram_bytes
+from .metrics import CONTENT_TYPE
+from .presets import ModelPreset
+from .requests import model_from_body, read_body
+from .resumable import StreamResume
+from .resumable import lookup as lookup_streams
+from .resumable import stop as stop_stream
+from .runtime import ModelRuntime
+from .scheduler import Status
+from .state import State, _state
+from .supervisor import Supervisor
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def props(request: Request) -> Response:
+    state = _state(request)
+    settings = state.supervisor.settings
+    return JSONResponse({
+        "role": "router", "max_instances": settings.models_max,
+        "models_autoload": settings.models_autoload, "model_alias": "llama-router",
+        "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
+        "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
+        "config_error": state.reloader.error,
+        "llama_router": budgets(state.supervisor),
+    })
+
+
+async def feature_disabled(request: Request) -> Response:
+    """``/tools`` and ``/cors-proxy``: off in router mode, as llama.cpp's router answers."""
+    return JSONResponse({"error": {"message": "this feature is disabled",
+                                   "type": "feature_disabled"}}, status_code=403)
+
+
+async def stream_resume(request: Request) -> Response:
+    state = _state(request)
+    return StreamResume(state.supervisor, state.conversations)  # type: ignore[return-value]
+
+
+async def streams_lookup(request: Request) -> Response:
+    state = _state(request)
+    return await lookup_streams(request, state.supervisor, state.conversations, state.client)
+
+
+async def stream_stop(request: Request) -> Response:
+    state = _state(request)
+    return await stop_stream(request, state.supervisor, state.conversations, state.client)
+
+
+def budgets(supervisor: Supervisor) -> dict[str, Any]:
+    """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when off."""
+    return {
+        "models_max": supervisor.settings.models_max,
+        "memory_budget": supervisor.memory_budget, "memory_total": total_ram_bytes(),
+        "gpus": [{"pool": d.pool, "name": d.name, "total": d.total_bytes,
+                  "budget": supervisor.gpu_budgets.get(d.pool)} for d in supervisor.gpus],
+    }
+
+
+def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dict[str, Any]:
+    """One ``/models`` entry, in llama.cpp's shape plus the router's extra status fields."""
+    preset = runtime.preset
+    child = runtime.child
+    status: dict[str, Any] = {
+        "value": runtime.status.public,
+        "args": child.argv if child else supervisor.spawner.display_argv(runtime),
+        "in_flight": runtime.in_flight,
+        "waiting": runtime.waiting,
+    }
+    if child is not None:
+        status.update(pid=child.pid, port=child.port)
+    if runtime.loaded_at is not None:
+        status["uptime_s"] = round(time.monotonic() - runtime.loaded_at, 1)
+    if child is not None:
+        status["cpu"] = child.cpu.describe() if child.cpu is not None else {
+            "threads": preset.args.get("threads"), "cores": None,
+            "placed_by": "preset" if supervisor.cores else "llama-server"}
+        if supervisor.cpu_gate.is_paused(child):
+            status["cpu"]["paused"] = True  # waiting for its turn on the CPU
+    if preset.replicas > 1 or len(runtime.replicas) > 1:
+        status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
+                               "in_flight": r.in_flight,
+                               **({"cpu": r.child.cpu.describe()} if r.child.cpu else {})}
+                              for r in runtime.replicas]
+    if runtime.status is Status.STOPPING:
+        status["stopping"] = True
+    if runtime.draining:
+        status["draining"] = True
+    if runtime.status is Status.LOADING and runtime.progress is not None:
+        status["progress"] = runtime.progress
+    position = supervisor.admission.position(runtime)
+    if position is not None:
+        status["queue_position"] = position
+        status["expected_wait_s"] = supervisor.admission.expected_wait_s(runtime)
+    memory: dict[str, Any] = {"estimate": runtime.estimate or None}
+    if runtime.replicas:
+        memory["measured"] = supervisor.accounting.measured(runtime)
+    if supervisor.gpus:
+        measured = supervisor.accounting.measured_devices(runtime) if runtime.replicas else {}
+        memory["gpus"] = {
+            pool: {"estimate": runtime.estimate_devices.get(pool),
+                   **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
+            for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
+    status["memory"] = memory
+    if preset.model_path is None and preset.hf_repo:
+        status.update(downloaded=False,
+                      message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
+    if runtime.download and runtime.status is Status.DOWNLOADING:
+        status["download"] = runtime.download
+    if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
+        status.update(failed=True, exit_code=runtime.failure.exit_code,
+                      message=runtime.failure.message, last_lines=runtime.failure.last_lines)
+    if runtime.crash_loop:
+        status["crash_loop"] = True
+    entry: dict[str, Any] = {
+        "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
+        "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
+        "source": preset.source, "can_remove": preset.source == "cache",
+    }
+    if runtime.info and runtime.status is not Status.UNLOADED:
+        for key, value in runtime.info.items():
+            entry.setdefault(key, value)
+    return entry
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    if request.query_params.get("reload"):  # llama.cpp's trigger: any non-empty value
+        await state.reloader.reload("GET /models?reload")
+    sup = state.supervisor
+    data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed]
+    return JSONResponse({"data": data, "object": "list"})
+
+
+async def _model_from_json(request: Request) -> str:
+    body = await read_body(request.scope, request.receive, 1 << 20)
+    model, _ = model_from_body(request.headers.get("content-type", ""), body)
+    if not model:
+        raise ModelMissing()
+    return model
+
+
+async def load_model(request: Request) -> Response:
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    runtime = sup.resolve(name)
+    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
+    if runtime.status is not Status.UNLOADED:
+        raise BadRequest(f"model '{runtime.preset.id}' is already running "
+                         f"(status: {runtime.status.value})")
+    await sup.load(name)
+    if request.query_params.get("wait") in ("1", "true"):
+        lease = await sup.acquire(name)
+        lease.release()
+    return JSONResponse({"success": True})
+
+
+async def pull_model(request: Request) -> Response:
+    """``POST /models {"model": "owner/repo:QUANT"}``: check it on the Hub, then download it
+    into the HF cache in the background (progress on /models and /models/sse)."""
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    try:
+        resolution = await asyncio.to_thread(resolve_remote, HfRef.parse(name))
+    except ResolveError as exc:
+        raise BadRequest(str(exc)) from exc
+    if sup.catalogue.resolve(resolution.id) is not None:
+        raise BadRequest(f"model '{resolution.id}' already exists")
+    preset = ModelPreset(id=resolution.id, source="cache",
+                         args=MappingProxyType({"hf-repo": resolution.id}))
+    sup.start_download(sup.add_model(preset))
+    return JSONResponse({"success": True, "model": resolution.id})
+
+
+async def delete_model(request: Request) -> Response:
+    """``DELETE /models?model=ID``: remove a Hugging Face cache model and its files."""
+    sup = _state(request).supervisor
+    name = request.query_params.get("model")
+    if not name:
+        raise ModelMissing()
+    runtime = sup.resolve(name)
+    if runtime.preset.source != "cache":
+        raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
+                         "Hugging Face cache: remove it from its preset or directory instead")
+    await sup.unload(runtime.id)
+    paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
+    freed = await asyncio.to_thread(delete_cached, paths)
+    sup.remove_model(runtime)
+    return JSONResponse({"success": True, "freed_bytes": freed})
+
+
+async def reload_models(request: Request) -> Response:
+    result = await _state(request).reloader.reload("POST /models/reload")
+    if not result["success"]:
+        message = "configuration rejected, the previous one stays in effect:\n" + \
+            "\n".join(result["errors"])
+        return JSONResponse({**envelope(400, message), **result}, status_code=400)
+    return JSONResponse(result)
+
+
+async def unload_model(request: Request) -> Response:
+    sup = _state(request).supervisor
+    name = await _model_from_json(request)
+    runtime = sup.resolve(name)
+    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
+    if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
+        raise BadRequest(f"model '{runtime.preset.id}' is not running "
+                         f"(status: {runtime.status.value})")
+    await sup.unload(name)
+    return JSONResponse({"success": True})
+
+
+async def models_sse(request: Request) -> Response:
+    return EventStream(_state(request))  # type: ignore[return-value]
+
+
+class EventStream:
+    """``/models/sse``: a snapshot of every model's status, then live events, keep-alives."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with self.state.events.subscribe() as subscription:
+            # The snapshot is queued in the same loop step as the subscription, so every
+            # later change follows it and none is missed.
+            for runtime in self.state.supervisor.models.values():
+                if not runtime.preset.listed:
+                    continue
+                subscription.offer({"model": runtime.preset.id, "event": "model_status",
+                                    "data": {"status": runtime.status.public}})
+
+            async def next_event() -> str:
+                return json.dumps(await subscription.get())
+
+            await sse.respond(scope, receive, send, next_event, self.state.closing)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    body = await state.metrics.exposition(state.supervisor, state.client)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+def _log_source(request: Request) -> tuple[str, LogRing]:
+    state = _state(request)
+    name = request.query_params.get("model")
+    if not name:
+        return "router", state.router_log
+    runtime = state.supervisor.resolve(name)
+    return runtime.preset.id, runtime.logs
+
+
+async def logs(request: Request) -> Response:
+    """Recent log lines: a model's llama-server output, or the router's own without model."""
+    _, ring = _log_source(request)
+    raw = request.query_params.get("lines", "100")
+    if not raw.isdigit():
+        raise BadRequest(f"lines must be a non-negative integer, got {raw!r}")
+    lines = ring.tail(int(raw))
+    return Response("".join(line + "\n" for line in lines), media_type="text/plain")
+
+
+async def logs_stream(request: Request) -> Response:
+    _, ring = _log_source(request)
+    return LogStream(ring, _state(request).closing)  # type: ignore[return-value]
+
+
+class LogStream:
+    """``/logs/stream``: each new log line as an SSE event, with keep-alives."""
+
+    def __init__(self, ring: LogRing, closing: asyncio.Event) -> None:
+        self.ring = ring
+        self.closing = closing
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self.ring.follow() as queue:  # follow first: no line is missed after the headers
+            await sse.respond(scope, receive, send, queue.get, self.closing)
+
+
+
+
+def routes() -> list[BaseRoute]:
+    """The route table (every other path is proxied: ``paths``)."""
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),
+        Route("/models", list_models, methods=["GET"]),
+        Route("/models", pull_model, methods=["POST"]),
+        Route("/models", delete_model, methods=["DELETE"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/models/load", load_model, methods=["POST"]),
+        Route("/models/unload", unload_model, methods=["POST"]),
+        Route("/models/reload", reload_models, methods=["POST"]),
+        Route("/models/sse", models_sse, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/logs", logs, methods=["GET"]),
+        Route("/logs/stream", logs_stream, methods=["GET"]),
+        Route("/tools", feature_disabled, methods=["GET", "POST"]),
+        Route("/cors-proxy", feature_disabled, methods=["GET", "POST"]),
+        Route("/v1/stream", stream_resume, methods=["GET"]),
+        Route("/v1/stream", stream_stop, methods=["DELETE"]),
+        Route("/v1/streams/lookup", streams_lookup, methods=["POST"]),
+        Route("/activity", list_activity, methods=["GET"]),
+        Route("/activity/totals", activity_totals, methods=["GET"]),
+        *dashboard.routes(),
+    ]
