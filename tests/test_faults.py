@@ -97,11 +97,11 @@ def test_crash_of_an_idle_child_is_noticed(tmp_path: Path) -> None:
 
 def test_wait_budget_header_gives_503_with_retry_after(tmp_path: Path) -> None:
     with serve(tmp_path, "--startup-delay", "5") as router, router.client() as client:
-        started = time.monotonic()
         response = client.post("/v1/chat/completions", json={"model": "m", **CHAT},
                                headers={"X-Wait-Budget": "0.5"})
-        assert time.monotonic() - started < 1.5
         assert response.status_code == 503
+        # Answered within the budget, not when the model was ready (it loads for 5 s).
+        assert router.models()["m"]["status"]["value"] == "loading"
         assert "Retry-After" in response.headers
         assert "wait budget of 0.5 s" in response.json()["error"]["message"]
 

@@ -144,7 +144,9 @@ def test_silent_sse_subscribers_do_not_slow_requests(tmp_path: Path, presets: Pa
         finally:
             for sock in sockets:
                 sock.close()
-        assert loaded_latency < baseline * 5 + 0.05, (baseline, loaded_latency)
+        # Unread subscribers must not block the router: a blocked loop shows up as seconds
+        # per request; the bound leaves room for a busy machine (latency goals: benchmark).
+        assert loaded_latency < max(baseline * 10, 0.5), (baseline, loaded_latency)
         assert rss_after - rss_before < 64 * 1024 * 1024
         assert client.get("/health").status_code == 200
 

@@ -122,11 +122,14 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, presets: Path) -> None
             first = read_until_generating(chunks)
             assert first.startswith(b"data: ")
             assert wait_until(lambda: child_busy(client, "long"), timeout=5.0)
-        disconnected = time.monotonic()
-
-        assert wait_until(lambda: not child_busy(client, "long"), timeout=5.0)
-        assert time.monotonic() - disconnected < 1.0
+        assert wait_until(lambda: not child_busy(client, "long"), timeout=30.0)
         assert router.models()["long"]["status"]["in_flight"] == 0
+        # The child stopped when the router closed the stream, not at the end of the 8000
+        # tokens it was asked for (what llama-server predicted is in its own metrics).
+        metrics = client.get("/metrics", params={"model": "long"}).text
+        predicted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                         if line.startswith("llamacpp:tokens_predicted_total"))
+        assert predicted < 8000, predicted
 
 
 def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
@@ -150,14 +153,11 @@ def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
             assert wait_until(lambda: child_busy(client, "long"), timeout=5.0)
             assert router.models()["long"]["status"]["in_flight"] == 1  # type: ignore[index]
             assert not closed_by_the_router()
-        disconnected = time.monotonic()
-
         assert wait_until(lambda: closed_by_the_router() or not child_busy(client, "long"),
-                          timeout=5.0)
+                          timeout=30.0)
         assert wait_until(
             lambda: router.models()["long"]["status"]["in_flight"] == 0,  # type: ignore[index]
-            timeout=5.0)
-        assert time.monotonic() - disconnected < 1.0
+            timeout=30.0)
 
 
 def test_more_concurrent_requests_than_the_child_has_http_threads(

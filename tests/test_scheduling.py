@@ -79,13 +79,13 @@ def test_wait_budget_runs_out_while_a_busy_model_holds_the_slot(
         with client.stream("POST", "/v1/chat/completions", json=long) as stream:
             chunks = stream.iter_raw()
             next(chunks)
-            started = time.monotonic()
             refused = client.post("/v1/chat/completions", json=chat("beta"))
-            elapsed = time.monotonic() - started
             assert refused.status_code == 503
             assert refused.headers["retry-after"]
             assert "wait budget of 1 s" in refused.json()["error"]["message"]
-            assert elapsed <= 1 + 1.0
+            # Refused while the busy model still held the slot, not once it was free: its
+            # generation (8000 tokens) was still streaming when the answer came.
+            assert router.models()["alpha"]["status"]["in_flight"] == 1
             # The running generation was not disturbed.
             rest = b"".join(chunks)
         assert rest.rstrip().endswith(b"data: [DONE]")
@@ -159,7 +159,7 @@ def test_memory_budget_evicts_by_bytes(tmp_path: Path, tiny_models: dict[str, Pa
         assert argv[argv.index("--cache-ram") + 1] == str(estimate.default_cache_ram_mib)
         started = time.monotonic()
         refused = client.post("/v1/chat/completions", json=chat("huge"))
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 30  # at once, not after the 120 s wait budget
         assert refused.status_code == 503
         message = refused.json()["error"]["message"]
         assert "can never be loaded" in message and "memory budget is" in message
