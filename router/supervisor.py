@@ -146,6 +146,7 @@ class Supervisor:
                             headers={"Retry-After": "1"})
         seconds = min(budget, self._budget_of(runtime)) if budget else self._budget_of(runtime)
         deadline = time.monotonic() + seconds
+        unloads = runtime.unloads
         runtime.waiting += 1
         try:
             while not runtime.serving:
@@ -159,6 +160,15 @@ class Supervisor:
                     await asyncio.wait_for(asyncio.shield(task), remaining)
                 except TimeoutError:
                     raise self._budget_exceeded(runtime, seconds) from None
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if not task.cancelled() or (current is not None and current.cancelling()):
+                        raise  # this request itself was cancelled (its client went away)
+                    # The load was cancelled by someone else: an unload ends the wait; a
+                    # reconfiguration starts it over with the new configuration.
+                    if runtime.unloads != unloads:
+                        raise LoadFailed(f"model '{runtime.id}' was unloaded while this "
+                                         "request waited for it") from None
             return self.leases.take(runtime)
         finally:
             runtime.waiting -= 1
@@ -381,6 +391,7 @@ class Supervisor:
 
     async def unload(self, name: str) -> ModelRuntime:
         runtime = self.resolve(name)
+        runtime.unloads += 1  # requests waiting for its load end (``acquire``)
         download = runtime.download_task
         if download is not None and not download.done():
             runtime.download_cancel.set()

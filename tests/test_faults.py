@@ -116,6 +116,24 @@ def test_unload_while_loading_kills_the_child(tmp_path: Path) -> None:
         assert wait_until(lambda: not alive(pid), 5)
 
 
+def test_a_request_waiting_for_a_load_that_is_unloaded_gets_the_envelope(
+        tmp_path: Path) -> None:
+    with serve(tmp_path, "--startup-delay", "30") as router, router.client() as client:
+        answers: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: answers.append(client.post(
+            "/v1/chat/completions", json={"model": "m", **CHAT})))
+        waiter.start()
+        assert wait_until(lambda: router.models()["m"]["status"].get("pid") is not None, 10)
+        assert client.post("/models/unload", json={"model": "m"}).status_code == 200
+        waiter.join(30)
+        [answer] = answers
+        assert answer.status_code == 503
+        assert answer.json()["error"] == {
+            "code": 503, "type": "unavailable_error",
+            "message": "model 'm' was unloaded while this request waited for it"}
+        assert "Traceback" not in router.log()
+
+
 def test_queue_limit_answers_429(tmp_path: Path) -> None:
     with serve(tmp_path, "--startup-delay", "3", args=("--max-queue", "1")) as router, \
             router.client() as client:
