@@ -67,6 +67,7 @@ class Prepared:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the binary, learn its flags, load and validate every model source."""
+    api_keys = settings.all_api_keys()  # first: a bad key setting stops everything
     binary = find_llama_server(settings.llama_server)
     table = load_flag_table(binary, cache_root() / "flags")
     try:
@@ -86,7 +87,7 @@ def prepare(settings: Settings) -> Prepared:
         log.info("GPU %d: %s, %s, budget %s", device.index, device.name,
                  format_size(device.total_bytes),
                  format_size(budget) if budget is not None else "off")
-    return Prepared(settings, binary, table, overrides, catalogue, settings.all_api_keys(),
+    return Prepared(settings, binary, table, overrides, catalogue, api_keys,
                     _build_info(binary), devices, gpu_budgets, _webui_folder(settings))
 
 

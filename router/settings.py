@@ -115,11 +115,27 @@ class Settings(BaseSettings):
         return parse_size(self.memory_budget)
 
     def all_api_keys(self) -> list[str]:
-        """Keys from ``--api-key`` plus ``--api-key-file`` (one per line, ``#`` comments)."""
+        """Keys from ``--api-key`` plus ``--api-key-file`` (one per line, ``#`` comments).
+
+        Asking for keys and getting none (``--api-key ""``, ``LLAMA_ROUTER_API_KEY=" , "``, a
+        key file of comments only) is a ConfigurationError: serving without authentication
+        is never the silent result of a typo."""
         keys = list(self.api_key)
         if self.api_key_file is not None:
-            for line in self.api_key_file.read_text().splitlines():
+            try:
+                text = self.api_key_file.read_text()
+            except OSError as exc:
+                raise ConfigurationError(f"--api-key-file {self.api_key_file}: "
+                                         f"{exc.strerror or exc}") from None
+            for line in text.splitlines():
                 line = line.split("#", 1)[0].strip()
                 if line:
                     keys.append(line)
+        asked = "api_key" in self.model_fields_set or self.api_key_file is not None
+        if asked and not keys:
+            where = f"--api-key-file {self.api_key_file}" if self.api_key_file is not None \
+                else "--api-key / LLAMA_ROUTER_API_KEY"
+            raise ConfigurationError(
+                f"{where} gives no API key (empty, blank or only comments): refusing to start "
+                "without authentication; set a key, or remove the option to serve without keys")
         return keys

@@ -150,3 +150,25 @@ def test_a_budget_for_a_gpu_that_is_not_there(tmp_path: Path, llama_server: Path
                  "--gpu-memory-budget", "7=1G", env=env)
     assert result.returncode == 2
     assert "--gpu-memory-budget: there is no GPU 7 (nvidia-smi lists none)" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (("--api-key", ""), {}, "--api-key"),
+    (("--api-key", " , "), {}, "--api-key"),
+    ((), {"LLAMA_ROUTER_API_KEY": " , "}, "LLAMA_ROUTER_API_KEY"),
+    (("--api-key-file", "{comments}"), {}, "--api-key-file"),
+])
+def test_key_options_that_give_no_key_refuse_to_start(tmp_path: Path, args: tuple[str, ...],
+                                                      env: dict[str, str], named: str) -> None:
+    comments = tmp_path / "keys.txt"
+    comments.write_text("# no key here yet\n\n   # nor here\n")
+    argv = [a.format(comments=comments) for a in args]
+    result = run("serve", "--port", "0", *argv, env=env)
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and "refusing to start without authentication" in result.stderr
+
+
+def test_an_unreadable_key_file_is_named(tmp_path: Path) -> None:
+    result = run("serve", "--port", "0", "--api-key-file", str(tmp_path / "missing.txt"))
+    assert result.returncode == 2
+    assert "missing.txt" in result.stderr and "No such file" in result.stderr
