@@ -49,8 +49,11 @@ output_log = logging.getLogger("router.child.output")
 _LLAMA_LEVELS = {"W": logging.WARNING, "E": logging.ERROR, "D": logging.DEBUG}
 
 PR_SET_PDEATHSIG = 1
+# Never passed to a child: API keys and TLS files (the router holds them), and Hugging Face
+# credentials (the router downloads; a child never needs them).
 SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-                              "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE"})
+                              "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "HF_TOKEN",
+                              "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"})
 SECRET_ENV_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
 _LISTENING_MARKER = "listening on http"
 CHILD_STATE_PREFIX = b"cmd_child_to_router:state:"

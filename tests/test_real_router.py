@@ -337,7 +337,8 @@ def test_api_keys(tmp_path: Path, presets: Path) -> None:
     secret, file_secret = "s3cret-key-1", "file-key-2"
     key_file = tmp_path / "keys"
     key_file.write_text(f"# comment\n{file_secret}\n")
-    env = {"LLAMA_API_KEY": "inherited-secret"}
+    env = {"LLAMA_API_KEY": "inherited-secret", "HF_TOKEN": "hf_inherited",
+           "HUGGING_FACE_HUB_TOKEN": "hf_inherited_too"}
     with start_router(tmp_path, "--presets", str(presets), "--api-key", secret,
                       "--api-key-file", str(key_file), env=env) as router, \
             router.client() as client:
@@ -355,7 +356,7 @@ def test_api_keys(tmp_path: Path, presets: Path) -> None:
         child = next(p for p in router.children() if "llama-server" in p.name())
         cmdline = " ".join(child.cmdline())
         environ = child.environ()
-        for key in (secret, file_secret, "inherited-secret"):
+        for key in (secret, file_secret, "inherited-secret", "hf_inherited", "hf_inherited_too"):
             assert key not in cmdline
             assert key not in " ".join(environ.values())
             assert key not in router.log()
