@@ -229,11 +229,11 @@ def list_cached(as_json: bool, out: TextIO = sys.stdout) -> int:
 
 def pull(model: str, hf_file: str | None = None, out: TextIO = sys.stderr) -> int:
     """Download a model with a progress line per file; usable without a running router."""
-    from .downloads import HfRef, ResolveError, download, resolve_remote
+    from .downloads import HfRef, HubUnreachable, ResolveError, download, resolve_remote
 
     try:
         resolution = resolve_remote(HfRef.parse(model), hf_file)
-    except ResolveError as exc:
+    except (ResolveError, HubUnreachable) as exc:
         print(f"llama-router pull: {exc}", file=out)
         return 1
     print(f"{resolution.id}: {len(resolution.files)} file(s), "

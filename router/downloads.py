@@ -26,11 +26,16 @@ DEFAULT_QUANT = "Q4_K_M"
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
 _TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_QUANT = re.compile(r"[\w.-]+")
 _SKIP_PREFIXES = ("mtp-", "eagle3-", "dflash-", "dspark-")
 
 
 class ResolveError(ValueError):
     """The repo, quant or file does not exist (or the name is malformed)."""
+
+
+class HubUnreachable(RuntimeError):
+    """The Hub could not be asked (network, DNS, TLS, proxy): not the name's fault."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class HfRef:
     @classmethod
     def parse(cls, text: str) -> HfRef:
         repo, _, tag = text.strip().partition(":")
-        if not _REPO.match(repo):
+        # fullmatch: "$" would let a final newline through
+        if not _REPO.fullmatch(repo) or (tag and not _QUANT.fullmatch(tag)):
             raise ResolveError(f"{text!r} is not a Hugging Face model: use owner/repo[:QUANT]")
         return cls(repo, tag.upper() or None)
 
@@ -146,12 +152,15 @@ def resolve_remote(ref: HfRef, hf_file: str | None = None) -> Resolution:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     try:
         info = HfApi().model_info(ref.repo, files_metadata=True)
+    except HFValidationError as exc:
+        raise ResolveError(f"{ref.repo!r} is not a valid Hugging Face repo id: {exc}") from exc
     except GatedRepoError as exc:
         raise ResolveError(f"repo {ref.repo} is gated: accept its terms on the Hub and set "
                            "HF_TOKEN") from exc
@@ -160,6 +169,10 @@ def resolve_remote(ref: HfRef, hf_file: str | None = None) -> Resolution:
                            "HF_TOKEN)") from exc
     except HfHubHTTPError as exc:
         raise ResolveError(f"cannot query the Hub for {ref.repo}: {exc}") from exc
+    except Exception as exc:  # anything else: the Hub could not be asked
+        # (network, DNS, TLS, proxy; the HTTP client's own exception types vary by version)
+        raise HubUnreachable(f"cannot reach the Hugging Face Hub ({type(exc).__name__}: "
+                             f"{exc}); check the network, HF_ENDPOINT and proxies") from exc
     names = [(s.rfilename, s.size) for s in info.siblings or []]
     return choose_files(ref.repo, names, ref.tag, hf_file)
 

@@ -82,8 +82,9 @@ def _budget(scope: Scope) -> float | None:
     except ValueError:
         raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a number of seconds, "
                          f"got {raw.decode('latin-1')!r}") from None
-    if value <= 0:
-        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be positive")
+    if not value > 0 or value == float("inf"):  # also refuses nan
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a positive, finite number of "
+                         "seconds")
     return value
 
 

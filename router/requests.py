@@ -67,6 +67,8 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
         parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedBody(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MalformedBody("request body is nested too deeply to read") from None
     if not isinstance(parsed, dict):
         raise MalformedBody("request body must be a JSON object")
     model = parsed.get("model")

@@ -20,12 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from . import dashboard, sse
 from .activity import activity_totals, list_activity
-from .downloads import HfRef, ResolveError, delete_cached, resolve_remote
-from .errors import (
-    BadRequest,
-    ModelMissing,
-    envelope,
-)
+from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
+from .errors import BadRequest, ModelMissing, UpstreamError, envelope
 from .logs import LogRing
 from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE
@@ -195,6 +191,8 @@ async def pull_model(request: Request) -> Response:
         resolution = await asyncio.to_thread(resolve_remote, HfRef.parse(name))
     except ResolveError as exc:
         raise BadRequest(str(exc)) from exc
+    except HubUnreachable as exc:
+        raise UpstreamError(str(exc)) from exc
     if sup.catalogue.resolve(resolution.id) is not None:
         raise BadRequest(f"model '{resolution.id}' already exists")
     preset = ModelPreset(id=resolution.id, source="cache",
@@ -286,8 +284,8 @@ async def logs(request: Request) -> Response:
     """Recent log lines: a model's llama-server output, or the router's own without model."""
     _, ring = _log_source(request)
     raw = request.query_params.get("lines", "100")
-    if not raw.isdigit():
-        raise BadRequest(f"lines must be a non-negative integer, got {raw!r}")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):  # "²" is a digit, not ASCII
+        raise BadRequest(f"lines must be a whole number from 0 to 999999999, got {raw[:20]!r}")
     lines = ring.tail(int(raw))
     return Response("".join(line + "\n" for line in lines), media_type="text/plain")
 
