@@ -65,6 +65,9 @@ class ApiKeyMiddleware:
         await send_error(send, Unauthorized())
 
 
+CLIENT_CLOSED_REQUEST = 499  # counted for a request whose client left before any answer
+
+
 class RequestMetricsMiddleware:
     """Count every request by model, endpoint and status, time it to its first and last body
     byte, and record it in ``activity``: requests to a model, and every other request that is
@@ -83,7 +86,7 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
+        status = 0  # until the response starts
         first = 0.0  # when the first non-empty body chunk went out
         # The last two non-empty body chunks (a stream ends with its last event, then
         # "data: [DONE]"), for the token count. The streaming hot path: no copies here.
@@ -103,7 +106,12 @@ class RequestMetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except BaseException:
+            status = status or 500
+            raise
         finally:
+            # Ended without an answer and without an error: the client went away first.
+            status = status or CLIENT_CLOSED_REQUEST
             ended = time.perf_counter()
             tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
             self._observe(scope, status, ended - started, first - started if first else None,

@@ -158,6 +158,11 @@ def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
         assert wait_until(
             lambda: router.models()["long"]["status"]["in_flight"] == 0,  # type: ignore[index]
             timeout=30.0)
+        # Counted as the client's leaving (499), not as a server error.
+        counted = client.get("/metrics").text
+        assert ('llamarouter_requests_total{endpoint="/v1/chat/completions",model="long",'
+                'status="499"} 1.0') in counted, counted
+        assert 'status="500"' not in counted
 
 
 def test_more_concurrent_requests_than_the_child_has_http_threads(
