@@ -155,9 +155,9 @@ def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     from .settings import ConfigurationError, Settings
 
     values = {k: v for k, v in vars(args).items() if k != "command"}
-    if "api_key" in values:
+    if "api_key" in values:  # given but holding no key: [""], which the settings refuse
         values["api_key"] = [k.strip() for v in values["api_key"] for k in v.split(",")
-                             if k.strip()]
+                             if k.strip()] or [""]
     if child_args:
         values["child_args"] = child_args
     try:

@@ -75,7 +75,18 @@ class Settings(BaseSettings):
     webui_path: Path | None = Field(None, description="serve the web UI built in this folder "
                                     "(with index.html) instead of the installed one")
 
-    @field_validator("presets", "models_dir", "api_key", "child_args", mode="before")
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        """``LLAMA_ROUTER_API_KEY=`` (empty, as in an env file) is unset; a value that holds
+        no key (" , ") becomes ``[""]``, which ``all_api_keys`` refuses."""
+        if isinstance(value, str):
+            if value == "":
+                return []
+            return [part.strip() for part in value.split(",") if part.strip()] or [""]
+        return value
+
+    @field_validator("presets", "models_dir", "child_args", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
@@ -119,8 +130,8 @@ class Settings(BaseSettings):
 
         Asking for keys and getting none (``--api-key ""``, ``LLAMA_ROUTER_API_KEY=" , "``, a
         key file of comments only) is a ConfigurationError: serving without authentication
-        is never the silent result of a typo."""
-        keys = list(self.api_key)
+        is never the silent result of a typo. (An empty ``LLAMA_ROUTER_API_KEY=`` is unset.)"""
+        keys = [key for key in self.api_key if key]
         if self.api_key_file is not None:
             try:
                 text = self.api_key_file.read_text()
@@ -131,7 +142,7 @@ class Settings(BaseSettings):
                 line = line.split("#", 1)[0].strip()
                 if line:
                     keys.append(line)
-        asked = "api_key" in self.model_fields_set or self.api_key_file is not None
+        asked = bool(self.api_key) or self.api_key_file is not None
         if asked and not keys:
             where = f"--api-key-file {self.api_key_file}" if self.api_key_file is not None \
                 else "--api-key / LLAMA_ROUTER_API_KEY"

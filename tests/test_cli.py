@@ -168,6 +168,15 @@ def test_key_options_that_give_no_key_refuse_to_start(tmp_path: Path, args: tupl
     assert named in result.stderr and "refusing to start without authentication" in result.stderr
 
 
+def test_an_empty_key_variable_is_unset(tmp_path: Path) -> None:
+    """``LLAMA_ROUTER_API_KEY=`` as an env file writes it: no keys asked for, so no refusal
+    (it fails later, for want of a llama-server here, not for the key)."""
+    result = run("serve", "--port", "0", "--llama-server", str(tmp_path / "none"),
+                 env={"LLAMA_ROUTER_API_KEY": ""})
+    assert result.returncode == 2
+    assert "API key" not in result.stderr and "none" in result.stderr
+
+
 def test_an_unreadable_key_file_is_named(tmp_path: Path) -> None:
     result = run("serve", "--port", "0", "--api-key-file", str(tmp_path / "missing.txt"))
     assert result.returncode == 2
