@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import Callable, Iterable
 
@@ -26,6 +27,20 @@ log = logging.getLogger("router.accounting")
 
 RSS_SAMPLE_S = 1.0
 GPU_SAMPLE_S = 2.0
+
+
+# Errors of the moment, not of the file: a header that could not be read for one of these is
+# read again next time instead of leaving the model without an estimate for good.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
+                              errno.EINTR})
+
+
+def _transient(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _measure_all(pids: list[int]) -> dict[int, int | None]:
@@ -61,7 +76,12 @@ class Accounting:
                                 "estimate leaves it out; only the measured size counts",
                                 extra={"model": runtime.id})
             except (OSError, ValueError) as exc:
-                log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
+                if _transient(exc):  # e.g. out of file descriptors: not the file's fault
+                    self._estimated.discard(runtime.id)
+                    log.warning("cannot read the model's header now (%s); the estimate is "
+                                "retried at its next load", exc, extra={"model": runtime.id})
+                else:
+                    log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
         return runtime.estimate
 
     def forget(self, model_id: str) -> None:

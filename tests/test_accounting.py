@@ -1,0 +1,60 @@
+"""Memory accounting (router.accounting): estimates read once, except after a failure of the
+moment (out of file descriptors), which is retried instead of costing the estimate for good."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+import router.accounting as accounting_module
+from router.accounting import Accounting
+from router.logs import LogRing
+from router.presets import ModelPreset
+from router.runtime import ModelRuntime
+
+
+def runtime_for(path: Path) -> ModelRuntime:
+    preset = ModelPreset(id="m", args=MappingProxyType({"model": str(path)}))
+    return ModelRuntime(preset, LogRing(10))
+
+
+async def test_an_estimate_is_read_once(tiny_models: dict[str, Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = accounting_module.estimate_for_args
+
+    def counting(path: str, args: Any) -> Any:
+        calls.append(path)
+        return real(path, args)
+
+    monkeypatch.setattr(accounting_module, "estimate_for_args", counting)
+    accounting, runtime = Accounting([]), runtime_for(tiny_models["alpha"])
+    first = await accounting.estimate(runtime)
+    assert first > 0 and await accounting.estimate(runtime) == first
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("error", "retried"), [
+    (OSError(errno.EMFILE, "Too many open files"), True),
+    (OSError(errno.ENOENT, "No such file or directory"), False),
+])
+async def test_a_failure_of_the_moment_is_retried(tiny_models: dict[str, Path],
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  error: OSError, retried: bool) -> None:
+    real = accounting_module.estimate_for_args
+    failures = [error]
+
+    def flaky(path: str, args: Any) -> Any:
+        if failures:
+            # As memory.py reports it: a ValueError caused by the OSError.
+            raise ValueError(f"{path}: not a GGUF file ({error})") from failures.pop()
+        return real(path, args)
+
+    monkeypatch.setattr(accounting_module, "estimate_for_args", flaky)
+    accounting, runtime = Accounting([]), runtime_for(tiny_models["alpha"])
+    assert await accounting.estimate(runtime) == 0  # unknown this time
+    assert (await accounting.estimate(runtime) > 0) is retried
