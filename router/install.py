@@ -136,8 +136,7 @@ def find_webui(explicit: str | os.PathLike[str] | None = None) -> Path | None:
                 f"--webui-path {path} has no index.html: point it at a built web UI (the "
                 "folder `npm run build` writes in llama.cpp's tools/ui, by default dist/)")
         return path
-    cached = installed_webui_path()
-    return cached if (cached / "index.html").is_file() else None
+    return installed_webui_path() if _webui_installed() else None
 
 
 def install_llama_server(*, force: bool = False, sdist: Path | None = None,

@@ -78,9 +78,10 @@ def budgets(supervisor: Supervisor) -> dict[str, Any]:
     """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when off."""
     return {
         "models_max": supervisor.settings.models_max,
-        "memory_budget": supervisor.memory_budget, "memory_total": total_ram_bytes(),
+        "memory_budget": supervisor.admission.memory_budget, "memory_total": total_ram_bytes(),
         "gpus": [{"pool": d.pool, "name": d.name, "total": d.total_bytes,
-                  "budget": supervisor.gpu_budgets.get(d.pool)} for d in supervisor.gpus],
+                  "budget": supervisor.admission.gpu_budgets.get(d.pool)}
+                 for d in supervisor.gpus],
     }
 
 

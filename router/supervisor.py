@@ -84,17 +84,12 @@ class Supervisor:
             if settings.cpu_sharing else []
         self.cpu_gate = CpuGate(self._cpu_turn_members)
         self.gpus = list(gpus or [])
-        self.gpu_budgets = dict(gpu_budgets or {})
         self.accounting = Accounting(self.gpus)
         self.catalogue = catalogue
-        self.table = table
-        self.binary = binary
         self.events = events
-        self._client = client
         self.models: dict[str, ModelRuntime] = {
             mid: ModelRuntime(preset, LogRing(settings.log_lines))
             for mid, preset in catalogue.models.items()}
-        self.memory_budget = settings.memory_budget_bytes()
         self.changes = Changes()
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -102,8 +97,9 @@ class Supervisor:
         self.spawner = Spawner(binary, table, client, events, router_port=settings.port,
                                cores=self.cores, gpus=self.gpus, models=self.models.values)
         self.admission = Admission(
-            settings, self.accounting, events, self.changes, memory_budget=self.memory_budget,
-            gpu_budgets=self.gpu_budgets, models=self.models.values,
+            settings, self.accounting, events, self.changes,
+            memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),
+            models=self.models.values,
             evict=self._evict, drain=self._drain_for)
         self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
                              on_replica_done=self._close_pool_later)
