@@ -39,21 +39,19 @@ def test_the_table_is_exactly_the_documented_one() -> None:
     assert TRANSITIONS == EXPECTED
 
 
-def test_every_status_is_reachable_and_can_end_unloaded() -> None:
-    reachable, frontier = {U}, [U]
-    while frontier:
-        here = frontier.pop()
+def reachable_from(start: Status) -> set[Status]:
+    """Every status some sequence of events leads to from ``start`` (itself included)."""
+    seen, stack = {start}, [start]
+    while stack:
+        here = stack.pop()
         for (src, _), dst in TRANSITIONS.items():
-            if src is here and dst not in reachable:
-                reachable.add(dst)
-                frontier.append(dst)
-    assert reachable == set(Status)
+            if src is here and dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+def test_every_status_is_reachable_and_can_end_unloaded() -> None:
+    assert reachable_from(U) == set(Status)
     for status in Status:  # no status is a dead end: each leads back to unloaded
-        seen, stack = {status}, [status]
-        while stack:
-            here = stack.pop()
-            for (src, _), dst in TRANSITIONS.items():
-                if src is here and dst not in seen:
-                    seen.add(dst)
-                    stack.append(dst)
-        assert U in seen
+        assert U in reachable_from(status)
