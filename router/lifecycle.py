@@ -1,73 +1,411 @@
-"""A model's lifecycle as an explicit transition table.
+"""A model's lifecycle as one pure transition function: ``(state, event) -> (state, effects)``.
 
-Every status change of a model is an ``Event``; ``transition(status, event)`` is the only way
-to a new status, and an event that cannot happen in the current status raises
-``InvalidTransition`` (a bug in the router, never a client error), so no code path can put
-a model into a status its neighbours do not expect. The table:
+``ModelState`` is everything that decides what a model does next: its ``status`` (llama.cpp's
+values plus the router's ``stopping``) and the router's extras as fields (draining, a pending
+stop, removal, restart after a stop, the failure count and crash loop). ``transition`` is the
+only way to a new state. It performs nothing: it returns the effects for the supervisor to
+carry out (stop the children, start a load, publish an event, ...). No I/O, no clocks, no
+asyncio, so every status x event pair is unit-tested (``tests/test_lifecycle.py``).
 
-=============== ===================== ================================================
-from            event                 to
-=============== ===================== ================================================
-unloaded        DOWNLOAD              downloading (an hf-repo model not in the cache)
-downloading     DOWNLOADED            unloaded (the file is there; the load goes on)
-downloading     DOWNLOAD_FAILED       unloaded (also when cancelled)
-unloaded        ADMITTED              loading (the planner made room: spawn)
-loading         READY                 loaded (every replica healthy)
-loading         LOAD_FAILED           unloaded (exit, timeout, or cancelled)
-loaded          STOP                  stopping (unload, eviction, idle TTL, reconfig,
-                                      shutdown; the children are asked to exit)
-stopping        STOPPED               unloaded (every child has exited)
-loaded          LAST_REPLICA_EXITED   unloaded (a crash took its last child)
-=============== ===================== ================================================
+Every pair is one of three kinds: a transition (``TABLE``), explicitly ignored (``IGNORED``:
+an event that may race with a status change, such as the last request finishing after a crash
+unloaded the model), or impossible, which raises ``InvalidTransition`` (a bug in the router,
+never a client error).
 
-Drains (a loaded model taking no new requests until it stops) and replica replacement
-after a crash keep the model ``loaded``; they are fields of the model, not statuses.
+=========== ==================== ==================================================
+from        event                to (effects)
+=========== ==================== ==================================================
+unloaded    Download             downloading (an hf-repo model not in the cache)
+downloading Downloaded           unloaded (the file is there; the load goes on)
+downloading DownloadFailed       unloaded (failure counted unless cancelled)
+unloaded    Admitted             loading (the planner made room: spawn)
+loading     Ready                loaded (every replica healthy)
+loading     SpawnFailed          unloaded (exit, timeout; cancelled: not a failure)
+loaded      Stop                 stopping (stop the children: unload, eviction, TTL,
+                                 shutdown)
+loaded      Idle                 stopping if a stop waits for the last request
+loaded      Drain                loaded, draining (no new requests; evicted when idle)
+loaded      Retire               loaded, draining, stop when idle (stopping if idle)
+loaded      ReplicaExited        loaded (replace it) or, the last one, unloaded
+loaded      ReplicaFailed        loaded (a replacement did not start; counted)
+stopping    Stopped              unloaded (then forget a removed model, or load again)
+any         Retire               cancels a download or load; a removed model is
+                                 forgotten once nothing runs
+any         Reset                clears the failure count and crash loop
+=========== ==================== ==================================================
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 from .scheduler import Status
 
-
-class Event(StrEnum):
-    DOWNLOAD = "download"
-    DOWNLOADED = "downloaded"
-    DOWNLOAD_FAILED = "download_failed"
-    ADMITTED = "admitted"
-    READY = "ready"
-    LOAD_FAILED = "load_failed"
-    STOP = "stop"
-    STOPPED = "stopped"
-    LAST_REPLICA_EXITED = "last_replica_exited"
+STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the failure count
 
 
-TRANSITIONS: dict[tuple[Status, Event], Status] = {
-    (Status.UNLOADED, Event.DOWNLOAD): Status.DOWNLOADING,
-    (Status.DOWNLOADING, Event.DOWNLOADED): Status.UNLOADED,
-    (Status.DOWNLOADING, Event.DOWNLOAD_FAILED): Status.UNLOADED,
-    (Status.UNLOADED, Event.ADMITTED): Status.LOADING,
-    (Status.LOADING, Event.READY): Status.LOADED,
-    (Status.LOADING, Event.LOAD_FAILED): Status.UNLOADED,
-    (Status.LOADED, Event.STOP): Status.STOPPING,
-    (Status.STOPPING, Event.STOPPED): Status.UNLOADED,
-    (Status.LOADED, Event.LAST_REPLICA_EXITED): Status.UNLOADED,
-}
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    status: Status = Status.UNLOADED
+    draining: bool = False  # loaded, taking no new requests until it stops
+    stop_when_idle: str | None = None  # a reason: stop once in-flight requests finish
+    removed: bool = False  # gone from the configuration; forgotten once nothing runs
+    restart_after_stop: bool = False  # reconfigured while running: load the new one after
+    failed: bool = False  # the last run ended in a failure (shown while unloaded)
+    failures_in_row: int = 0
+    crash_loop: bool = False  # failed crash_loop_limit times in a row: no automatic restart
+
+
+# ----------------------------------------------------------------------------- events
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """An hf-repo model not in the cache starts downloading."""
+
+
+@dataclass(frozen=True, slots=True)
+class Downloaded:
+    """Its files are in the cache; the load goes on."""
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadFailed:
+    cancelled: bool = False  # an unload or reconfiguration stopped it: not a failure
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The planner made room: spawn the children."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Every replica is healthy. ``data`` goes into the ``loaded`` event (duration, info)."""
+
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnFailed:
+    """The load ended without serving: a child exited, timed out, or the load was cancelled."""
+
+    exit_code: int | None = None
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str  # unloaded, evicted, idle, shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    clean: bool  # every child exited with code 0 when asked
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """The model's last in-flight request finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    waiting_for: str  # the model that needs its room
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """The configuration changed: the model is removed, or must restart with a new preset."""
+
+    reason: str  # removed, reconfigured
+    removed: bool
+    idle: bool  # no request in flight
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaExited:
+    """A serving child exited on its own (a crash)."""
+
+    exit_code: int | None
+    ran_for: float  # seconds it ran
+    last: bool  # no replica serves any more
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFailed:
+    """A child started to replace a crashed replica did not become healthy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """An explicit load or a new preset: forget the failure count and the crash loop."""
+
+
+Event = (Download | Downloaded | DownloadFailed | Admitted | Ready | SpawnFailed | Stop
+         | Stopped | Idle | Drain | Retire | ReplicaExited | ReplicaFailed | Reset)
+EVENT_TYPES: tuple[type, ...] = Event.__args__
+
+
+# ----------------------------------------------------------------------------- effects
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Publish ``kind`` with ``data`` on the model's event stream (``/models/sse``)."""
+
+    kind: str
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StopChildren:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartLoad:
+    """Load the model (a reconfigured model that was running)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelLoad:
+    """Cancel the load under way; requests waiting for it start over with the new preset."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelDownload:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReplacement:
+    """Stop starting a child that replaces a crashed replica."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaceReplicas:
+    """Start children until the model has its replica count again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Drop a removed model from the router."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailureCounted:
+    """A failure was counted: the backoff before the next start runs from now."""
+
+    crash_loop: bool  # this failure started a crash loop
+
+
+Effect = (Publish | StopChildren | StartLoad | CancelLoad | CancelDownload | CancelReplacement
+          | ReplaceReplicas | Forget | FailureCounted)
 
 
 class InvalidTransition(RuntimeError):
     """An event that cannot happen in the model's current status: a bug in the router."""
 
     def __init__(self, model: str, status: Status, event: Event) -> None:
-        super().__init__(f"model '{model}': {event.value} cannot happen while {status.value}")
+        super().__init__(
+            f"model '{model}': {type(event).__name__} cannot happen while {status.value}")
         self.status = status
         self.event = event
 
 
-def transition(model: str, status: Status, event: Event) -> Status:
-    """The status after ``event``; raises InvalidTransition if it cannot happen now."""
-    try:
-        return TRANSITIONS[(status, event)]
-    except KeyError:
-        raise InvalidTransition(model, status, event) from None
+Result = tuple[ModelState, tuple[Effect, ...]]
+
+
+# ----------------------------------------------------------------------------- the table
+
+def transition(model: str, state: ModelState, event: Event, *,
+               crash_loop_limit: int) -> Result:
+    """The state after ``event`` and what to do about it; raises InvalidTransition if the
+    event cannot happen now. ``crash_loop_limit``: failures in a row that stop restarts."""
+    rule = TABLE.get((state.status, type(event)))
+    if rule is not None:
+        return rule(state, event, crash_loop_limit)
+    if (state.status, type(event)) in IGNORED:
+        return state, ()
+    raise InvalidTransition(model, state.status, event)
+
+
+def _status_change(old: ModelState, new: ModelState, **extra: Any) -> Publish:
+    """``status_change`` with llama.cpp's status value; entering ``unloaded`` says whether a
+    process ran and, after a failure, its exit code."""
+    data: dict[str, Any] = {"status": new.status.public, **extra}
+    if new.status is Status.UNLOADED:
+        data["was_running"] = old.status.holds_process
+        if new.failed:
+            data["failed"] = True
+            data.setdefault("exit_code", None)
+    return Publish("status_change", MappingProxyType(data))
+
+
+def _count_failure(state: ModelState, limit: int, ran_for: float | None = None
+                   ) -> tuple[ModelState, FailureCounted]:
+    failures = 0 if ran_for is not None and ran_for >= STABLE_RUN_S else state.failures_in_row
+    failures += 1
+    crash_loop = failures >= limit
+    return (replace(state, failed=True, failures_in_row=failures,
+                    crash_loop=state.crash_loop or crash_loop),
+            FailureCounted(crash_loop and not state.crash_loop))
+
+
+def _after_run(state: ModelState) -> tuple[ModelState, tuple[Effect, ...]]:
+    """Once nothing runs: a removed model is forgotten, a reconfigured one loads again."""
+    if state.removed:
+        return state, (Forget(),)
+    if state.restart_after_stop:
+        return replace(state, restart_after_stop=False), (StartLoad(),)
+    return state, ()
+
+
+def _to_unloaded(state: ModelState, **changes: Any) -> ModelState:
+    return replace(state, status=Status.UNLOADED, draining=False, stop_when_idle=None,
+                   **changes)
+
+
+def _download(s: ModelState, e: Download, limit: int) -> Result:
+    new = replace(s, status=Status.DOWNLOADING)
+    return new, (_status_change(s, new),)
+
+
+def _downloaded(s: ModelState, e: Downloaded, limit: int) -> Result:
+    new = _to_unloaded(s)
+    return new, (_status_change(s, new),)
+
+
+def _download_failed(s: ModelState, e: DownloadFailed, limit: int) -> Result:
+    new = _to_unloaded(s)
+    effects: list[Effect] = []
+    if e.cancelled:
+        effects.append(_status_change(s, new, reason="cancelled"))
+    else:
+        new, counted = _count_failure(new, limit)
+        effects += [counted, _status_change(s, new)]
+    new, after = _after_run(new)
+    return new, (*effects, *after)
+
+
+def _admitted(s: ModelState, e: Admitted, limit: int) -> Result:
+    new = replace(s, status=Status.LOADING)
+    return new, (Publish("model_status", MappingProxyType({"status": new.status.public})),)
+
+
+def _ready(s: ModelState, e: Ready, limit: int) -> Result:
+    new = replace(s, status=Status.LOADED, failed=False)
+    return new, (_status_change(s, new, **e.data),)
+
+
+def _spawn_failed(s: ModelState, e: SpawnFailed, limit: int) -> Result:
+    new = _to_unloaded(s)
+    effects: list[Effect] = []
+    if e.cancelled:
+        new = replace(new, failed=False)
+        effects.append(_status_change(s, new, reason="cancelled"))
+    else:
+        new, counted = _count_failure(new, limit)
+        effects += [counted, _status_change(s, new, exit_code=e.exit_code)]
+    new, after = _after_run(new)
+    return new, (*effects, *after)
+
+
+def _stopping(s: ModelState, reason: str) -> Result:
+    new = replace(s, status=Status.STOPPING)
+    return new, (Publish("stopping", MappingProxyType({"status": new.status.public,
+                                                       "reason": reason})),
+                 CancelReplacement(), StopChildren(reason))
+
+
+def _stop(s: ModelState, e: Stop, limit: int) -> Result:
+    return _stopping(s, e.reason)
+
+
+def _idle(s: ModelState, e: Idle, limit: int) -> Result:
+    return (s, ()) if s.stop_when_idle is None else _stopping(s, s.stop_when_idle)
+
+
+def _drain(s: ModelState, e: Drain, limit: int) -> Result:
+    if s.draining:
+        return s, ()
+    new = replace(s, draining=True)
+    return new, (Publish("status_change", MappingProxyType({"status": new.status.public,
+                                                            "draining": True})),)
+
+
+def _stopped(s: ModelState, e: Stopped, limit: int) -> Result:
+    # llama.cpp's router reports the exit code of a stop (0: the child exited as asked); a
+    # child that had to be killed is not a failure of the model, so no code then.
+    new = _to_unloaded(s, failed=False)
+    publish = _status_change(s, new, **({"exit_code": 0} if e.clean else {}))
+    new, after = _after_run(new)
+    return new, (publish, *after)
+
+
+def _replica_exited(s: ModelState, e: ReplicaExited, limit: int) -> Result:
+    new, counted = _count_failure(s, limit, e.ran_for)
+    if not e.last:
+        replace_them = () if new.draining or new.crash_loop else (ReplaceReplicas(),)
+        return new, (counted, *replace_them)
+    new = _to_unloaded(new)
+    publish = _status_change(s, new, exit_code=e.exit_code)
+    new, after = _after_run(new)
+    return new, (counted, CancelReplacement(), publish, *after)
+
+
+def _replica_failed(s: ModelState, e: ReplicaFailed, limit: int) -> Result:
+    new, counted = _count_failure(s, limit)
+    return new, (counted,) if new.crash_loop else (counted, ReplaceReplicas())
+
+
+def _retire(s: ModelState, e: Retire, limit: int) -> Result:
+    removed = s.removed or e.removed
+    status = s.status
+    if status is Status.LOADED:
+        new = replace(s, removed=removed, draining=True, stop_when_idle=e.reason,
+                      restart_after_stop=not removed)
+        return _stopping(new, e.reason) if e.idle else (new, ())
+    if status is Status.UNLOADED:
+        new = replace(s, removed=removed)
+        return new, (CancelLoad(), Forget()) if removed else ()
+    if status is Status.STOPPING:  # the stop goes on; a removed model is forgotten after it
+        return replace(s, removed=removed), ()
+    # downloading or loading: start over with the new preset, or not at all
+    new = replace(s, removed=removed, restart_after_stop=not removed)
+    cancel = (CancelDownload(), CancelLoad()) if status is Status.DOWNLOADING \
+        else (CancelLoad(),)
+    return new, cancel
+
+
+def _reset(s: ModelState, e: Reset, limit: int) -> Result:
+    return replace(s, failures_in_row=0, crash_loop=False), ()
+
+
+U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LOADED,
+                  Status.STOPPING)
+
+TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
+    (U, Download): _download,
+    (D, Downloaded): _downloaded,
+    (D, DownloadFailed): _download_failed,
+    (U, Admitted): _admitted,
+    (L, Ready): _ready,
+    (L, SpawnFailed): _spawn_failed,
+    (OK, Stop): _stop,
+    (OK, Idle): _idle,
+    (OK, Drain): _drain,
+    (OK, ReplicaExited): _replica_exited,
+    (OK, ReplicaFailed): _replica_failed,
+    (S, Stopped): _stopped,
+    **{(status, Retire): _retire for status in Status},
+    **{(status, Reset): _reset for status in Status},
+}
+
+# Events that may arrive after the status they were meant for has passed: they change nothing.
+IGNORED: frozenset[tuple[Status, type]] = frozenset({
+    (U, Stop), (D, Stop), (L, Stop), (S, Stop),  # already stopped or stopping; loads cancel
+    (U, Idle), (D, Idle), (L, Idle), (S, Idle),  # the last request of a stopped model ended
+})

@@ -1,6 +1,7 @@
-"""Run state of each model: its replicas (children), counters, failure history.
+"""Run state of each model: its lifecycle state, replicas (children), counters, failure.
 
-Plain data, written only by the Supervisor. A model has ``replicas`` children (1 unless its
+Plain data, written only by the supervisor and its parts; ``state`` changes only through
+``lifecycle.transition`` (``Executor.apply``). A model has ``replicas`` children (1 unless its
 preset says ``replicas = N``); requests go to the replica with the most free slots.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lifecycle import ModelState
 from .logs import LogRing
 from .presets import ModelPreset
 from .process import ChildProcess
@@ -66,16 +68,12 @@ class ModelRuntime:
     estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
     cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
     n_layer: int | None = None  # from the GGUF header, once estimated
-    status: Status = Status.UNLOADED
+    state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
     replicas: list[Replica] = field(default_factory=list)
     spawning: list[ChildProcess] = field(default_factory=list)  # children of a load under way
     in_flight: int = 0
     waiting: int = 0  # requests waiting for this model to become ready
     last_used: float = 0.0
-    draining: bool = False  # loaded, but taking no new requests until evicted
-    stop_when_idle: str | None = None  # a reason: stop once in-flight requests finish
-    removed: bool = False  # gone from the configuration; forgotten once stopped
-    restart_after_stop: bool = False  # reconfigured while loaded: start the new child
     download_task: asyncio.Task[None] | None = None
     download: dict[str, dict[str, int | None]] = field(default_factory=dict)  # file: done/total
     download_cancel: threading.Event = field(default_factory=threading.Event)
@@ -84,9 +82,6 @@ class ModelRuntime:
     stop_task: asyncio.Task[None] | None = None
     replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
     failure: Failure | None = None  # the last failure, kept for messages
-    failed: bool = False  # the last run ended in a failure (shown while unloaded)
-    failures_in_row: int = 0
-    crash_loop: bool = False
     info: dict[str, Any] | None = None
     # Load progress while loading, in llama.cpp's shape {stages, current, value}: the least
     # advanced of the children being started (their own reports, see ``process``).
@@ -104,6 +99,26 @@ class ModelRuntime:
     @property
     def id(self) -> str:
         return self.preset.id
+
+    @property
+    def status(self) -> Status:
+        return self.state.status
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    @property
+    def failed(self) -> bool:
+        return self.state.failed
+
+    @property
+    def crash_loop(self) -> bool:
+        return self.state.crash_loop
+
+    @property
+    def removed(self) -> bool:
+        return self.state.removed
 
     @property
     def child(self) -> ChildProcess | None:
@@ -128,7 +143,8 @@ class ModelRuntime:
 
     @property
     def serving(self) -> bool:
-        return self.status is Status.LOADED and not self.draining and bool(self.replicas)
+        state = self.state
+        return state.status is Status.LOADED and not state.draining and bool(self.replicas)
 
     def snapshot(self, memory: int, devices: dict[str, int] | None = None) -> ModelSnapshot:
         return ModelSnapshot(self.id, self.status, self.in_flight, self.last_used, memory,

@@ -1,51 +1,114 @@
-"""The model lifecycle's transition table (router.lifecycle): every status x event pair."""
+"""The model lifecycle (router.lifecycle): every status x event pair, and the flag cases."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from router.lifecycle import TRANSITIONS, Event, InvalidTransition, transition
+from router.lifecycle import (
+    EVENT_TYPES,
+    IGNORED,
+    STABLE_RUN_S,
+    TABLE,
+    Admitted,
+    CancelDownload,
+    CancelLoad,
+    CancelReplacement,
+    Download,
+    Downloaded,
+    DownloadFailed,
+    Drain,
+    Event,
+    FailureCounted,
+    Forget,
+    Idle,
+    InvalidTransition,
+    ModelState,
+    Publish,
+    Ready,
+    ReplaceReplicas,
+    ReplicaExited,
+    ReplicaFailed,
+    Reset,
+    Retire,
+    SpawnFailed,
+    StartLoad,
+    Stop,
+    StopChildren,
+    Stopped,
+    transition,
+)
 from router.scheduler import Status
 
 U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LOADED,
                   Status.STOPPING)
-EXPECTED = {
-    (U, Event.DOWNLOAD): D,
-    (D, Event.DOWNLOADED): U,
-    (D, Event.DOWNLOAD_FAILED): U,
-    (U, Event.ADMITTED): L,
-    (L, Event.READY): OK,
-    (L, Event.LOAD_FAILED): U,
-    (OK, Event.STOP): S,
-    (S, Event.STOPPED): U,
-    (OK, Event.LAST_REPLICA_EXITED): U,
+LIMIT = 3
+
+# One instance of each event type, for the status x event enumeration.
+SAMPLES: dict[type, Event] = {
+    Download: Download(), Downloaded: Downloaded(), DownloadFailed: DownloadFailed(),
+    Admitted: Admitted(), Ready: Ready(), SpawnFailed: SpawnFailed(1), Stop: Stop("unloaded"),
+    Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"),
+    Retire: Retire("reconfigured", removed=False, idle=True),
+    ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
+    Reset: Reset(),
+}
+
+# status x event -> the status after it; None: explicitly ignored (no change, no effects).
+EXPECTED: dict[tuple[Status, type], Status | None] = {
+    (U, Download): D, (D, Downloaded): U, (D, DownloadFailed): U,
+    (U, Admitted): L, (L, Ready): OK, (L, SpawnFailed): U,
+    (OK, Stop): S, (S, Stopped): U, (OK, ReplicaExited): U, (OK, ReplicaFailed): OK,
+    (OK, Idle): OK, (OK, Drain): OK,
+    (U, Retire): U, (D, Retire): D, (L, Retire): L, (OK, Retire): S, (S, Retire): S,
+    **{(status, Reset): status for status in Status},
+    **{(status, Stop): None for status in (U, D, L, S)},
+    **{(status, Idle): None for status in (U, D, L, S)},
 }
 
 
-@pytest.mark.parametrize(("status", "event"), list(itertools.product(Status, Event)),
-                         ids=lambda v: v.value)
-def test_every_status_and_event(status: Status, event: Event) -> None:
-    if (status, event) in EXPECTED:
-        assert transition("m", status, event) is EXPECTED[(status, event)]
-    else:
+def run(state: ModelState | Status, event: Event) -> tuple[ModelState, tuple[Any, ...]]:
+    if isinstance(state, Status):
+        state = ModelState(state)
+    return transition("m", state, event, crash_loop_limit=LIMIT)
+
+
+def test_every_event_type_has_a_sample() -> None:
+    assert set(SAMPLES) == set(EVENT_TYPES)
+
+
+@pytest.mark.parametrize(("status", "kind"), list(itertools.product(Status, EVENT_TYPES)),
+                         ids=lambda v: getattr(v, "value", getattr(v, "__name__", str(v))))
+def test_every_status_and_event(status: Status, kind: type) -> None:
+    event = SAMPLES[kind]
+    if (status, kind) not in EXPECTED:
         with pytest.raises(InvalidTransition) as raised:
-            transition("m", status, event)
-        assert str(raised.value) == f"model 'm': {event.value} cannot happen while {status.value}"
+            run(status, event)
+        assert str(raised.value) == (f"model 'm': {kind.__name__} cannot happen while "
+                                     f"{status.value}")
+        return
+    state, effects = run(status, event)
+    expected = EXPECTED[(status, kind)]
+    if expected is None:
+        assert (state, effects) == (ModelState(status), ())
+    else:
+        assert state.status is expected
 
 
 def test_the_table_is_exactly_the_documented_one() -> None:
-    assert TRANSITIONS == EXPECTED
+    assert set(TABLE) | IGNORED == set(EXPECTED)
+    assert IGNORED == {pair for pair, to in EXPECTED.items() if to is None}
 
 
 def reachable_from(start: Status) -> set[Status]:
-    """Every status some sequence of events leads to from ``start`` (itself included)."""
     seen, stack = {start}, [start]
     while stack:
         here = stack.pop()
-        for (src, _), dst in TRANSITIONS.items():
-            if src is here and dst not in seen:
+        for (src, _), dst in EXPECTED.items():
+            if src is here and dst is not None and dst not in seen:
                 seen.add(dst)
                 stack.append(dst)
     return seen
@@ -53,5 +116,160 @@ def reachable_from(start: Status) -> set[Status]:
 
 def test_every_status_is_reachable_and_can_end_unloaded() -> None:
     assert reachable_from(U) == set(Status)
-    for status in Status:  # no status is a dead end: each leads back to unloaded
+    for status in Status:
         assert U in reachable_from(status)
+
+
+# ----------------------------------------------------------------------------- events out
+
+def published(effects: tuple[Any, ...]) -> list[tuple[str, dict[str, Any]]]:
+    return [(e.kind, dict(e.data)) for e in effects if isinstance(e, Publish)]
+
+
+def test_a_load_publishes_llama_cpp_shapes() -> None:
+    state, effects = run(U, Admitted())
+    assert published(effects) == [("model_status", {"status": "loading"})]
+    state, effects = run(state, Ready({"duration": 1.5, "info": {"id": "m"}}))
+    assert published(effects) == [("status_change", {"status": "loaded", "duration": 1.5,
+                                                     "info": {"id": "m"}})]
+    state, effects = run(state, Stop("unloaded"))
+    assert published(effects) == [("stopping", {"status": "loaded", "reason": "unloaded"})]
+    assert effects[1:] == (CancelReplacement(), StopChildren("unloaded"))
+    state, effects = run(state, Stopped(clean=True))
+    assert published(effects) == [("status_change", {"status": "unloaded", "was_running": True,
+                                                     "exit_code": 0})]
+    _, effects = run(S, Stopped(clean=False))  # killed: no exit code
+    assert published(effects) == [("status_change", {"status": "unloaded",
+                                                     "was_running": True})]
+
+
+def test_a_failed_load_counts_and_reports_its_exit_code() -> None:
+    state, effects = run(L, SpawnFailed(exit_code=3))
+    assert state == ModelState(U, failed=True, failures_in_row=1)
+    assert effects[0] == FailureCounted(crash_loop=False)
+    assert published(effects) == [("status_change", {
+        "status": "unloaded", "was_running": True, "failed": True, "exit_code": 3})]
+    state, _ = run(replace(state, status=L), Ready())
+    assert not state.failed  # a good run clears it; the count stays until a stable run
+
+
+def test_cancel_while_waiting_is_not_a_failure() -> None:
+    state, effects = run(ModelState(L, failed=True), SpawnFailed(cancelled=True))
+    assert state == ModelState(U)
+    assert published(effects) == [("status_change", {"status": "unloaded", "was_running": True,
+                                                     "reason": "cancelled"})]
+    state, effects = run(D, DownloadFailed(cancelled=True))
+    assert state == ModelState(U) and not any(isinstance(e, FailureCounted) for e in effects)
+
+
+def test_a_failed_download_counts() -> None:
+    state, effects = run(D, DownloadFailed())
+    assert state.failed and state.failures_in_row == 1
+    assert published(effects)[0][1] == {"status": "unloaded", "was_running": False,
+                                        "failed": True, "exit_code": None}
+
+
+def test_failures_in_a_row_become_a_crash_loop_once() -> None:
+    state = ModelState(L)
+    counted = []
+    for _ in range(LIMIT + 1):
+        state, effects = run(replace(state, status=L), SpawnFailed(1))
+        counted += [e for e in effects if isinstance(e, FailureCounted)]
+    assert state.crash_loop and state.failures_in_row == LIMIT + 1
+    assert [c.crash_loop for c in counted] == [False, False, True, False]
+    state, _ = run(state, Reset())
+    assert (state.crash_loop, state.failures_in_row, state.failed) == (False, 0, True)
+
+
+def test_a_crash_after_a_stable_run_starts_the_count_again() -> None:
+    state, _ = run(ModelState(OK, failures_in_row=2), ReplicaExited(1, STABLE_RUN_S, last=True))
+    assert state.failures_in_row == 1 and not state.crash_loop
+    state, _ = run(ModelState(OK, failures_in_row=1), ReplicaExited(1, 1.0, last=True))
+    assert state.failures_in_row == 2
+
+
+def test_a_crash_of_one_replica_replaces_it() -> None:
+    state, effects = run(OK, ReplicaExited(9, 1.0, last=False))
+    assert state.status is OK and state.failed
+    assert effects == (FailureCounted(False), ReplaceReplicas())
+    # ... but not while draining or in a crash loop
+    _, effects = run(ModelState(OK, draining=True), ReplicaExited(9, 1.0, last=False))
+    assert ReplaceReplicas() not in effects
+    _, effects = run(ModelState(OK, failures_in_row=LIMIT - 1), ReplicaExited(9, 1.0, False))
+    assert ReplaceReplicas() not in effects
+    _, effects = run(OK, ReplicaFailed())
+    assert effects == (FailureCounted(False), ReplaceReplicas())
+    _, effects = run(ModelState(OK, failures_in_row=LIMIT - 1), ReplicaFailed())
+    assert effects == (FailureCounted(True),)
+
+
+def test_the_last_replica_crashing_unloads_and_stops_replacing() -> None:
+    state, effects = run(ModelState(OK, draining=True), ReplicaExited(137, 1.0, last=True))
+    assert state == ModelState(U, failed=True, failures_in_row=1)
+    assert CancelReplacement() in effects
+    assert published(effects) == [("status_change", {
+        "status": "unloaded", "was_running": True, "failed": True, "exit_code": 137})]
+
+
+def test_crash_while_draining_for_a_reconfiguration_loads_the_new_preset() -> None:
+    state, _ = run(OK, Retire("reconfigured", removed=False, idle=False))
+    assert state == ModelState(OK, draining=True, stop_when_idle="reconfigured",
+                               restart_after_stop=True)
+    state, effects = run(state, ReplicaExited(1, 1.0, last=True))
+    assert state.status is U and not state.restart_after_stop and state.stop_when_idle is None
+    assert effects[-1] == StartLoad()
+
+
+def test_a_drain_publishes_once() -> None:
+    state, effects = run(OK, Drain("other"))
+    assert state.draining
+    assert published(effects) == [("status_change", {"status": "loaded", "draining": True})]
+    assert run(state, Drain("third")) == (state, ())
+
+
+def test_idle_stops_a_model_that_waits_for_it() -> None:
+    assert run(OK, Idle()) == (ModelState(OK), ())
+    state, effects = run(ModelState(OK, draining=True, stop_when_idle="removed"), Idle())
+    assert state.status is S and StopChildren("removed") in effects
+
+
+def test_retire_a_loaded_model() -> None:
+    state, effects = run(OK, Retire("reconfigured", removed=False, idle=True))
+    assert state.status is S and state.restart_after_stop
+    assert StopChildren("reconfigured") in effects
+    state, effects = run(state, Stopped(clean=True))
+    assert state == ModelState(U) and effects[-1] == StartLoad()
+    state, _ = run(OK, Retire("removed", removed=True, idle=True))
+    assert state.removed and not state.restart_after_stop
+    state, effects = run(state, Stopped(clean=True))
+    assert effects[-1] == Forget()
+
+
+def test_retire_when_nothing_runs() -> None:
+    assert run(U, Retire("reconfigured", removed=False, idle=True)) == (ModelState(U), ())
+    state, effects = run(U, Retire("removed", removed=True, idle=True))
+    assert state.removed and effects == (CancelLoad(), Forget())
+
+
+def test_reload_while_downloading_starts_over() -> None:
+    state, effects = run(D, Retire("reconfigured", removed=False, idle=True))
+    assert effects == (CancelDownload(), CancelLoad()) and state.restart_after_stop
+    state, effects = run(state, DownloadFailed(cancelled=True))
+    assert state.status is U and effects[-1] == StartLoad()
+    state, _ = run(D, Retire("removed", removed=True, idle=True))
+    _, effects = run(state, DownloadFailed(cancelled=True))
+    assert effects[-1] == Forget()
+
+
+def test_reload_while_loading_cancels_and_loads_again() -> None:
+    state, effects = run(L, Retire("reconfigured", removed=False, idle=True))
+    assert effects == (CancelLoad(),)
+    state, effects = run(state, SpawnFailed(cancelled=True))
+    assert state == ModelState(U) and effects[-1] == StartLoad()
+
+
+def test_unload_while_stopping_or_queued_changes_nothing() -> None:
+    assert run(S, Stop("unloaded")) == (ModelState(S), ())
+    assert run(U, Stop("unloaded")) == (ModelState(U), ())  # queued: the load is cancelled
+    state, _ = run(S, Retire("removed", removed=True, idle=True))
+    assert state == ModelState(S, removed=True)

@@ -1,0 +1,233 @@
+"""Carries out a model's lifecycle: applies events (``lifecycle.transition``) and performs the
+effects they return, and runs what produces the events of a serving model.
+
+* ``apply`` is the only writer of ``ModelRuntime.state``: it switches the state, publishes,
+  and starts the effects' work (stop the children, replace crashed replicas, cancel a load or
+  download, forget a removed model) without awaiting, then wakes everything waiting for a
+  change (``changes``). The work it starts reports back through ``apply`` again.
+* Every serving child has an exit watcher: a child that exits while its model is loaded
+  (not asked to stop) is a crash, ``ReplicaExited``; the last replica's crash unloads the
+  model, an earlier one is replaced one child at a time under the crash backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .changes import Changes
+from .errors import LoadFailed
+from .events import EventBus
+from .lifecycle import (
+    CancelDownload,
+    CancelLoad,
+    CancelReplacement,
+    Effect,
+    Event,
+    FailureCounted,
+    Forget,
+    Publish,
+    ReplaceReplicas,
+    ReplicaExited,
+    ReplicaFailed,
+    StartLoad,
+    Stop,
+    StopChildren,
+    Stopped,
+    transition,
+)
+from .process import ChildError, ChildExited, ChildProcess
+from .runtime import Failure, ModelRuntime, Replica
+from .scheduler import Status
+from .settings import Settings
+from .spawner import Spawner
+
+log = logging.getLogger("router.supervisor")
+
+FAILURE_LOG_LINES = 20
+BACKOFF_CAP_S = 30.0
+
+ModelCallback = Callable[[ModelRuntime], None]
+
+
+def backoff_s(failures_in_row: int) -> float:
+    """Delay before the next start after ``failures_in_row`` consecutive failures: 0, 1, 2, 4…"""
+    return 0.0 if failures_in_row <= 1 else min(2.0 ** (failures_in_row - 2), BACKOFF_CAP_S)
+
+
+class Executor:
+    def __init__(self, settings: Settings, spawner: Spawner, events: EventBus, changes: Changes,
+                 *, start_load: ModelCallback, forget: ModelCallback) -> None:
+        self.settings = settings
+        self._spawner = spawner
+        self._events = events
+        self._changes = changes
+        self._start_load = start_load  # load again (a reconfigured model); never raises
+        self._forget = forget  # drop a removed model
+        self._last_failure_at: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- events in
+
+    def apply(self, runtime: ModelRuntime, event: Event) -> None:
+        """Move the model through ``event`` and start its effects (an event that cannot happen
+        now raises InvalidTransition)."""
+        before = runtime.state.status
+        runtime.state, effects = transition(runtime.id, runtime.state, event,
+                                            crash_loop_limit=self.settings.crash_loop_limit)
+        if runtime.state.status is not before:
+            runtime.progress = None
+        for effect in effects:
+            self._perform(runtime, effect)
+        self._changes.notify()
+
+    def stop(self, runtime: ModelRuntime, reason: str) -> asyncio.Task[None] | None:
+        """Stop a loaded model now (marked stopping in this loop step, so planners see it);
+        the task that stops it, or None when it was not loaded."""
+        if runtime.status is Status.LOADED:
+            self.apply(runtime, Stop(reason))
+        return runtime.stop_task
+
+    def backoff_left(self, runtime: ModelRuntime) -> float:
+        """Seconds until the model may start a child again after its recent failures."""
+        return (self._last_failure_at.get(runtime.id, 0.0)
+                + backoff_s(runtime.state.failures_in_row) - time.monotonic())
+
+    # ----------------------------------------------------------------- effects out
+
+    def _perform(self, runtime: ModelRuntime, effect: Effect) -> None:
+        match effect:
+            case Publish(kind, data):
+                self._events.publish(runtime.id, kind, dict(data))
+            case StopChildren(reason):
+                runtime.stop_task = _task(self._stop_children(runtime, reason),
+                                          f"stop:{runtime.id}")
+            case CancelReplacement():
+                if runtime.replace_task is not None:
+                    runtime.replace_task.cancel()  # stops a replacement child still starting
+                    runtime.replace_task = None
+            case ReplaceReplicas():
+                if runtime.replace_task is None or runtime.replace_task.done():
+                    runtime.replace_task = _task(self._replace_replicas(runtime),
+                                                 f"replace:{runtime.id}")
+            case CancelLoad():
+                if runtime.load_task is not None:
+                    runtime.load_task.cancel()  # waiters start over (``acquire``)
+            case CancelDownload():
+                runtime.download_cancel.set()
+                if runtime.download_task is not None:
+                    runtime.download_task.cancel()
+            case StartLoad():
+                self._start_load(runtime)
+            case Forget():
+                self._forget(runtime)
+            case FailureCounted(crash_loop):
+                self._last_failure_at[runtime.id] = time.monotonic()
+                if crash_loop:
+                    log.error("failed %d times in a row; not restarting until POST /models/load",
+                              runtime.state.failures_in_row,
+                              extra={"event": "crash_loop", "model": runtime.id})
+
+    async def _stop_children(self, runtime: ModelRuntime, reason: str) -> None:
+        timeout = runtime.preset.stop_timeout
+        seconds = self.settings.stop_timeout if timeout is None else timeout
+        replicas, runtime.replicas = runtime.replicas, []
+        codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
+        runtime.info = None
+        runtime.loaded_at = None
+        runtime.stop_task = None
+        self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))
+
+    # ----------------------------------------------------------------- crashes
+
+    def watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
+        """Turn the exit of a serving replica that nobody asked to stop into ReplicaExited."""
+        _task(self._watch_exit(runtime, replica), f"exit:{runtime.id}")
+
+    async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
+        code = await replica.child.wait_exit()
+        if replica not in runtime.replicas or runtime.status is not Status.LOADED:
+            return  # an intended stop; _stop_children records it
+        runtime.replicas.remove(replica)
+        runtime.failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
+                                  runtime.logs.tail(FAILURE_LOG_LINES))
+        log.error("child exited unexpectedly with code %s", code,
+                  extra={"event": "crashed", "model": runtime.id, "pid": replica.child.pid,
+                         "exit_code": code})
+        await replica.child.stop(0)  # reap the group
+        if replica.in_flight == 0:  # else the last request to finish closes it
+            self.close_pool_later(replica)
+        if runtime.status is not Status.LOADED:
+            return  # stopped meanwhile: the stop ends its run
+        last = not runtime.replicas
+        if last:
+            runtime.info = None
+            runtime.loaded_at = None
+        ran_for = time.monotonic() - (replica.child.started_at or time.monotonic())
+        self.apply(runtime, ReplicaExited(code, ran_for, last))
+
+    async def _replace_replicas(self, runtime: ModelRuntime) -> None:
+        """Start one child after the backoff to bring a serving model back towards its replica
+        count; a failure or the next crash asks for another (``lifecycle``). Cancelled when
+        the model stops."""
+        delay = self.backoff_left(runtime)
+        if delay > 0:  # nothing shortens a backoff; a stop cancels this task
+            await asyncio.sleep(delay)
+        if (runtime.crash_loop or not runtime.serving
+                or len(runtime.replicas) >= runtime.preset.replicas):
+            return
+        timeout = runtime.preset.load_timeout or self.settings.load_timeout
+        children: list[ChildProcess] = []
+        [share] = self._spawner.cpu_shares(runtime, 1)
+        runtime.spawning = children  # its cores count as held while it starts
+        try:
+            await self._spawner.spawn_ready(runtime, children, timeout, time.monotonic(), share)
+        except BaseException as exc:
+            runtime.spawning = []
+            await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+            if not isinstance(exc, Exception):  # cancelled: the model is stopping
+                raise
+            runtime.failure = failure_from(exc)
+            log.error("replica restart failed: %s", runtime.failure.message,
+                      extra={"event": "replica_failed", "model": runtime.id})
+            runtime.replace_task = None
+            self.apply(runtime, ReplicaFailed())
+            return
+        runtime.spawning = []
+        replica = Replica(children[-1])
+        runtime.replicas.append(replica)
+        self.watch_exit(runtime, replica)
+        log.info("replica restarted", extra={
+            "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
+            "port": replica.child.port})
+        self._events.publish(runtime.id, "replica_restarted",
+                             {"pid": replica.child.pid, "replicas": len(runtime.replicas)})
+        runtime.replace_task = None
+        if len(runtime.replicas) < runtime.preset.replicas:
+            self._perform(runtime, ReplaceReplicas())
+
+    def close_pool_later(self, replica: Replica) -> None:
+        _task(replica.child.close_pool(), "close-pool")
+
+
+def failure_from(exc: BaseException) -> Failure:
+    if isinstance(exc, ChildExited):
+        return Failure(str(exc), exc.exit_code, exc.last_lines)
+    if isinstance(exc, ChildError):
+        return Failure(str(exc), None, exc.last_lines)
+    if isinstance(exc, LoadFailed):
+        return Failure(exc.message, None, [])
+    return Failure(f"could not start llama-server: {exc}", None, [])
+
+
+def _task(coro: Any, name: str) -> asyncio.Task[Any]:
+    task = asyncio.create_task(coro, name=name)
+    task.add_done_callback(consume_exception)
+    return task
+
+
+def consume_exception(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,184 @@
+"""A model's way from unloaded to loaded: fetch its files, wait its turn, spawn its children.
+
+``Loader.load`` is the body of a model's one load task (``Supervisor``): download an hf-repo
+model not in the cache yet, wait for an old child of the model to be gone, sit out the crash
+backoff, queue for admission (``admission``), then spawn every replica until healthy
+(``spawner``). Each step reports to the lifecycle through ``Executor.apply``. A cancelled
+load (an unload, a reconfiguration, nobody waiting any more) stops what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import replace
+from types import MappingProxyType
+
+from .accounting import Accounting
+from .admission import Admission
+from .changes import Changes
+from .downloads import DownloadCancelled, HfRef, download, resolve_remote
+from .errors import LoadFailed
+from .events import EventBus
+from .executor import Executor, consume_exception, failure_from
+from .lifecycle import (
+    Admitted,
+    Download,
+    Downloaded,
+    DownloadFailed,
+    Ready,
+    SpawnFailed,
+)
+from .process import ChildProcess
+from .runtime import Failure, ModelRuntime, Replica
+from .scheduler import Status
+from .settings import Settings
+from .spawner import Spawner
+
+log = logging.getLogger("router.supervisor")
+
+DOWNLOAD_EVENT_INTERVAL_S = 0.25
+
+
+class Loader:
+    def __init__(self, settings: Settings, executor: Executor, spawner: Spawner,
+                 admission: Admission, accounting: Accounting, events: EventBus,
+                 changes: Changes) -> None:
+        self.settings = settings
+        self._executor = executor
+        self._spawner = spawner
+        self._admission = admission
+        self._accounting = accounting
+        self._events = events
+        self._changes = changes
+
+    async def load(self, runtime: ModelRuntime) -> None:
+        """Load the model; raises LoadFailed (the reason is also in ``runtime.failure``)."""
+        if runtime.preset.model_path is None:  # an hf-repo model not in the cache yet
+            await asyncio.shield(self.start_download(runtime))
+        while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
+            await self._changes.wait()
+        delay = self._executor.backoff_left(runtime)
+        if delay > 0:
+            log.info("waiting %.1f s before restarting after %d failures", delay,
+                     runtime.state.failures_in_row, extra={"model": runtime.id})
+            await asyncio.sleep(delay)
+        await self._admission.admit(runtime)
+        self._executor.apply(runtime, Admitted())
+        try:
+            await self._spawn(runtime)
+        except BaseException as exc:
+            await self._undo_spawn(runtime)
+            if isinstance(exc, asyncio.CancelledError):
+                self._executor.apply(runtime, SpawnFailed(cancelled=True))
+                raise
+            runtime.failure = failure_from(exc)
+            log.error("load failed: %s", runtime.failure.message,
+                      extra={"event": "load_failed", "model": runtime.id})
+            self._executor.apply(runtime, SpawnFailed(runtime.failure.exit_code))
+            raise LoadFailed(load_failed_message(runtime.id, runtime.failure)) from exc
+        for replica in runtime.replicas:
+            self._executor.watch_exit(runtime, replica)
+
+    async def _spawn(self, runtime: ModelRuntime) -> None:
+        """Start every replica until healthy, fetch the model's info, and switch to loaded."""
+        started = time.monotonic()
+        preset = runtime.preset
+        timeout = preset.load_timeout or self.settings.load_timeout
+        children: list[ChildProcess] = []
+        runtime.spawning = children
+        results = await asyncio.gather(
+            *(self._spawner.spawn_ready(runtime, children, timeout, started, share)
+              for share in self._spawner.cpu_shares(runtime, preset.replicas)),
+            return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        runtime.info = await self._spawner.model_info(children[0])
+        runtime.spawning = []
+        runtime.replicas = [Replica(child) for child in children]
+        runtime.loaded_at = runtime.last_used = time.monotonic()
+        duration = round(runtime.loaded_at - started, 4)
+        runtime.last_load_s = duration
+        info = {**runtime.info, "id": runtime.id} if runtime.info else None
+        self._executor.apply(runtime, Ready({"duration": duration,
+                                             **({"info": info} if info else {})}))
+        log.info("loaded", extra={"event": "loaded", "model": runtime.id,
+                                  "pid": children[0].pid, "port": children[0].port,
+                                  "duration": duration})
+
+    async def _undo_spawn(self, runtime: ModelRuntime) -> None:
+        children, runtime.spawning = runtime.spawning, []
+        runtime.info = None
+        await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+
+    # ----------------------------------------------------------------- downloading
+
+    def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
+        """Download an hf-repo model into the HF cache (one task per model, shared)."""
+        if runtime.download_task is None or runtime.download_task.done():
+            runtime.download_cancel = threading.Event()
+            runtime.download_task = asyncio.create_task(self._download(runtime),
+                                                        name=f"download:{runtime.id}")
+            runtime.download_task.add_done_callback(consume_exception)
+        return runtime.download_task
+
+    async def _download(self, runtime: ModelRuntime) -> None:
+        preset = runtime.preset
+        assert preset.hf_repo is not None
+        loop = asyncio.get_running_loop()
+        last_event = 0.0
+
+        def on_progress(name: str, done: int, total: int | None) -> None:  # event loop
+            nonlocal last_event
+            runtime.download[name] = {"done": done, "total": total}
+            now = time.monotonic()
+            if now - last_event >= DOWNLOAD_EVENT_INTERVAL_S or done == total:
+                last_event = now
+                self._events.publish(runtime.id, "download_progress",
+                                     {"progress": dict(runtime.download)})
+
+        def progress(name: str, done: int, total: int | None) -> None:  # worker thread
+            loop.call_soon_threadsafe(on_progress, name, done, total)
+
+        runtime.download = {}
+        self._executor.apply(runtime, Download())
+        log.info("downloading %s", preset.hf_repo, extra={"event": "download",
+                                                          "model": runtime.id})
+        try:
+            ref = HfRef.parse(preset.hf_repo)
+            resolution = await asyncio.to_thread(resolve_remote, ref, preset.args.get("hf-file"))
+            paths = await asyncio.to_thread(download, resolution, progress,
+                                            runtime.download_cancel.is_set)
+        except (asyncio.CancelledError, DownloadCancelled) as exc:
+            runtime.download_cancel.set()
+            self._events.publish(runtime.id, "download_failed", {"error": "cancelled"})
+            self._executor.apply(runtime, DownloadFailed(cancelled=True))
+            if isinstance(exc, DownloadCancelled):
+                raise LoadFailed(f"model '{runtime.id}': download cancelled") from exc
+            raise
+        except Exception as exc:
+            message = f"download of {preset.hf_repo} failed: {exc}"
+            log.error("%s", message, extra={"event": "download_failed", "model": runtime.id})
+            self._events.publish(runtime.id, "download_failed", {"error": str(exc)})
+            runtime.failure = Failure(message, None, [])
+            self._executor.apply(runtime, DownloadFailed())
+            raise LoadFailed(f"model '{runtime.id}': {message}") from exc
+        if runtime.preset is preset:  # else reconfigured meanwhile: the new preset stands
+            args = {**preset.args, "model": str(paths[0])}
+            if resolution.mmproj is not None:
+                args["mmproj"] = str(paths[-1])
+            runtime.preset = replace(preset, args=MappingProxyType(args))
+        self._accounting.forget(runtime.id)
+        log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
+                                                       "model": runtime.id})
+        self._events.publish(runtime.id, "download_finished")
+        self._executor.apply(runtime, Downloaded())
+
+
+def load_failed_message(model_id: str, failure: Failure) -> str:
+    last = next((line for line in reversed(failure.last_lines) if line.strip()), "")
+    detail = f"; last log line: {last}" if last else ""
+    return f"model '{model_id}' failed to load: {failure.message}{detail}"
