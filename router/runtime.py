@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,3 +154,15 @@ class ModelRuntime:
         """The replica with the most free slots (ties: the first)."""
         return max(self.replicas, key=lambda r: self.slots - r.in_flight)
 
+
+
+def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[ChildProcess]]:
+    """Models that compute on shared cores and have requests in flight: their children with
+    more than one thread (``cpugate``)."""
+    members: dict[str, list[ChildProcess]] = {}
+    for model in models:
+        if model.in_flight and model.status is Status.LOADED:
+            wide = [r.child for r in model.replicas if r.child.cpu and r.child.cpu.wide]
+            if wide:
+                members[model.id] = wide
+    return members

@@ -33,21 +33,20 @@ from .events import EventBus
 from .executor import Executor, consume_exception
 from .flags import FlagTable
 from .gpus import GpuDevice
+from .idle import reap_idle
 from .leases import Lease, Leases
 from .lifecycle import Drain, Idle, Reset, Retire
 from .loader import Loader
 from .logs import LogRing
 from .presets import ModelPreset
 from .process import ChildProcess
-from .runtime import ModelRuntime
+from .runtime import ModelRuntime, cpu_turn_members
 from .scheduler import Status
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner
 
 log = logging.getLogger("router.supervisor")
-
-REAPER_INTERVAL_S = 1.0
 
 
 class Supervisor:
@@ -60,7 +59,7 @@ class Supervisor:
         # Cores shared among CPU children (``cpus``); empty when CPU sharing is off.
         self.cores = (cores if cores is not None else machine_cores()) \
             if settings.cpu_sharing else []
-        self.cpu_gate = CpuGate(self._cpu_turn_members)
+        self.cpu_gate = CpuGate(lambda: cpu_turn_members(self.models.values()))
         self.gpus = list(gpus or [])
         self.accounting = Accounting(self.gpus)
         self.catalogue = catalogue
@@ -93,17 +92,6 @@ class Supervisor:
         if model_id is None:
             raise ModelNotFound(name, self.catalogue.close_matches(name))
         return self.models[model_id]
-
-    def _cpu_turn_members(self) -> dict[str, list[ChildProcess]]:
-        """Models that compute on shared cores and have requests in flight: their children
-        with more than one thread (``cpugate``)."""
-        members: dict[str, list[ChildProcess]] = {}
-        for model in self.models.values():
-            if model.in_flight and model.status is Status.LOADED:
-                wide = [r.child for r in model.replicas if r.child.cpu and r.child.cpu.wide]
-                if wide:
-                    members[model.id] = wide
-        return members
 
     @property
     def total_waiting(self) -> int:
@@ -316,24 +304,13 @@ class Supervisor:
 
     def start(self) -> None:
         """Start background work (the idle reaper, GPU measurement); ``close()`` stops it."""
-        self._reaper = asyncio.create_task(self._reap_idle(), name="idle-reaper")
+        self._reaper = asyncio.create_task(
+            reap_idle(self.models.values, self.settings.idle_timeout, self.executor.stop),
+            name="idle-reaper")
         if self.cores:
             self.cpu_gate.start()
         self._sampler = asyncio.create_task(self.accounting.run(self.models.values),
                                             name="accounting")
-
-    async def _reap_idle(self) -> None:
-        while True:
-            await asyncio.sleep(REAPER_INTERVAL_S)
-            now = time.monotonic()
-            for runtime in self.models.values():
-                ttl = runtime.preset.ttl if runtime.preset.ttl is not None \
-                    else self.settings.idle_timeout
-                if (ttl and runtime.serving and runtime.in_flight == 0
-                        and runtime.waiting == 0 and now - runtime.last_used >= ttl):
-                    log.info("idle for %.0f s; unloading", now - runtime.last_used,
-                             extra={"event": "idle_unload", "model": runtime.id})
-                    self.executor.stop(runtime, "idle")
 
     async def close(self) -> None:
         """Stop every child (loading ones are killed); used at shutdown."""
