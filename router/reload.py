@@ -5,7 +5,11 @@ watched so editors' rename-on-save and Kubernetes/docker symlink swaps are seen)
 ``POST /models/reload`` and ``GET /models?reload=1``. Reloads are serialised. An invalid
 configuration is rejected whole: the last good one stays in effect and the error (every
 ``file:line`` problem) is logged, sent on ``/models/sse`` and shown by ``GET /props`` until a
-valid configuration replaces it. Router settings (flags and environment) are not re-read.
+valid configuration replaces it. A configuration that defines no model while the running one
+defines some (an emptied or truncated preset file, one left with only ``[*]`` or comments, an
+emptied models directory) is rejected the same way, unless the reload is explicitly asked to
+``allow_empty`` (``POST /models/reload {"allow_empty": true}``): a half-written file must never
+stop every model. Router settings (flags and environment) are not re-read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from .events import EventBus
 from .flags import FlagTable, Option
 from .presets import PresetsInvalid
 from .settings import Settings
-from .sources import build_catalogue
+from .sources import Catalogue, build_catalogue
 from .supervisor import Supervisor
 
 log = logging.getLogger("router.reload")
@@ -31,6 +35,13 @@ log = logging.getLogger("router.reload")
 DEBOUNCE_MS = 150
 NOT_RELOADED = ("router settings (command-line flags and LLAMA_ROUTER_* environment) are "
                 "read only at start; restart the router to change them")
+
+
+def configured_models(catalogue: Catalogue) -> int:
+    """How many models the preset files and models directories define. Models found only in
+    the Hugging Face cache do not count: they are not configuration, and they stay listed
+    whatever the files say."""
+    return sum(1 for model in catalogue.models.values() if model.source != "cache")
 
 
 class Reloader:
@@ -66,8 +77,13 @@ class Reloader:
                 digest.update(repr(exc).encode())
         return digest.hexdigest()
 
-    async def reload(self, trigger: str, *, force: bool = True) -> dict[str, Any]:
-        """Re-read everything and apply the difference; the outcome as a dict."""
+    async def reload(self, trigger: str, *, force: bool = True,
+                     allow_empty: bool = False) -> dict[str, Any]:
+        """Re-read everything and apply the difference; the outcome as a dict.
+
+        ``force``: re-read even if no watched file changed. ``allow_empty``: accept a
+        configuration with no models although the running one has some (otherwise rejected).
+        """
         async with self._lock:
             fingerprint = self._read_fingerprint()
             if not force and fingerprint == self._fingerprint:
@@ -75,22 +91,20 @@ class Reloader:
             self._fingerprint = fingerprint
             self.notify("RELOADING=1")
             try:
-                return await self._apply(trigger)
+                return await self._apply(trigger, allow_empty=allow_empty)
             finally:
                 self.notify("READY=1")
 
-    async def _apply(self, trigger: str) -> dict[str, Any]:
+    async def _apply(self, trigger: str, *, allow_empty: bool) -> dict[str, Any]:
         try:  # file reads and the HF cache scan stay off the event loop
             catalogue = await asyncio.to_thread(build_catalogue, self.settings.presets,
                                                 self.settings.models_dir, self.table,
                                                 self.overrides)
         except PresetsInvalid as exc:
-            self.error = [str(p) for p in exc.problems]
-            for problem in self.error:
-                log.error("reload rejected: %s", problem, extra={"event": "reload_failed"})
-            self.events.publish("*", "models_reload_failed", {"errors": self.error,
-                                                              "trigger": trigger})
-            return {"success": False, "errors": self.error}
+            return self._reject([str(p) for p in exc.problems], trigger)
+        emptied = None if allow_empty else self._emptied(catalogue)
+        if emptied is not None:
+            return self._reject([emptied], trigger)
         self.error = None
         for warning in catalogue.warnings:
             log.warning("%s", warning)
@@ -100,6 +114,28 @@ class Reloader:
                  extra={"event": "reloaded"})
         self.events.publish("*", "models_reload", {**diff, "trigger": trigger})
         return {"success": True, **diff, "not_reloaded": NOT_RELOADED}
+
+    def _reject(self, problems: list[str], trigger: str) -> dict[str, Any]:
+        """Keep the running configuration: record, log and publish why the new one is not
+        applied (shown by ``GET /props`` as ``config_error`` until a reload succeeds)."""
+        self.error = problems
+        for problem in problems:
+            log.error("reload rejected: %s", problem, extra={"event": "reload_failed"})
+        self.events.publish("*", "models_reload_failed", {"errors": problems,
+                                                          "trigger": trigger})
+        return {"success": False, "errors": problems}
+
+    def _emptied(self, catalogue: Catalogue) -> str | None:
+        """Why ``catalogue`` may not replace the running one without ``allow_empty``: it
+        configures no model while the running one configures some; None if it may."""
+        before = configured_models(self.supervisor.catalogue)
+        if configured_models(catalogue) or not before:
+            return None
+        where = ", ".join(str(p) for p in self._sources())
+        plural = "" if before == 1 else "s"
+        return (f"{where}: no models defined; keeping the previous configuration ({before} "
+                f"model{plural}); to remove every model, reload with allow_empty "
+                '(POST /models/reload {"allow_empty": true})')
 
     async def watch(self) -> None:
         """Reload when a watched file changes (content, not just mtime): the directories

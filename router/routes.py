@@ -219,8 +219,38 @@ async def delete_model(request: Request) -> Response:
     return JSONResponse({"success": True, "freed_bytes": freed})
 
 
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
+
+
+async def _allow_empty(request: Request) -> bool:
+    """The reload's ``allow_empty`` option: ``?allow_empty=true`` or a JSON body
+    ``{"allow_empty": true}``; false when absent (a bodiless POST, as before)."""
+    query = request.query_params.get("allow_empty")
+    if query is not None:
+        if query.lower() not in _TRUE + _FALSE:
+            raise BadRequest(f"allow_empty must be true or false, not '{query}'")
+        return query.lower() in _TRUE
+    body = await read_body(request.scope, request.receive, 1 << 16)
+    if not body.strip():
+        return False
+    try:
+        options = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"reload options must be a JSON object: {exc}") from None
+    if not isinstance(options, dict):
+        raise BadRequest("reload options must be a JSON object")
+    value = options.get("allow_empty", False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"allow_empty must be true or false, not {json.dumps(value)}")
+    return value
+
+
 async def reload_models(request: Request) -> Response:
-    result = await _state(request).reloader.reload("POST /models/reload")
+    """``POST /models/reload``: re-read the configuration now. A configuration without models
+    is refused while models are configured, unless ``allow_empty`` is given."""
+    allow_empty = await _allow_empty(request)
+    result = await _state(request).reloader.reload("POST /models/reload",
+                                                   allow_empty=allow_empty)
     if not result["success"]:
         message = "configuration rejected, the previous one stays in effect:\n" + \
             "\n".join(result["errors"])

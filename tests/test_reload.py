@@ -1,18 +1,33 @@
-"""Live configuration against the real llama-server: edits apply without dropping a request."""
+"""Live configuration: edits apply without dropping a request (against the real llama-server,
+marker ``real``); a configuration left without models is refused (also with the fake child,
+marker ``fake``)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import SSEClient, alive, start_router, wait_until
+from support import (
+    RouterProcess,
+    SSEClient,
+    alive,
+    fake_binary,
+    start_router,
+    wait_until,
+    write_presets,
+)
 
-pytestmark = pytest.mark.real
+real = pytest.mark.real
+fake = pytest.mark.fake
+HANG_GUARD_S = 10  # generous: a reload takes well under a second
+CHAT = {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
 
 
 def ini(models: dict[str, Path], long_ctx: int = 8192, with_b: bool = True,
@@ -62,6 +77,7 @@ class Stream(threading.Thread):
         return self.status == 200 and self.body.rstrip().endswith(b"data: [DONE]")
 
 
+@real
 def test_changed_model_restarts_after_its_stream(tmp_path: Path,
                                                  models: dict[str, Path]) -> None:
     presets = tmp_path / "live.ini"
@@ -86,6 +102,7 @@ def test_changed_model_restarts_after_its_stream(tmp_path: Path,
         assert "event=reloaded" in router.log()
 
 
+@real
 def test_removed_model_finishes_its_stream_then_disappears(tmp_path: Path,
                                                           models: dict[str, Path]) -> None:
     presets = tmp_path / "live.ini"
@@ -109,6 +126,7 @@ def test_removed_model_finishes_its_stream_then_disappears(tmp_path: Path,
         assert wait_until(lambda: not alive(pid), 5)
 
 
+@real
 def test_broken_edit_keeps_the_last_good_configuration(tmp_path: Path,
                                                        models: dict[str, Path]) -> None:
     presets = tmp_path / "live.ini"
@@ -130,6 +148,7 @@ def test_broken_edit_keeps_the_last_good_configuration(tmp_path: Path,
         assert args[args.index("--ctx-size") + 1] == "2048"
 
 
+@real
 def test_atomic_save_is_picked_up_within_a_second(tmp_path: Path,
                                                   models: dict[str, Path]) -> None:
     presets = tmp_path / "live.ini"
@@ -147,6 +166,7 @@ def test_atomic_save_is_picked_up_within_a_second(tmp_path: Path,
         sse.stop.set()
 
 
+@real
 def test_sighup_and_get_reload(tmp_path: Path, models: dict[str, Path]) -> None:
     presets = tmp_path / "live.ini"
     presets.write_text(ini(models, with_b=False))
@@ -157,3 +177,184 @@ def test_sighup_and_get_reload(tmp_path: Path, models: dict[str, Path]) -> None:
         assert {m["id"] for m in listing["data"]} == {"a"}
         assert "configuration reloaded (GET /models?reload)" in router.log()
         assert router.proc.poll() is None
+
+
+# --- A configuration left without models is refused unless the reload allows it ---------------
+
+EMPTIED = {"truncated": "", "version only": "version = 1\n",
+           "comments only": "; nothing here\n# nor here\n",
+           "defaults only": "[*]\nctx-size = 1024\n"}
+
+
+@contextmanager
+def fake_router(tmp_path: Path, *args: str) -> Iterator[tuple[RouterProcess, httpx.Client]]:
+    """The router with tests/fake_llama_server.py as its llama-server."""
+    binary = fake_binary(tmp_path)
+    with start_router(tmp_path, "--llama-server", str(binary), *args) as router, \
+            router.client() as client:
+        yield router, client
+
+
+@contextmanager
+def events(router: RouterProcess) -> Iterator[SSEClient]:
+    sse = SSEClient(router.url)
+    sse.start()
+    assert sse.connected.wait(HANG_GUARD_S)
+    try:
+        yield sse
+    finally:
+        sse.stop.set()
+
+
+def failed_reloads(sse: SSEClient, trigger: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in sse.events
+            if e["event"] == "models_reload_failed" and e["data"]["trigger"] == trigger]
+
+
+def config_error(client: httpx.Client) -> list[str] | None:
+    error: list[str] | None = client.get("/props").json()["config_error"]
+    return error
+
+
+def loaded_pid(client: httpx.Client, model: str) -> int:
+    assert client.post("/models/load?wait=true", json={"model": model}).status_code == 200
+    pid: int = client.get("/models").json()["data"][0]["status"]["pid"]
+    return pid
+
+
+def assert_refused_empty(router: RouterProcess, client: httpx.Client, source: Path,
+                         count: str) -> None:
+    """The emptied configuration is rejected with its reason; the router still says so."""
+    error = config_error(client)
+    assert error is not None and len(error) == 1, error
+    assert error[0].startswith(f"{source}: no models defined; keeping the previous "
+                               f"configuration ({count})"), error
+    assert "allow_empty" in error[0]
+    log = router.log()
+    assert "ERROR router.reload: reload rejected" in log and "no models defined" in log
+
+
+@fake
+@pytest.mark.parametrize("emptied", EMPTIED.values(), ids=EMPTIED.keys())
+def test_emptied_preset_file_keeps_the_running_models(tmp_path: Path, emptied: str) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    presets = write_presets(tmp_path / "live.ini", f"[m]\nmodel = {model}\n")
+    with fake_router(tmp_path, "--presets", str(presets)) as (router, client), \
+            events(router) as sse:
+        pid = loaded_pid(client, "m")
+        presets.write_text(emptied)
+        assert wait_until(lambda: failed_reloads(sse, "file change"), HANG_GUARD_S)
+        assert_refused_empty(router, client, presets, "1 model")
+        assert failed_reloads(sse, "file change")[-1]["errors"] == config_error(client)
+        assert not any(e["event"] == "models_reload" for e in sse.events)
+        assert client.post("/v1/chat/completions", json={"model": "m", **CHAT}).status_code == 200
+        assert router.models()["m"]["status"]["pid"] == pid and alive(pid)
+        # The API refuses it too, with the same reason, until allowed explicitly.
+        api = client.post("/models/reload")
+        assert api.status_code == 400
+        assert "no models defined" in api.json()["error"]["message"]
+        assert router.models()["m"]["status"]["pid"] == pid
+        allowed = client.post("/models/reload", json={"allow_empty": True})
+        assert allowed.status_code == 200, allowed.text
+        assert allowed.json()["removed"] == ["m"]
+        assert config_error(client) is None
+        assert wait_until(lambda: not router.models() and not alive(pid), HANG_GUARD_S)
+
+
+@fake
+def test_sighup_does_not_apply_an_emptied_file(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    presets = write_presets(tmp_path / "live.ini", f"[m]\nmodel = {model}\n")
+    with fake_router(tmp_path, "--presets", str(presets)) as (router, client), \
+            events(router) as sse:
+        pid = loaded_pid(client, "m")
+        presets.write_text("")
+        assert wait_until(lambda: failed_reloads(sse, "file change"), HANG_GUARD_S)
+        router.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: failed_reloads(sse, "SIGHUP"), HANG_GUARD_S)
+        assert_refused_empty(router, client, presets, "1 model")
+        assert router.models()["m"]["status"]["pid"] == pid and alive(pid)
+        # A valid edit clears the error.
+        presets.write_text(f"[m]\nmodel = {model}\nttl = 600\n")
+        assert wait_until(lambda: config_error(client) is None, HANG_GUARD_S)
+        assert router.models()["m"]["status"]["pid"] == pid
+
+
+@fake
+def test_emptied_models_dir_keeps_its_models_unless_allowed(tmp_path: Path) -> None:
+    directory = tmp_path / "models"
+    directory.mkdir()
+    for name in ("x", "y"):
+        (directory / f"{name}.gguf").write_bytes(b"GGUF")
+    with fake_router(tmp_path, "--models-dir", str(directory)) as (router, client), \
+            events(router) as sse:
+        pid = loaded_pid(client, "x")
+        for name in ("x", "y"):
+            (directory / f"{name}.gguf").unlink()
+        assert wait_until(lambda: failed_reloads(sse, "file change"), HANG_GUARD_S)
+        assert_refused_empty(router, client, directory, "2 models")
+        assert set(router.models()) == {"x", "y"} and alive(pid)
+        allowed = client.post("/models/reload?allow_empty=true")
+        assert allowed.status_code == 200, allowed.text
+        assert allowed.json()["removed"] == ["x", "y"]
+        assert wait_until(lambda: not router.models() and not alive(pid), HANG_GUARD_S)
+
+
+@fake
+def test_starting_without_models_is_no_error(tmp_path: Path) -> None:
+    """As before: no models at start is served (an empty list); reloading it stays fine,
+    and models added later appear."""
+    presets = write_presets(tmp_path / "live.ini", "")
+    with fake_router(tmp_path, "--presets", str(presets)) as (router, client):
+        assert router.models() == {} and config_error(client) is None
+        reloaded = client.post("/models/reload")
+        assert reloaded.status_code == 200 and reloaded.json()["success"] is True
+        model = tmp_path / "m.gguf"
+        model.write_bytes(b"GGUF")
+        presets.write_text(f"[m]\nmodel = {model}\n")
+        assert client.post("/models/reload").json()["added"] == ["m"]
+
+
+@fake
+@pytest.mark.parametrize("request_kw", [
+    {"params": {"allow_empty": "maybe"}}, {"json": {"allow_empty": "yes"}},
+    {"json": ["allow_empty"]}, {"content": b"{not json", "headers": {
+        "content-type": "application/json"}},
+], ids=["query", "string", "not an object", "not json"])
+def test_reload_options_are_checked(tmp_path: Path, request_kw: dict[str, Any]) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    presets = write_presets(tmp_path / "live.ini", f"[m]\nmodel = {model}\n")
+    with fake_router(tmp_path, "--presets", str(presets)) as (router, client):
+        presets.write_text("")
+        refused = client.post("/models/reload", **request_kw)
+        assert refused.status_code == 400
+        assert "allow_empty" in refused.text or "JSON object" in refused.text
+        assert set(router.models()) == {"m"}  # a bad option never applies anything
+
+
+@real
+def test_emptied_file_keeps_serving_until_allow_empty(tmp_path: Path,
+                                                      models: dict[str, Path]) -> None:
+    presets = tmp_path / "live.ini"
+    presets.write_text(ini(models))
+    with start_router(tmp_path, "--presets", str(presets)) as router, \
+            router.client() as client, events(router) as sse:
+        assert client.post("/models/load?wait=true", json={"model": "b"}).status_code == 200
+        pid = router.models()["b"]["status"]["pid"]
+        presets.write_text("")  # `: > live.ini`
+        assert wait_until(lambda: failed_reloads(sse, "file change"), HANG_GUARD_S)
+        assert_refused_empty(router, client, presets, "2 models")
+        assert set(router.models()) == {"a", "b"}
+        assert router.models()["b"]["status"]["pid"] == pid and alive(pid)
+        chat = client.post("/v1/chat/completions", json={"model": "b", **CHAT})
+        assert chat.status_code == 200, chat.text
+        allowed = client.post("/models/reload", json={"allow_empty": True})
+        assert allowed.status_code == 200, allowed.text
+        assert allowed.json()["removed"] == ["a", "b"]
+        assert config_error(client) is None
+        assert wait_until(lambda: not router.models() and not alive(pid), HANG_GUARD_S)
+        assert wait_until(lambda: any(e["event"] == "models_reload" for e in sse.events),
+                          HANG_GUARD_S)
