@@ -48,6 +48,13 @@ def _serve_parser(sub: Any) -> None:
                    help="seconds a child may take to become healthy (default 300)")
     p.add_argument("--stop-timeout", type=float, default=S, metavar="S",
                    help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
+    p.add_argument("--liveness-interval", type=float, default=S, metavar="S",
+                   help="seconds between health checks of each serving child; 0: none "
+                   "(default 2)")
+    p.add_argument("--liveness-timeout", type=float, default=S, metavar="S",
+                   help="seconds a health check may take (default 3)")
+    p.add_argument("--liveness-misses", type=int, default=S, metavar="N",
+                   help="failed health checks in a row that kill a frozen child (default 3)")
     p.add_argument("--wait-budget", type=float, default=S, metavar="S",
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",

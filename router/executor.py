@@ -148,14 +148,17 @@ class Executor:
 
     async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
         code = await replica.child.wait_exit()
-        if replica not in runtime.replicas or runtime.status is not Status.LOADED:
+        killed = replica.child.killed_because is not None  # already out of ``replicas``
+        if (replica not in runtime.replicas and not killed
+                or runtime.status is not Status.LOADED):
             return  # an intended stop; _stop_children records it
-        runtime.replicas.remove(replica)
-        runtime.failure = Failure(f"llama-server exited unexpectedly with code {code}", code,
-                                  runtime.logs.tail(FAILURE_LOG_LINES))
-        log.error("child exited unexpectedly with code %s", code,
-                  extra={"event": "crashed", "model": runtime.id, "pid": replica.child.pid,
-                         "exit_code": code})
+        if replica in runtime.replicas:
+            runtime.replicas.remove(replica)
+        message = (replica.child.killed_because
+                   or f"llama-server exited unexpectedly with code {code}")
+        runtime.failure = Failure(message, code, runtime.logs.tail(FAILURE_LOG_LINES))
+        log.error("%s", message, extra={"event": "crashed", "model": runtime.id,
+                                        "pid": replica.child.pid, "exit_code": code})
         await replica.child.stop(0)  # reap the group
         if replica.in_flight == 0:  # else the last request to finish closes it
             self.close_pool_later(replica)
@@ -207,6 +210,20 @@ class Executor:
         runtime.replace_task = None
         if len(runtime.replicas) < runtime.preset.replicas:
             self._perform(runtime, ReplaceReplicas())
+
+    def kill_unresponsive(self, runtime: ModelRuntime, child: ChildProcess, why: str) -> None:
+        """Kill a serving child that stopped answering (``liveness``) and take it out of
+        service at once; its exit watcher then handles it as a crash, with ``why`` as the
+        failure."""
+        if child.killed_because is not None:
+            return
+        child.killed_because = why
+        log.error("%s", why, extra={"event": "unresponsive", "model": runtime.id,
+                                    "pid": child.pid})
+        self._events.publish(runtime.id, "unresponsive", {"pid": child.pid, "reason": why})
+        # No new request goes to it from now on; its exit watcher reports the crash.
+        runtime.replicas = [r for r in runtime.replicas if r.child is not child]
+        child.kill_now()
 
     def close_pool_later(self, replica: Replica) -> None:
         _task(replica.child.close_pool(), "close-pool")

@@ -64,6 +64,9 @@ class RouterMetrics:
         self.load_seconds = Histogram("llamarouter_model_load_duration_seconds",
                                       "Time from spawn to healthy", ["model"],
                                       buckets=LOAD_BUCKETS, registry=r)
+        self.unresponsive = Counter("llamarouter_child_unresponsive",
+                                    "Children killed because they stopped answering health "
+                                    "checks", ["model"], registry=r)
         self.scrape_errors = Counter("llamarouter_child_scrape_errors",
                                      "Child /metrics scrapes that failed", ["model"], registry=r)
 
@@ -97,7 +100,10 @@ class RouterMetrics:
 
     def on_event(self, event: Event) -> None:
         """Count lifecycle transitions from the supervisor's status events."""
-        if event.get("event") != "status_change":
+        kind = event.get("event")
+        if kind == "unresponsive":
+            self.unresponsive.labels(event["model"]).inc()
+        if kind != "status_change":
             return
         model, data = event["model"], event.get("data") or {}
         status = data.get("status")
@@ -117,6 +123,8 @@ class RouterMetrics:
             if runtime.status is not Status.LOADED:
                 continue
             for index, replica in enumerate(runtime.replicas):
+                if replica.child.unanswered_probes:
+                    continue  # not answering now: a scrape would only wait for its timeout
                 labels = {"model": runtime.id}
                 if len(runtime.replicas) > 1:
                     labels["replica"] = str(index)

@@ -170,6 +170,8 @@ class ChildProcess:
         self._max_connections = max_connections
         self._readers: list[asyncio.Task[None]] = []
         self.started_at: float | None = None
+        self.unanswered_probes = 0  # health checks missed in a row while serving (``liveness``)
+        self.killed_because: str | None = None  # why the router killed it, for the crash report
 
     def __repr__(self) -> str:
         return (f"<ChildProcess {self.model_id} pid={self.pid} port={self.port} "

@@ -25,6 +25,9 @@ DEFAULT_FAIRNESS_S = 10.0
 DEFAULT_CRASH_LOOP_LIMIT = 5
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 HEALTH_POLL_INTERVAL_S = 0.02
+DEFAULT_LIVENESS_INTERVAL_S = 2.0
+DEFAULT_LIVENESS_TIMEOUT_S = 3.0
+DEFAULT_LIVENESS_MISSES = 3
 
 
 class ConfigurationError(Exception):
@@ -66,6 +69,13 @@ class Settings(BaseSettings):
     max_queue: int = Field(DEFAULT_MAX_QUEUE, gt=0)
     fairness: float = Field(DEFAULT_FAIRNESS_S, gt=0)
     crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1)
+    liveness_interval: float = Field(
+        DEFAULT_LIVENESS_INTERVAL_S, ge=0,
+        description="seconds between health checks of each serving child; 0: none")
+    liveness_timeout: float = Field(DEFAULT_LIVENESS_TIMEOUT_S, gt=0,
+                                    description="seconds a health check may take")
+    liveness_misses: int = Field(DEFAULT_LIVENESS_MISSES, ge=1,
+                                 description="failed health checks in a row that kill a child")
     shutdown_grace: float = Field(DEFAULT_SHUTDOWN_GRACE_S, gt=0,
                                   description="seconds in-flight requests get at shutdown")
     cpu_sharing: bool = Field(True, description="place CPU children on the cores and let "

@@ -36,6 +36,7 @@ from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases
 from .lifecycle import Drain, Idle, Reset, Retire
+from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
 from .presets import ModelPreset
@@ -70,6 +71,7 @@ class Supervisor:
         self.changes = Changes()
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
         self.spawner = Spawner(binary, table, client, events, router_port=settings.port,
                                cores=self.cores, gpus=self.gpus, models=self.models.values)
         self.executor = Executor(settings, self.spawner, events, self.changes,
@@ -82,6 +84,11 @@ class Supervisor:
             drain=self._drain)
         self.loader = Loader(settings, self.executor, self.spawner, self.admission,
                              self.accounting, events, self.changes)
+        self.liveness = Liveness(client, interval=settings.liveness_interval,
+                                 timeout=settings.liveness_timeout,
+                                 misses=settings.liveness_misses,
+                                 is_paused=self.cpu_gate.is_paused,
+                                 on_unresponsive=self.executor.kill_unresponsive)
         self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
                              on_replica_done=self.executor.close_pool_later)
 
@@ -303,7 +310,8 @@ class Supervisor:
         return runtime
 
     def start(self) -> None:
-        """Start background work (the idle reaper, GPU measurement); ``close()`` stops it."""
+        """Start background work (the idle reaper, measurement, liveness probes); ``close()``
+        stops it."""
         self._reaper = asyncio.create_task(
             reap_idle(self.models.values, self.settings.idle_timeout, self.executor.stop),
             name="idle-reaper")
@@ -311,13 +319,16 @@ class Supervisor:
             self.cpu_gate.start()
         self._sampler = asyncio.create_task(self.accounting.run(self.models.values),
                                             name="accounting")
+        self._prober = asyncio.create_task(self.liveness.run(self.models.values),
+                                           name="liveness")
 
     async def close(self) -> None:
         """Stop every child (loading ones are killed); used at shutdown."""
         if self._reaper is not None:
             self._reaper.cancel()
-        if self._sampler is not None:
-            self._sampler.cancel()
+        for task in (self._sampler, self._prober):
+            if task is not None:
+                task.cancel()
         await self.cpu_gate.close()  # continue every paused child before stopping them
         loads = [r.load_task for r in self.models.values()
                  if r.load_task is not None and not r.load_task.done()]

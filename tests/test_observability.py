@@ -62,7 +62,10 @@ def test_merged_metrics(tmp_path: Path, presets: Path) -> None:
 
 def test_a_child_that_does_not_answer_drops_out_of_the_scrape(tmp_path: Path,
                                                               presets: Path) -> None:
-    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+    # Liveness probes off: this is about the scrape of a child that does not answer (with
+    # them, the child would be killed after a few seconds: tests/test_liveness.py).
+    with start_router(tmp_path, "--presets", str(presets), "--liveness-interval", "0") as router, \
+            router.client() as client:
         for model in ("a", "b"):
             assert client.post("/v1/chat/completions",
                                json={"model": model, **CHAT}).status_code == 200

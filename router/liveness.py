@@ -1,0 +1,89 @@
+"""Liveness of serving children: a child that stops answering is killed, not waited on.
+
+A child that became healthy can still freeze (SIGSTOP from outside, a deadlock, a GPU hang).
+Its requests would then wait for ever: nothing else notices, because the process is alive.
+So every ``interval`` seconds each serving child gets a ``GET /health`` with a ``timeout``;
+llama-server answers it on an HTTP thread of its own (the router keeps two free of proxied
+connections, ``runtime.RESERVED_HTTP_THREADS``) without waiting for generation, so a slow
+generation never looks dead. ``misses`` unanswered probes in a row (no answer in time, a
+refused connection, or not 200) kill the child with SIGKILL; its exit watcher then treats it
+as a crash (``executor``): in-flight requests fail with the envelope (502, or the error event
+of a stream), the model restarts under the crash backoff, and the ``unresponsive`` event and
+metric say why.
+
+A child the CPU gate has paused for its turn (``cpugate``) is not answering either: a probe
+that ends while it is paused is not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+import httpx
+
+from .process import ChildProcess
+from .runtime import ModelRuntime
+from .scheduler import Status
+
+log = logging.getLogger("router.liveness")
+
+Unresponsive = Callable[[ModelRuntime, ChildProcess, str], None]
+
+
+class Liveness:
+    def __init__(self, client: httpx.AsyncClient, *, interval: float, timeout: float,
+                 misses: int, is_paused: Callable[[ChildProcess], bool],
+                 on_unresponsive: Unresponsive) -> None:
+        self._client = client
+        self.interval = interval  # seconds between probe rounds; 0: no probes
+        self.timeout = timeout
+        self.misses = misses
+        self._is_paused = is_paused
+        self._on_unresponsive = on_unresponsive  # (model, child, why): kill it
+
+    async def run(self, models: Callable[[], Iterable[ModelRuntime]]) -> None:
+        """Probe every serving child each ``interval``; runs until cancelled."""
+        if self.interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.probe_round(models())
+
+    async def probe_round(self, models: Iterable[ModelRuntime]) -> None:
+        targets = [(runtime, replica.child) for runtime in models
+                   if runtime.status is Status.LOADED for replica in runtime.replicas]
+        await asyncio.gather(*(self._probe(runtime, child) for runtime, child in targets))
+
+    async def _probe(self, runtime: ModelRuntime, child: ChildProcess) -> None:
+        problem = await self._ask(child)
+        if problem is None:
+            if child.unanswered_probes:
+                log.info("answers again after %d missed health checks", child.unanswered_probes,
+                         extra={"model": runtime.id, "pid": child.pid})
+            child.unanswered_probes = 0
+            return
+        if self._is_paused(child) or child.returncode is not None:
+            return  # its turn is elsewhere (cpugate), or it exited: the exit watcher has it
+        child.unanswered_probes += 1
+        log.warning("health check %d/%d failed: %s", child.unanswered_probes, self.misses,
+                    problem, extra={"event": "health_missed", "model": runtime.id,
+                                    "pid": child.pid})
+        if child.unanswered_probes >= self.misses and runtime.status is Status.LOADED:
+            self._on_unresponsive(runtime, child, (
+                f"llama-server stopped answering: {child.unanswered_probes} health checks "
+                f"in a row failed (last: {problem}); killed it"))
+
+    async def _ask(self, child: ChildProcess) -> str | None:
+        """None if the child answered /health with 200 in time, else what went wrong."""
+        try:
+            response = await self._client.get(child.base_url + "/health", timeout=self.timeout,
+                                              headers={"connection": "close"})
+        except httpx.TimeoutException:
+            return f"no answer within {self.timeout:g} s"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if response.status_code != 200:
+            return f"/health answered {response.status_code}"
+        return None
