@@ -149,7 +149,7 @@ class Executor:
     async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
         code = await replica.child.wait_exit()
         killed = replica.child.killed_because is not None  # already out of ``replicas``
-        if (replica not in runtime.replicas and not killed
+        if ((replica not in runtime.replicas and not killed)
                 or runtime.status is not Status.LOADED):
             return  # an intended stop; _stop_children records it
         if replica in runtime.replicas:
