@@ -31,7 +31,7 @@ from .paths import (
     CHILD_GET_PATHS,
     METHODS,
 )
-from .proxy import relay, upstream_headers, wait_disconnect
+from .proxy import ResponseAborted, relay, upstream_headers, wait_disconnect
 from .requests import header, model_from_body, read_body
 from .resumable import CONVERSATION_HEADER
 from .state import State
@@ -102,10 +102,15 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
     """Every request the router does not answer itself goes to the child serving its model.
 
     Plain ASGI, no Starlette request object: this is the hot path. The model comes from the
-    JSON body's ``model``, a multipart ``model`` field, or ``?model=``.
+    JSON body's ``model``, a multipart ``model`` field, or ``?model=``. A response whose
+    body broke midway (``ResponseAborted``, already logged) is past answering: returning
+    without completing it makes the ASGI server close the client's connection, so the
+    truncation shows (uvicorn logs one line for it, no traceback).
     """
     try:
         await _forward(scope, receive, send)
+    except ResponseAborted:
+        return
     except RouterError as exc:
         await send_error(send, exc)
     except Exception as exc:

@@ -1,8 +1,10 @@
 """Forward one request to a child and relay the answer back untouched.
 
 * The body passes through as the bytes the client sent; only headers are filtered:
-  hop-by-hop headers, ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
-  behind, so API keys never reach children.
+  hop-by-hop headers (RFC 9110 §7.6.1: the fixed set and every header a ``Connection``
+  header names), ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
+  behind, so API keys never reach children. Hop-by-hop headers of the child's response stay
+  behind too. ``strip_hop_by_hop`` is the one place that does it, for both directions.
 * The response is relayed chunk by chunk as the child writes it (no decoding, no buffering),
   except a small body of known length, which goes out in one piece.
 * A client that disconnects while its request is still running (noticed within
@@ -10,7 +12,10 @@
   llama-server stop generating and free its slot. Requests that finish sooner never pay for
   the watch.
 * If the child fails before its response starts, the caller gets ``UpstreamError`` (a 502
-  envelope); if it dies mid-stream, an SSE response gets a final ``data: {"error": ...}`` event.
+  envelope); if it dies mid-stream, an SSE response gets a final ``data: {"error": ...}`` event
+  (after a blank line if the stream broke inside an event, so the error is an event of its
+  own), and any other response is aborted (``ResponseAborted``): the client must see a
+  truncated body, never a complete-looking one.
 """
 
 from __future__ import annotations
@@ -27,20 +32,68 @@ from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 log = logging.getLogger("router.proxy")
 
+# RFC 9110 §7.6.1: headers about one connection, never forwarded in either direction
+# (``proxy-connection``: Connection's pre-standard twin, still sent by some clients).
 HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-    b"authorization", b"x-api-key", b"expect",
+    b"connection", b"proxy-connection", b"keep-alive", b"te", b"trailer", b"trailers",
+    b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization",
 })
-RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server",
-                           b"date"})
+# Not forwarded to the child: hop-by-hop, what the upstream client writes itself (Host,
+# Content-Length), credentials, and Expect (the body has been read already).
+REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"x-api-key",
+                             b"expect"}
+# Not relayed to the client: hop-by-hop, and what uvicorn writes itself.
+RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
+CONNECTION_HEADERS = frozenset({b"connection", b"proxy-connection"})
+# Connection values that name no other header: the usual ones skip the parsing.
+PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"upgrade", b"keep-alive, upgrade"})
+SSE_EVENT_ENDS = (b"\n\n", b"\r\r", b"\r\n\r\n")
 SSE_EXTRA_HEADERS = ((b"x-accel-buffering", b"no"), (b"cache-control", b"no-cache"))
 SMALL_BODY = 1 << 20  # a body of known length up to this size is relayed in one message
 WATCH_AFTER_S = 0.05  # start watching for a client disconnect once a request runs this long
 
 
+class ResponseAborted(Exception):
+    """The child's body broke after the client's response started and it is not an event
+    stream: the response must be left incomplete, so that the ASGI server closes the
+    client's connection and the client sees no terminating chunk, or fewer bytes than
+    announced."""
+
+
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
+    """The client's headers as the child gets them."""
+    return strip_hop_by_hop(raw, REQUEST_DROP)
+
+
+def strip_hop_by_hop(raw: list[tuple[bytes, bytes]], drop: frozenset[bytes]
+                     ) -> list[tuple[bytes, bytes]]:
+    """``raw`` without the headers in ``drop`` (lower-case names) and without those that a
+    Connection header names, in their order and spelling. One pass; a second one, over what
+    is left, only where a Connection header names a header outside ``drop``."""
+    kept = []
+    named: set[bytes] | None = None
+    for pair in raw:
+        key = pair[0].lower()
+        if key not in drop:
+            kept.append(pair)
+        elif key in CONNECTION_HEADERS and pair[1].lower() not in PLAIN_CONNECTION:
+            named = _connection_options(pair[1], drop, named)
+    if named:
+        return [pair for pair in kept if pair[0].lower() not in named]
+    return kept
+
+
+def _connection_options(value: bytes, drop: frozenset[bytes], named: set[bytes] | None
+                        ) -> set[bytes] | None:
+    """``named`` plus the header names in a Connection value that ``drop`` lacks (``close``
+    is an option, not a name)."""
+    for option in value.lower().split(b","):
+        option = option.strip()
+        if option and option not in drop and option != b"close":
+            if named is None:
+                named = set()
+            named.add(option)
+    return named
 
 
 async def relay(connections: ChildConnections, method: str, target: bytes,
@@ -48,7 +101,10 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
                 send: Send) -> None:
     """Send the request to the child and relay its response to the client.
 
-    Raises ``UpstreamError`` only while nothing has been sent to the client yet. Returns
+    Raises ``RouterError`` (``UpstreamError``, or ``InvalidHeader`` for a header that cannot
+    be forwarded) only while nothing has been sent to the client yet, and
+    ``ResponseAborted`` when a body that is not an event stream broke after its response
+    started: the caller must send nothing more and return (``forward.proxy``). Returns
     quietly when the client went away.
     """
     cancel = Cancel()
@@ -69,7 +125,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
 
 
 async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel) -> None:
-    headers = [(k, v) for k, v in response.headers if k not in RESPONSE_DROP]
+    headers = strip_hop_by_hop(response.headers, RESPONSE_DROP)
     is_sse = response.event_stream
     length = response.header(b"content-length")
     if not is_sse and length is not None and length.isdigit() and int(length) <= SMALL_BODY:
@@ -87,6 +143,7 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
         present = {k for k, _ in headers}
         headers += [(k, v) for k, v in SSE_EXTRA_HEADERS if k not in present]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    chunk: bytes | None = b""  # the last one relayed, when the body breaks
     try:
         while (chunk := await response.next_chunk()) is not None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -94,11 +151,18 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
         if cancel.cancelled:
             return
         log.warning("%s", exc, extra={"event": "upstream_broken"})
-        if is_sse:
-            error = envelope(502, f"the model's llama-server failed mid-stream: {exc}")
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(error).encode() + b"\n\n"})
+        if not is_sse:
+            raise ResponseAborted(str(exc)) from None
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": _error_event(exc, ended=not chunk or chunk.endswith(SSE_EVENT_ENDS))})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _error_event(exc: UpstreamError, ended: bool) -> bytes:
+    """The stream's last event; a blank line first ends an event the child left unfinished
+    (else the error would be read as the rest of it)."""
+    error = envelope(502, f"the model's llama-server failed mid-stream: {exc}")
+    return (b"" if ended else b"\n\n") + b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 async def wait_disconnect(receive: Receive) -> None:

@@ -14,7 +14,11 @@ Contract:
   at once (see the class); further requests wait for one in arrival order.
 * ``send()`` writes the request in one write and returns once the status line and headers
   have arrived. The body is then read chunk by chunk as the child writes it, de-framed
-  (Content-Length or chunked) but never decoded.
+  (Content-Length, chunked, or neither: then it ends where the child closes the connection,
+  and that connection is not reused) but never decoded.
+* Nothing that could change the request's framing is ever written: a header name that is not
+  an HTTP token, or a CR, LF or NUL in a header value or the target, is refused with
+  ``InvalidHeader`` (400) before a connection is even taken.
 * A connection returns to the pool only when its response was read to the end and both sides
   kept it alive; anything else closes it. ``abort()`` closes it at once, which tells
   llama-server to stop generating.
@@ -25,7 +29,8 @@ Contract:
   a fresh connection: llama-server closes keep-alive connections after every stream and after
   its idle timeout, and such a request never reached it.
 * Errors are ``UpstreamError`` (502): ``connect`` failures, a connection lost before the
-  headers, and ``BrokenBody`` for a body cut off after the headers were relayed.
+  headers, a ``101 Switching Protocols`` (the hop relays HTTP only), and ``BrokenBody`` for a
+  body cut off after the headers were relayed.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import httptools
 
-from .errors import UpstreamError
+from .errors import BadRequest, UpstreamError
 
 IDLE_EXPIRY_S = 4.0  # llama-server closes an idle keep-alive connection after 5 s
 DEFAULT_MAX_CONNECTIONS = 14  # per child; the supervisor sets it from --threads-http
@@ -49,6 +55,66 @@ READ_HIGH_WATER = 256 * 1024  # stop reading from the child while this much is u
 
 class BrokenBody(UpstreamError):
     """The child's response ended early, after its headers were already relayed."""
+
+
+class InvalidHeader(BadRequest):
+    """A header that cannot be written as itself (400): it would end its line early."""
+
+
+# -- the request's bytes -----------------------------------------------------------------------
+
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")  # RFC 9110 §5.6.2: a field name
+_LINE_BREAK_OR_NUL = re.compile(rb"[\r\n\0]")
+_FORBIDDEN = b"\r\n\0"
+_NAMES_SEEN_MAX = 1024
+_names_seen: set[bytes] = set()  # names already found to be tokens: a set lookup, not a match
+NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+def encode_request(method: str, target: bytes, host: bytes,
+                   headers: Sequence[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes:
+    """The request as written to the child, in one piece.
+
+    Raises ``InvalidHeader`` if a name is not a token or a CR, LF or NUL is in a value or the
+    target: written as is, it would let the client end a line early and add headers, or a
+    whole request, of its own. Cost on the hot path: a set lookup per name and one
+    ``translate`` over the head, which counts every CR, LF and NUL at once (each line this
+    function ends contributes exactly one CR and one LF).
+    """
+    parts = [method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    for name, value in headers:
+        if name not in _names_seen:
+            _check_name(name)
+        parts += (name, b": ", value, b"\r\n")
+    lines = 3 + len(headers)  # request line, host, headers, the empty line
+    if body or method not in NO_BODY_METHODS:
+        parts += (b"content-length: ", str(len(body)).encode(), b"\r\n")
+        lines += 1
+    if close:
+        parts.append(b"connection: close\r\n")
+        lines += 1
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    if len(head) - len(head.translate(None, _FORBIDDEN)) != 2 * lines:
+        raise _line_break_in(target, headers)
+    return head + body if body else head
+
+
+def _check_name(name: bytes) -> None:
+    if _TOKEN.fullmatch(name) is None:
+        raise InvalidHeader(f"header name {name.decode('latin-1')!r} is not a valid HTTP "
+                            "field name")
+    if len(_names_seen) < _NAMES_SEEN_MAX:
+        _names_seen.add(name)
+
+
+def _line_break_in(target: bytes, headers: Sequence[tuple[bytes, bytes]]) -> InvalidHeader:
+    """The error for a head with a CR, LF or NUL where none may be (the slow path)."""
+    for name, value in headers:
+        if _LINE_BREAK_OR_NUL.search(value):
+            return InvalidHeader(f"header {name.decode('latin-1')!r} has a CR, LF or NUL "
+                                 "in its value")
+    return InvalidHeader("the request target has a CR, LF or NUL in it")
 
 
 class _Connection(asyncio.Protocol):
@@ -73,6 +139,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.event_stream = False
+        self.until_eof = False  # the body has no length: it ends where the connection does
         self.error: UpstreamError | None = None
         self._headers_done: asyncio.Future[None] = self._loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -135,12 +202,16 @@ class _Connection(asyncio.Protocol):
         self.received_any = True
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # a 101: on_headers_complete failed the exchange
+            self.abort()
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"the model's llama-server sent a malformed response: "
                                      f"{exc}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
+        if self.until_eof and self.error is None:  # a clean close ends such a body
+            self.on_message_complete()
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -161,16 +232,30 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101:  # llhttp stops here (HttpParserUpgrade); the hop is HTTP only
+            self._fail(UpstreamError("the model's llama-server answered 101 Switching "
+                                     "Protocols; the router does not relay protocol upgrades"))
+            self.abort()  # what follows is another protocol: never read, never reused
+            return
         if 100 <= status < 200:  # an interim response: the real one follows
             self.headers = []
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self.event_stream = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                                for k, v in self.headers)
+        framed = False
+        for name, value in self.headers:  # one pass, names already lower-case
+            if name == b"content-type":
+                self.event_stream = self.event_stream or value.startswith(b"text/event-stream")
+            elif name == b"content-length":
+                framed = True
+            elif name == b"transfer-encoding":
+                framed = framed or value.rstrip().lower().endswith(b"chunked")
         self._headers_done.set_result(None)
         if self._head_only or status in (204, 304):
             self.on_message_complete()
+        elif not framed:  # RFC 9112 §6.3: read until the child closes; never reuse
+            self.until_eof = True
+            self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
         if self.complete:  # a HEAD response's announced body: not part of the answer
@@ -298,25 +383,19 @@ class ChildConnections:
     def open_connections(self) -> int:
         return self._open
 
-    async def send(self, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
+    async def send(self, method: str, target: bytes, headers: Sequence[tuple[bytes, bytes]],
                    body: bytes, *, keep_alive: bool = True,
                    cancel: Cancel | None = None) -> UpstreamResponse:
         """Send one request; return once the response headers arrive.
 
         ``target`` is the path and query as the client sent them; ``headers`` must already
-        be filtered (no hop-by-hop headers, no Host, no Content-Length). Calling ``cancel``
-        aborts the exchange, here or later while the body is read.
+        be filtered (no hop-by-hop headers, no Host, no Content-Length). Raises
+        ``InvalidHeader`` (400) before anything is sent for a header that cannot be written
+        as itself (``encode_request``). Calling ``cancel`` aborts the exchange, here or later
+        while the body is read.
         """
-        parts = [method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", self._host_header,
-                 b"\r\n"]
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            parts += (b"content-length: ", str(len(body)).encode(), b"\r\n")
-        if not keep_alive or self._closed:
-            parts.append(b"connection: close\r\n")
-        parts += (b"\r\n", body)
-        request = b"".join(parts)
+        request = encode_request(method, target, self._host_header, headers, body,
+                                 close=not keep_alive or self._closed)
         head_only = method == "HEAD"
 
         fresh = False

@@ -489,3 +489,90 @@ async def test_places_are_not_lost_when_requests_are_cancelled_at_every_stage() 
         response = await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
         assert await response.read() == b"x"
         response.release()
+
+
+# -- hardening: framing, upgrades, header validation ---------------------------------------
+
+
+async def test_a_body_delimited_by_the_close_is_complete_and_the_connection_not_reused(
+        ) -> None:
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nhello ")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(b"world")  # no length, not chunked: the body ends where the connection does
+
+    async with serve(until_close) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("GET", b"/x", [], b"")
+        assert await asyncio.wait_for(response.read(), TIMEOUT) == b"hello world"
+        response.release()
+        assert not pool._idle
+        assert await fetch(pool, b"/y") == b"hello world"  # the next one on a fresh connection
+    assert server.connections == 2
+
+
+async def test_switching_protocols_is_a_clean_error_and_the_pool_goes_on() -> None:
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: loop_errors.append(ctx))
+
+    async def switch_then_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                 server: Server) -> None:
+        await server.read_request(reader)
+        if server.connections == 1:
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+                         b"connection: upgrade\r\n\r\n\x81\x05hello")
+            await reader.read()
+            return
+        writer.write(ok(b"fine"))
+        await reader.read()
+
+    async with serve(switch_then_answer) as server:
+        pool = ChildConnections("127.0.0.1", server.port, max_connections=1)
+        with pytest.raises(UpstreamError, match="101") as raised:
+            await asyncio.wait_for(pool.send("GET", b"/x", [], b""), TIMEOUT)
+        assert raised.value.status == 502
+        assert type(raised.value) is UpstreamError  # not a lost connection: never retried
+        assert await asyncio.wait_for(fetch(pool, b"/y"), TIMEOUT) == b"fine"
+    assert loop_errors == []  # nothing raised inside the protocol's callbacks
+
+
+BAD_HEADERS = [
+    pytest.param((b"x-a", b"1\r\nx-injected: 2"), id="crlf-in-value"),
+    pytest.param((b"x-a", b"1\nx-injected: 2"), id="lf-in-value"),
+    pytest.param((b"x-a", b"1\r"), id="cr-in-value"),
+    pytest.param((b"x-a", b"1\x00"), id="nul-in-value"),
+    pytest.param((b"x-a: 1\r\nx-b", b"2"), id="crlf-in-name"),
+    pytest.param((b"authorization: Bearer k", b"x"), id="colon-in-name"),
+    pytest.param((b"x a", b"1"), id="space-in-name"),
+    pytest.param((b"", b"1"), id="empty-name"),
+    pytest.param((b"x-\xe9", b"1"), id="non-ascii-name"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_HEADERS)
+async def test_a_header_that_cannot_be_written_as_itself_is_refused_before_sending(
+        bad: tuple[bytes, bytes]) -> None:
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        with pytest.raises(upstream.InvalidHeader) as raised:
+            await pool.send("POST", b"/x", [(b"x-fine", b"ok"), bad], b"{}")
+        assert raised.value.status == 400
+        assert pool.open_connections == 0
+        assert await fetch(pool, b"/y") == b'{"n": 1}'  # the pool is untouched
+    assert server.connections == 1 and len(server.requests) == 1
+
+
+async def test_valid_headers_with_any_other_bytes_in_values_pass_through() -> None:
+    headers = [(b"x-tab", b"a\tb"), (b"x-latin", b"caf\xe9"), (b"x-colon", b"a: b"),
+               (b"X-Mixed-Case!#$%&'*+.^_`|~9", b"")]
+    async with serve(answer_each) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        response = await pool.send("POST", b"/x", headers, b"{}")
+        await response.read()
+        response.release()
+    head = server.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
+    assert head[2:6] == [b"x-tab: a\tb", b"x-latin: caf\xe9", b"x-colon: a: b",
+                         b"X-Mixed-Case!#$%&'*+.^_`|~9: "]
