@@ -41,7 +41,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--api-key", action="append", default=S, metavar="KEY",
                    help="require this API key (comma list or repeat)")
     p.add_argument("--api-key-file", type=Path, default=S, metavar="FILE",
-                   help="file with one API key per line (# comments)")
+                   help="file with one API key per line (# comments), each optionally "
+                   "scoped: KEY models=a,b-* role=infer|metrics|admin (README: API keys)")
     p.add_argument("--llama-server", type=Path, default=S, metavar="PATH",
                    help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH, then cache)")
     p.add_argument("--load-timeout", type=float, default=S, metavar="S",
@@ -55,6 +56,9 @@ def _serve_parser(sub: Any) -> None:
                    help="seconds a health check may take (default 3)")
     p.add_argument("--liveness-misses", type=int, default=S, metavar="N",
                    help="failed health checks in a row that kill a frozen child (default 3)")
+    p.add_argument("--shutdown-grace", type=float, default=S, metavar="S",
+                   help="seconds in-flight requests get on SIGTERM before they end with a "
+                   "503 (default 30)")
     p.add_argument("--wait-budget", type=float, default=S, metavar="S",
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",

@@ -21,7 +21,8 @@ Hierarchy::
     ├── UpstreamError                502 server_error   child unreachable / died mid-request
     └── Unavailable                  503 unavailable_error
         ├── LoadFailed               503  child exited or timed out while loading
-        └── WaitBudgetExceeded       503  waited longer than the request's budget
+        ├── WaitBudgetExceeded       503  waited longer than the request's budget
+        └── ShuttingDown             503  arrived during, or outlived, the shutdown grace period
 
 Children's own error responses are passed through untouched; these classes are only for
 what the router decides itself. Map foreign exceptions (httpx, OSError) to these once, at
@@ -128,6 +129,11 @@ class LoadFailed(Unavailable):
 
 class WaitBudgetExceeded(Unavailable):
     pass
+
+
+class ShuttingDown(Unavailable):
+    """The router is shutting down: the request came after the first signal, or it was still
+    running when the grace period ended (``state.Shutdown``)."""
 
 
 _TYPES_BY_STATUS = {

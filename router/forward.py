@@ -25,6 +25,7 @@ from .errors import (
     RouterError,
     envelope_bytes,
 )
+from .keys import KEY_SCOPE, resolve_in_scope
 from .leases import Lease
 from .paths import (
     API_ROOTS,
@@ -34,7 +35,7 @@ from .paths import (
 from .proxy import ResponseAborted, relay, upstream_headers, wait_disconnect
 from .requests import header, model_from_body, read_body
 from .resumable import CONVERSATION_HEADER
-from .state import State
+from .state import Shutdown, State
 from .webui import StaticUI
 
 log = logging.getLogger("router.forward")
@@ -46,22 +47,30 @@ NO_PARAMS = QueryParams("")
 
 
 async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
-                                       receive: Receive) -> Lease:
-    """Wait for a lease, but leave the queue at once if the client goes away."""
+                                       receive: Receive, shutdown: Shutdown) -> Lease:
+    """Wait for a lease, but leave the queue at once if the client goes away or the
+    shutdown grace period ends (then with the shutdown's 503)."""
     acquire_task = asyncio.ensure_future(acquire)
     watch_task = asyncio.ensure_future(wait_disconnect(receive))
+    over_task = asyncio.ensure_future(shutdown.over.wait())
     try:
-        await asyncio.wait({acquire_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({acquire_task, watch_task, over_task},
+                           return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone = watch_task.done() and not watch_task.cancelled()
+        over = over_task.done() and not over_task.cancelled()
         watch_task.cancel()
-        if gone or not acquire_task.done():
+        over_task.cancel()
+        if gone or over or not acquire_task.done():
             acquire_task.cancel()
-        results = await asyncio.gather(watch_task, acquire_task, return_exceptions=True)
-    lease = results[1]
-    if gone or not acquire_task.done():
+        results = await asyncio.gather(watch_task, over_task, acquire_task,
+                                       return_exceptions=True)
+    lease = results[2]
+    if gone or over or not acquire_task.done():
         if isinstance(lease, Lease):  # granted in the same instant: give it back
             lease.release()
+        if over:
+            raise shutdown.error()
         raise ClientGone("client disconnected while waiting for its model")
     return acquire_task.result()
 
@@ -120,6 +129,9 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     state: State = scope["app"].state.router
+    shutdown = state.shutdown
+    if shutdown.closing.is_set():  # stopping: start nothing new (the connection closes)
+        raise shutdown.refusal()
     sup = state.supervisor
     method: str = scope["method"]
     if method not in METHODS:
@@ -140,8 +152,9 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
             raise NotFound("File Not Found")
         raise ModelMissing()
     budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
-    runtime = sup.resolve(model)
     request_state = scope.setdefault("state", {})
+    key_scope = request_state.get(KEY_SCOPE)  # set by ApiKeyMiddleware for a scoped key only
+    runtime = sup.resolve(model) if key_scope is None else resolve_in_scope(sup, key_scope, model)
     request_state["model"] = runtime.preset.id
     autoload = _autoload(params, sup.settings.models_autoload)
     conv_id = header(scope, CONVERSATION_HEADER) if body else None
@@ -153,7 +166,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         waited = time.perf_counter()
         try:
             lease = await _acquire_unless_disconnected(
-                sup.acquire(model, autoload=autoload, budget=budget), receive)
+                sup.acquire(model, autoload=autoload, budget=budget), receive, shutdown)
         finally:  # for the activity record, also when the wait failed
             request_state["queue_s"] = queued = time.perf_counter() - waited
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
@@ -161,7 +174,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         state.conversations.remember(conv_id.decode("latin-1"), runtime.id, lease.child)
     try:
         await relay(lease.child.connections, method, _target(scope),
-                    upstream_headers(scope["headers"]), body, receive=receive, send=send)
+                    upstream_headers(scope["headers"]), body, receive=receive, send=send,
+                    shutdown=shutdown)
     finally:
         lease.release()
 

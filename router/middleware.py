@@ -4,10 +4,11 @@ switch that sends every non-local path to the proxy before any routing.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -22,20 +23,32 @@ from .errors import (
     envelope,
 )
 from .forward import proxy, send_error
+from .keys import KEY_SCOPE, Forbidden, KeyScope, check_path, scope_of
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS, is_local
-from .state import error_response
+from .state import Shutdown, error_response
 from .webui import StaticUI
 
 log = logging.getLogger("router.middleware")
 
 
 class ApiKeyMiddleware:
-    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``."""
+    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``.
 
-    def __init__(self, app: ASGIApp, keys: list[str], webui: StaticUI | None = None) -> None:
+    A key with a scope (``keys.ApiKey``) gets 403 for a path its roles do not reach, and leaves
+    its scope in the request's state for the checks that know the model
+    (``keys.resolve_in_scope``); a full-access key (a plain string, or an ``ApiKey`` without a
+    scope) costs nothing more than the comparison."""
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str], webui: StaticUI | None = None) -> None:
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        scopes: dict[bytes, KeyScope] = {}
+        for key in keys:
+            if scopes.setdefault(key.encode(), scope_of(key)) != scope_of(key):
+                raise ValueError("an API key is given twice with different scopes")
+        self.keys = list(scopes)
+        # None: full access, nothing to check after the comparison.
+        self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
         self.webui = webui
 
     def _ui_file(self, scope: Scope) -> bool:
@@ -55,14 +68,23 @@ class ApiKeyMiddleware:
                 presented = value[7:].strip() if value[:7].lower() == b"bearer " else value
             elif name == b"x-api-key" and not presented:
                 presented = value.strip()
-        # Compare against every key so timing does not reveal which one matched.
-        ok = False
-        for key in self.keys:
-            ok |= hmac.compare_digest(presented, key)
-        if ok:
-            await self.app(scope, receive, send)
+        # Compare against every key so timing does not reveal which one matched (the keys are
+        # distinct: at most one matches, and ``found`` is its position, 1-based).
+        found = 0
+        for position, key in enumerate(self.keys, start=1):
+            found |= position * hmac.compare_digest(presented, key)
+        if not found:
+            await send_error(send, Unauthorized())
             return
-        await send_error(send, Unauthorized())
+        key_scope = self.scopes[found - 1]
+        if key_scope is not None:
+            try:
+                check_path(key_scope, scope)
+            except Forbidden as exc:
+                await send_error(send, exc)
+                return
+            scope.setdefault("state", {})[KEY_SCOPE] = key_scope
+        await self.app(scope, receive, send)
 
 
 CLIENT_CLOSED_REQUEST = 499  # counted for a request whose client left before any answer
@@ -106,6 +128,17 @@ class RequestMetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is left a little after the shutdown grace period (see
+            # server.RouterServer): a request that has not answered yet still gets the 503.
+            shutdown = None if status else _grace_over(scope)
+            if shutdown is None:
+                status = status or 500
+                raise
+            await send_error(send_wrapper, shutdown.error())
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
         except BaseException:
             status = status or 500
             raise
@@ -135,6 +168,13 @@ class RequestMetricsMiddleware:
                 started=time.time() - total_s, total_s=total_s, ttft_s=ttft_s, tokens=tokens,
                 queue_s=request_state.get("queue_s", 0.0) if proxied and model else None,
                 proxied=proxied)
+
+
+def _grace_over(scope: Scope) -> Shutdown | None:
+    """The router's shutdown, once its grace period is over (else None)."""
+    state = getattr(getattr(scope.get("app"), "state", None), "router", None)
+    shutdown: Shutdown | None = getattr(state, "shutdown", None)
+    return shutdown if shutdown is not None and shutdown.over.is_set() else None
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:

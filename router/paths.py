@@ -1,8 +1,9 @@
 """Which paths the router answers itself, which it proxies, and how they are labelled.
 
 One set of tables for every part that must agree: the proxy (``middleware.ProxyMiddleware``
-sends everything not local to ``forward``), the API-key check (public paths), the metrics
-(endpoint labels) and the web UI's page fallback (API roots never get it).
+sends everything not local to ``forward``), the API-key check (public paths, and what each role
+of a scoped key reaches: ``keys.needed_role``), the metrics (endpoint labels) and the web UI's
+page fallback (API roots never get it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ API_ROOTS = frozenset({p.split("/")[1] for p in KNOWN_ENDPOINTS | LOCAL_PATHS | 
                       | {"v1", "tools", "cors-proxy", "api"})
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+# What the roles of a scoped API key (keys.py) reach. role=infer: every proxied request to a
+# model except those below, and these router paths with these methods (read-only listing,
+# resumable streams, and the two disabled features llama.cpp's router answers with a 403).
+_READ = frozenset({"GET", "HEAD"})
+INFER_PATHS = {
+    "/props": _READ, "/models": _READ, "/v1/models": _READ, "/models/sse": _READ,
+    "/v1/stream": _READ | {"DELETE"}, "/v1/streams/lookup": frozenset({"POST"}),
+    "/tools": _READ | {"POST"}, "/cors-proxy": _READ | {"POST"},
+}
+# The model listings: ?reload= on them re-reads the configuration, which is role=admin's.
+LISTING_PATHS = frozenset({"/models", "/v1/models"})
+# role=metrics: /metrics, the router's and (with ?model=) a child's own.
+METRICS_PATHS = frozenset({"/metrics"})
+# Proxied paths that are not inference, for role=admin only: a child's slots, with any method
+# (they show other clients' prompts; save, restore, erase), and writes to a child's LoRA
+# adapters or props (they change the model for everyone).
+ADMIN_PROXIED_PREFIXES = ("/slots",)
+ADMIN_PROXIED_WRITES = frozenset({"/lora-adapters", "/props", "/v1/props"})
 
 
 def is_local(scope: Scope) -> bool:

@@ -16,6 +16,9 @@
   (after a blank line if the stream broke inside an event, so the error is an event of its
   own), and any other response is aborted (``ResponseAborted``): the client must see a
   truncated body, never a complete-looking one.
+* When the shutdown grace period ends (``state.Shutdown``), a relay still running is aborted
+  the same way, with the shutdown's 503 instead: as the envelope if the response has not
+  started, as the last event of an event stream, or as an aborted body.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
 from .upstream import Cancel, ChildConnections, UpstreamResponse
+
+if TYPE_CHECKING:
+    from .state import Shutdown
 
 log = logging.getLogger("router.proxy")
 
@@ -98,33 +105,43 @@ def _connection_options(value: bytes, drop: frozenset[bytes], named: set[bytes] 
 
 async def relay(connections: ChildConnections, method: str, target: bytes,
                 headers: list[tuple[bytes, bytes]], body: bytes, *, receive: Receive,
-                send: Send) -> None:
+                send: Send, shutdown: Shutdown | None = None) -> None:
     """Send the request to the child and relay its response to the client.
 
     Raises ``RouterError`` (``UpstreamError``, or ``InvalidHeader`` for a header that cannot
-    be forwarded) only while nothing has been sent to the client yet, and
-    ``ResponseAborted`` when a body that is not an event stream broke after its response
-    started: the caller must send nothing more and return (``forward.proxy``). Returns
-    quietly when the client went away.
+    be forwarded; ``ShuttingDown`` when ``shutdown``'s grace period ends first) only while
+    nothing has been sent to the client yet, and ``ResponseAborted`` when a body that is not
+    an event stream broke (or the grace period ended) after its response started: the caller
+    must send nothing more and return (``forward.proxy``). Returns quietly when the client
+    went away.
     """
     cancel = Cancel()
+    if shutdown is not None:
+        if shutdown.over.is_set():
+            raise shutdown.error()
+        shutdown.relays.add(cancel)
     watch = DisconnectWatch(receive, cancel)
     try:
         try:
             response = await connections.send(method, target, headers, body, cancel=cancel)
         except UpstreamError:
             if cancel.cancelled:
+                if shutdown is not None and shutdown.over.is_set():
+                    raise shutdown.error() from None
                 return
             raise
         try:
-            await _relay_response(response, send, cancel)
+            await _relay_response(response, send, cancel, shutdown)
         finally:
             response.release()
     finally:
         watch.stop()
+        if shutdown is not None:
+            shutdown.relays.discard(cancel)
 
 
-async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel) -> None:
+async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel,
+                          shutdown: Shutdown | None = None) -> None:
     headers = strip_hop_by_hop(response.headers, RESPONSE_DROP)
     is_sse = response.event_stream
     length = response.header(b"content-length")
@@ -133,6 +150,8 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
             content = await response.read()
         except UpstreamError:
             if cancel.cancelled:
+                if shutdown is not None and shutdown.over.is_set():
+                    raise shutdown.error() from None
                 return
             raise
         await send({"type": "http.response.start", "status": response.status,
@@ -149,19 +168,24 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as exc:
         if cancel.cancelled:
-            return
-        log.warning("%s", exc, extra={"event": "upstream_broken"})
+            if shutdown is None or not shutdown.over.is_set():
+                return  # the client went away
+            error = shutdown.error()  # the grace period ended
+            status, message = error.status, error.message
+        else:
+            log.warning("%s", exc, extra={"event": "upstream_broken"})
+            status, message = 502, f"the model's llama-server failed mid-stream: {exc}"
         if not is_sse:
-            raise ResponseAborted(str(exc)) from None
-        await send({"type": "http.response.body", "more_body": True,
-                    "body": _error_event(exc, ended=not chunk or chunk.endswith(SSE_EVENT_ENDS))})
+            raise ResponseAborted(message) from None
+        await send({"type": "http.response.body", "more_body": True, "body": _error_event(
+            status, message, ended=not chunk or chunk.endswith(SSE_EVENT_ENDS))})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _error_event(exc: UpstreamError, ended: bool) -> bytes:
+def _error_event(status: int, message: str, ended: bool) -> bytes:
     """The stream's last event; a blank line first ends an event the child left unfinished
     (else the error would be read as the rest of it)."""
-    error = envelope(502, f"the model's llama-server failed mid-stream: {exc}")
+    error = envelope(status, message)
     return (b"" if ended else b"\n\n") + b"data: " + json.dumps(error).encode() + b"\n\n"
 
 

@@ -36,6 +36,7 @@ from .proxy import relay, upstream_headers
 from .scheduler import Status
 
 if TYPE_CHECKING:
+    from .state import Shutdown
     from .supervisor import Supervisor
 
 CONVERSATION_HEADER = b"x-conversation-id"
@@ -94,9 +95,11 @@ def _conv_id(request: Request) -> str:
 class StreamResume:
     """``GET /v1/stream``: relay the owning child's replay of the stream."""
 
-    def __init__(self, supervisor: Supervisor, owners: ConversationOwners) -> None:
+    def __init__(self, supervisor: Supervisor, owners: ConversationOwners,
+                 shutdown: Shutdown | None = None) -> None:
         self.supervisor = supervisor
         self.owners = owners
+        self.shutdown = shutdown  # ends the replay with the envelope after the grace period
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -117,7 +120,8 @@ class StreamResume:
             {"from": request.query_params["from"]} if "from" in request.query_params else {})})
         try:
             await relay(child.connections, "GET", f"/v1/stream?{query}".encode(),
-                        upstream_headers(scope["headers"]), b"", receive=receive, send=send)
+                        upstream_headers(scope["headers"]), b"", receive=receive, send=send,
+                        shutdown=self.shutdown)
         finally:
             lease.release()
 

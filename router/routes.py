@@ -16,12 +16,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from . import dashboard, sse
 from .activity import activity_totals, list_activity
 from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
-from .errors import BadRequest, ModelMissing, UpstreamError, envelope
+from .errors import BadRequest, ModelMissing, NotFound, UpstreamError, envelope
+from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE
@@ -59,18 +60,58 @@ async def feature_disabled(request: Request) -> Response:
                                    "type": "feature_disabled"}}, status_code=403)
 
 
+def _conversation_in_scope(state: State, key_scope: KeyScope | None, conv_id: str) -> bool:
+    """Whether a key limited to some models may reach this conversation's stream: the model
+    that owns it must be one of them (an unknown conversation is a 404 either way)."""
+    if key_scope is None or key_scope.pattern is None:
+        return True
+    found = state.conversations.owner(conv_id)
+    if found is None:
+        return True
+    runtime = state.supervisor.models.get(found[0])
+    return key_scope.allows(found[0], runtime.preset.aliases if runtime is not None else ())
+
+
+def _check_conversation(request: Request, state: State) -> None:
+    conv_id = request.query_params.get("conv_id", "")
+    if not _conversation_in_scope(state, key_scope_of(request.scope), conv_id):
+        raise NotFound("Stream not found or expired")  # as for a stream that is not there
+
+
 async def stream_resume(request: Request) -> Response:
     state = _state(request)
-    return StreamResume(state.supervisor, state.conversations)  # type: ignore[return-value]
+    _check_conversation(request, state)
+    return StreamResume(state.supervisor, state.conversations,  # type: ignore[return-value]
+                        state.shutdown)
 
 
 async def streams_lookup(request: Request) -> Response:
     state = _state(request)
+    key_scope = key_scope_of(request.scope)
+    if key_scope is not None and key_scope.pattern is not None:
+        request = await _own_conversations(request, state, key_scope)
     return await lookup_streams(request, state.supervisor, state.conversations, state.client)
+
+
+async def _own_conversations(request: Request, state: State, key_scope: KeyScope) -> Request:
+    """The lookup request with only the conversations of the key's models."""
+    try:
+        ids = json.loads(await request.body())["conversation_ids"]
+    except (ValueError, TypeError, KeyError):
+        return request  # answered with [] by the lookup
+    kept = [i for i in ids if isinstance(i, str) and _conversation_in_scope(state, key_scope, i)
+            ] if isinstance(ids, list) else []
+    filtered = json.dumps({"conversation_ids": kept}).encode()
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": filtered, "more_body": False}
+
+    return Request(request.scope, receive)
 
 
 async def stream_stop(request: Request) -> Response:
     state = _state(request)
+    _check_conversation(request, state)
     return await stop_stream(request, state.supervisor, state.conversations, state.client)
 
 
@@ -156,7 +197,9 @@ async def list_models(request: Request) -> Response:
     if request.query_params.get("reload"):  # llama.cpp's trigger: any non-empty value
         await state.reloader.reload("GET /models?reload")
     sup = state.supervisor
-    data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed]
+    key_scope = key_scope_of(request.scope)
+    data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed
+            and (key_scope is None or key_scope.allows_runtime(r))]
     return JSONResponse({"data": data, "object": "list"})
 
 
@@ -171,7 +214,7 @@ async def _model_from_json(request: Request) -> str:
 async def load_model(request: Request) -> Response:
     sup = _state(request).supervisor
     name = await _model_from_json(request)
-    runtime = sup.resolve(name)
+    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status is not Status.UNLOADED:
         raise BadRequest(f"model '{runtime.preset.id}' is already running "
@@ -194,6 +237,9 @@ async def pull_model(request: Request) -> Response:
         raise BadRequest(str(exc)) from exc
     except HubUnreachable as exc:
         raise UpstreamError(str(exc)) from exc
+    key_scope = key_scope_of(request.scope)
+    if key_scope is not None and not key_scope.allows(resolution.id):
+        raise Forbidden(f"model '{resolution.id}' is not allowed for this API key")
     if sup.catalogue.resolve(resolution.id) is not None:
         raise BadRequest(f"model '{resolution.id}' already exists")
     preset = ModelPreset(id=resolution.id, source="cache",
@@ -208,7 +254,7 @@ async def delete_model(request: Request) -> Response:
     name = request.query_params.get("model")
     if not name:
         raise ModelMissing()
-    runtime = sup.resolve(name)
+    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     if runtime.preset.source != "cache":
         raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
                          "Hugging Face cache: remove it from its preset or directory instead")
@@ -261,7 +307,7 @@ async def reload_models(request: Request) -> Response:
 async def unload_model(request: Request) -> Response:
     sup = _state(request).supervisor
     name = await _model_from_json(request)
-    runtime = sup.resolve(name)
+    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
         raise BadRequest(f"model '{runtime.preset.id}' is not running "
@@ -271,27 +317,38 @@ async def unload_model(request: Request) -> Response:
 
 
 async def models_sse(request: Request) -> Response:
-    return EventStream(_state(request))  # type: ignore[return-value]
+    return EventStream(_state(request), key_scope_of(request.scope))  # type: ignore[return-value]
 
 
 class EventStream:
-    """``/models/sse``: a snapshot of every model's status, then live events, keep-alives."""
+    """``/models/sse``: a snapshot of every model's status, then live events, keep-alives
+    (for an API key limited to some models: only theirs)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, key_scope: KeyScope | None = None) -> None:
         self.state = state
+        self.key_scope = key_scope if key_scope is not None and key_scope.pattern else None
+
+    def _shows(self, model_id: str) -> bool:
+        if self.key_scope is None or model_id == "*":
+            return True
+        runtime = self.state.supervisor.models.get(model_id)
+        return self.key_scope.allows(model_id, runtime.preset.aliases if runtime else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self.state.events.subscribe() as subscription:
             # The snapshot is queued in the same loop step as the subscription, so every
             # later change follows it and none is missed.
             for runtime in self.state.supervisor.models.values():
-                if not runtime.preset.listed:
+                if not runtime.preset.listed or not self._shows(runtime.preset.id):
                     continue
                 subscription.offer({"model": runtime.preset.id, "event": "model_status",
                                     "data": {"status": runtime.status.public}})
 
             async def next_event() -> str:
-                return json.dumps(await subscription.get())
+                while True:
+                    event = await subscription.get()
+                    if self._shows(event["model"]):
+                        return json.dumps(event)
 
             await sse.respond(scope, receive, send, next_event, self.state.closing)
 
@@ -307,7 +364,7 @@ def _log_source(request: Request) -> tuple[str, LogRing]:
     name = request.query_params.get("model")
     if not name:
         return "router", state.router_log
-    runtime = state.supervisor.resolve(name)
+    runtime = resolve_in_scope(state.supervisor, key_scope_of(request.scope), name)
     return runtime.preset.id, runtime.logs
 
 

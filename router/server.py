@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import math
 import signal
 import socket
 import subprocess
@@ -49,6 +50,9 @@ from .webui import MissingWebUI, StaticUI, WebUI
 log = logging.getLogger("router.server")
 
 CHILD_CONNECT_TIMEOUT_S = 10.0
+# After the grace period: how long the requests still held get to send their last bytes (the
+# 503, a stream's error event) before uvicorn cancels whatever is left (``RouterServer``).
+GRACE_DRAIN_S = 2.0
 
 
 @dataclass
@@ -181,6 +185,12 @@ class RouterServer(uvicorn.Server):
     * Shutdown: the first signal stops accepting, ends endless streams (events, log follow)
       and lets in-flight requests finish within the grace period; children are then stopped.
       A second signal kills the children and exits at once.
+    * The end of the grace period is the router's own (``State.shutdown.end()``): every
+      request still held ends with the envelope (a 503 if its response has not started, an
+      error event ending an event stream; any other body started is aborted). uvicorn's own
+      ``timeout_graceful_shutdown`` is only a backstop, ``GRACE_DRAIN_S`` later, for what
+      cannot end by itself (a client that reads nothing); a request it cancels before its
+      response started still gets the 503 (``middleware.RequestMetricsMiddleware``).
     """
 
     def __init__(self, config: uvicorn.Config, app: Starlette, notifier: Notifier) -> None:
@@ -223,7 +233,23 @@ class RouterServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for task in self._background:
             task.cancel()
-        await super().shutdown(sockets)
+        state = self._state()
+        if state is None:
+            await super().shutdown(sockets)
+            return
+        grace_over = asyncio.get_running_loop().call_later(
+            state.shutdown.grace_s, self._end_grace, state)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace_over.cancel()
+
+    def _end_grace(self, state: State) -> None:
+        if self.server_state.tasks:
+            log.warning("the %g s grace period is over: ending %d requests still running",
+                        state.shutdown.grace_s, len(self.server_state.tasks),
+                        extra={"event": "grace_over"})
+        state.shutdown.end()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -267,6 +293,7 @@ def serve(settings: Settings) -> None:
     app = build_app(prepared, notifier)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=round(settings.shutdown_grace),
+                            timeout_graceful_shutdown=math.ceil(
+                                settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)
     RouterServer(config, app, notifier).run()

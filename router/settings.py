@@ -12,6 +12,9 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .keys import ApiKey
+from .keys import parse_file as parse_key_file
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_MODELS_MAX = 4
@@ -136,22 +139,34 @@ class Settings(BaseSettings):
         return parse_size(self.memory_budget)
 
     def all_api_keys(self) -> list[str]:
-        """Keys from ``--api-key`` plus ``--api-key-file`` (one per line, ``#`` comments).
+        """Keys from ``--api-key`` (full access) plus ``--api-key-file``: one key per line,
+        ``#`` comments, each optionally followed by its scope (``models=`` and ``role=``
+        fields, see ``keys.py``). Each comes back as a ``keys.ApiKey``: the key with its scope
+        (full access for ``--api-key``), whose repr hides it.
 
-        Asking for keys and getting none (``--api-key ""``, ``LLAMA_ROUTER_API_KEY=" , "``, a
-        key file of comments only) is a ConfigurationError: serving without authentication
-        is never the silent result of a typo. (An empty ``LLAMA_ROUTER_API_KEY=`` is unset.)"""
-        keys = [key for key in self.api_key if key]
+        A bad line is a ConfigurationError naming the file, the line and the problem (never
+        the key). Asking for keys and getting none (``--api-key ""``,
+        ``LLAMA_ROUTER_API_KEY=" , "``, a key file of comments only) is a ConfigurationError
+        too: serving without authentication is never the silent result of a typo. (An empty
+        ``LLAMA_ROUTER_API_KEY=`` is unset.)"""
+        keys: list[str] = [ApiKey(key) for key in self.api_key if key]  # full access
         if self.api_key_file is not None:
+            where = f"--api-key-file {self.api_key_file}"
             try:
                 text = self.api_key_file.read_text()
             except OSError as exc:
-                raise ConfigurationError(f"--api-key-file {self.api_key_file}: "
-                                         f"{exc.strerror or exc}") from None
-            for line in text.splitlines():
-                line = line.split("#", 1)[0].strip()
-                if line:
-                    keys.append(line)
+                raise ConfigurationError(f"{where}: {exc.strerror or exc}") from None
+            try:
+                scoped = parse_key_file(text)
+            except ValueError as exc:
+                raise ConfigurationError(f"{where}, {exc}") from None
+            for key in scoped:
+                if key in keys and not key.scope.full:
+                    raise ConfigurationError(
+                        f"{where}: a key with a scope ({key.scope.describe()}) is also given "
+                        "by --api-key / LLAMA_ROUTER_API_KEY, which gives full access: give "
+                        "each key once")
+            keys += scoped
         asked = bool(self.api_key) or self.api_key_file is not None
         if asked and not keys:
             where = f"--api-key-file {self.api_key_file}" if self.api_key_file is not None \

@@ -30,6 +30,7 @@ import yaml
 from router.flags import FlagTable
 from router.install import LLAMA_CPP_BUILD
 from router.presets import PRESET_ONLY, ROUTER_OWNED, load_preset_file, parse_ini
+from router.server import GRACE_DRAIN_S
 from router.settings import DEFAULT_SHUTDOWN_GRACE_S, DEFAULT_STOP_TIMEOUT_S, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +42,9 @@ COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 EXAMPLES = ROOT / "examples"
-# Seconds the router may need to stop: requests in flight, then its children.
-STOP_NEEDS_S = DEFAULT_SHUTDOWN_GRACE_S + DEFAULT_STOP_TIMEOUT_S
+# Seconds the router may need to stop: requests in flight (the grace period, then GRACE_DRAIN_S
+# at most for what is left to end), then its children.
+STOP_NEEDS_S = DEFAULT_SHUTDOWN_GRACE_S + GRACE_DRAIN_S + DEFAULT_STOP_TIMEOUT_S
 LLAMA_CPP_IMAGE = re.compile(r"^ghcr\.io/ggml-org/llama\.cpp:server(-[a-z0-9]+)?-b(\d+)$")
 
 
@@ -175,7 +177,7 @@ def test_env_example_names_only_real_settings(monkeypatch: pytest.MonkeyPatch) -
     settings = Settings()
     assert settings.presets == [Path("/etc/llama-router/models.ini")]
     assert settings.memory_budget_bytes() == 22 * 1024**3
-    assert settings.shutdown_grace + settings.stop_timeout < seconds(
+    assert settings.shutdown_grace + GRACE_DRAIN_S + settings.stop_timeout < seconds(
         one(parse_unit(SYSTEM_UNIT), "Service", "TimeoutStopSec"))
 
 

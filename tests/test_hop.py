@@ -26,6 +26,7 @@ from support import start_router, write_presets
 
 from router.forward import proxy
 from router.proxy import RESPONSE_DROP, upstream_headers
+from router.state import Shutdown
 from router.upstream import ChildConnections
 
 # A scripted child: called with the request head it read (the body, if any, is left unread).
@@ -108,7 +109,8 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
     """``forward.proxy`` served by uvicorn (as the router serves it) in front of ``child``."""
     async with child_server(child) as (port, _):
         pool = ChildConnections("127.0.0.1", port)
-        state = SimpleNamespace(router=SimpleNamespace(supervisor=FakeSupervisor(pool)),
+        state = SimpleNamespace(router=SimpleNamespace(supervisor=FakeSupervisor(pool),
+                                                       shutdown=Shutdown(30.0)),
                                 webui=None)
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -188,7 +190,8 @@ async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_i
                         (b"content-length", b"%d" % len(body)),
                         (b"x-note", b"a\r\nx-injected: 1")],
             "app": SimpleNamespace(state=SimpleNamespace(
-                router=SimpleNamespace(supervisor=FakeSupervisor(pool)), webui=None))}
+                router=SimpleNamespace(supervisor=FakeSupervisor(pool), shutdown=Shutdown(30.0)),
+                webui=None))}
         messages: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:

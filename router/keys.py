@@ -1,0 +1,250 @@
+"""API keys and their scopes.
+
+A key given with ``--api-key`` / ``LLAMA_ROUTER_API_KEY`` has full access. A line of
+``--api-key-file`` is a key, then optionally whitespace-separated ``name=value`` fields that
+narrow it (``#`` starts a comment)::
+
+    sk-admin-1                                  # full access, as before
+    sk-team-a   models=chat-*,coder  role=infer # inference with these models only
+    sk-scraper  role=metrics                    # Prometheus: /metrics only
+
+``models=`` a comma list of model ids or aliases, ``*`` matching any run of characters
+(default: every model). A model is in scope when a pattern matches its id or one of its
+aliases. ``role=`` ``admin`` (default: every endpoint), or a comma list of ``infer``
+(inference and read-only model listing) and ``metrics`` (``/metrics``). Which paths each role
+reaches is in ``paths.py`` (``INFER_PATHS`` and the rest), checked by ``needed_role``.
+
+Each key's scope is parsed once into an immutable ``KeyScope``; ``ApiKeyMiddleware`` finds it
+by comparing the presented key with every key in constant time, checks the role of the path
+and leaves the scope in the request's state (``KEY_SCOPE``) for the places that know the
+model: the proxy (``forward._forward``) and the routes naming a model or listing models.
+Whether a scope allows a model is cached per (scope, model). Keys are never logged: the
+messages here name the file line, never the key, and an ``ApiKey``'s repr hides it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from starlette.datastructures import QueryParams
+from starlette.types import Scope
+
+from .errors import ModelNotFound, RouterError
+from .paths import (
+    ADMIN_PROXIED_PREFIXES,
+    ADMIN_PROXIED_WRITES,
+    INFER_PATHS,
+    LISTING_PATHS,
+    METRICS_PATHS,
+    READ_METHODS,
+    is_local,
+)
+
+if TYPE_CHECKING:
+    from .runtime import ModelRuntime
+    from .supervisor import Supervisor
+
+ADMIN, INFER, METRICS = "admin", "infer", "metrics"
+ROLES = (ADMIN, INFER, METRICS)
+FIELDS = ("models", "role")
+KEY_SCOPE = "key_scope"  # the request state's entry: the presented key's KeyScope, if scoped
+_FIELD_NAME = re.compile(r"[a-z][a-z_-]{0,15}")
+
+
+class Forbidden(RouterError):
+    """A valid API key whose scope does not reach the path or the model."""
+
+    status = 403
+    type = "permission_error"
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """What one key may do: its roles, and its model patterns (None: every model)."""
+
+    roles: frozenset[str]
+    models: tuple[str, ...] | None = None
+    grants: frozenset[str] = field(init=False, compare=False, repr=False)
+    pattern: re.Pattern[str] | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grants", frozenset(ROLES) if ADMIN in self.roles
+                           else self.roles)
+        object.__setattr__(self, "pattern", None if self.models is None else re.compile(
+            "|".join(".*".join(map(re.escape, p.split("*"))) for p in self.models)))
+
+    @property
+    def full(self) -> bool:
+        """Admin for every model: the access of a key given without a scope."""
+        return ADMIN in self.roles and self.models is None
+
+    def allows(self, model_id: str, aliases: tuple[str, ...] = ()) -> bool:
+        """Whether the model with this id and these aliases is in scope."""
+        return self.pattern is None or _allows(self, model_id, aliases)
+
+    def allows_runtime(self, runtime: ModelRuntime) -> bool:
+        return self.pattern is None or _allows(self, runtime.preset.id, runtime.preset.aliases)
+
+    def describe(self) -> str:
+        """``role=infer models=chat-*`` (never the key)."""
+        text = "role=" + ",".join(r for r in ROLES if r in self.roles)
+        return text if self.models is None else f"{text} models={','.join(self.models)}"
+
+
+@lru_cache(maxsize=4096)
+def _allows(scope: KeyScope, model_id: str, aliases: tuple[str, ...]) -> bool:
+    assert scope.pattern is not None
+    return any(scope.pattern.fullmatch(name) for name in (model_id, *aliases))
+
+
+FULL = KeyScope(frozenset({ADMIN}))
+
+
+class ApiKey(str):
+    """A key (the string itself) with its scope; its repr hides the key."""
+
+    scope: KeyScope
+
+    def __new__(cls, key: str, scope: KeyScope = FULL) -> ApiKey:
+        self = super().__new__(cls, key)
+        self.scope = scope
+        return self
+
+    def __repr__(self) -> str:
+        return f"ApiKey(<hidden>, {self.scope.describe()})"
+
+
+def scope_of(key: str) -> KeyScope:
+    """The scope of a key: full access unless it is an ``ApiKey`` with a narrower one."""
+    return key.scope if isinstance(key, ApiKey) else FULL
+
+
+# ------------------------------------------------------------------------------- parsing
+
+def parse_line(line: str) -> ApiKey | None:
+    """One line of a key file: None for a blank or comment line; ValueError with the problem
+    (never quoting the key, nor anything that may be part of one) for a bad line."""
+    words = line.split("#", 1)[0].split()
+    if not words:
+        return None
+    key, *fields = words
+    name = key.split("=", 1)[0]
+    if "=" in key and name in FIELDS:
+        raise ValueError(f"starts with the field {name}= where the key belongs "
+                         "(the key comes first, then its fields)")
+    values: dict[str, str] = {}
+    for number, word in enumerate(fields, start=2):
+        name, equals, value = word.partition("=")
+        if not equals:
+            raise ValueError(f"word {number} is not a name=value field (a key is one word; "
+                             f"the fields after it are {' and '.join(f + '=' for f in FIELDS)})")
+        if name not in FIELDS:
+            shown = f"'{name}'" if _FIELD_NAME.fullmatch(name) else f"of word {number}"
+            raise ValueError(f"unknown field {shown} (known: {', '.join(FIELDS)})")
+        if name in values:
+            raise ValueError(f"{name}= given twice")
+        values[name] = value
+    models = _parse_models(values["models"]) if "models" in values else None
+    roles = _parse_roles(values["role"]) if "role" in values else frozenset({ADMIN})
+    return ApiKey(key, KeyScope(roles, models))
+
+
+def _parse_models(value: str) -> tuple[str, ...]:
+    patterns = tuple(value.split(","))
+    if not value or any(not p for p in patterns):
+        raise ValueError("models= needs a comma list of model ids or aliases, without empty "
+                         "entries (leave models= out for every model)")
+    return patterns
+
+
+def _parse_roles(value: str) -> frozenset[str]:
+    roles = value.split(",")
+    unknown = [r for r in roles if r not in ROLES]
+    if not value or unknown:
+        shown = f" '{unknown[0]}'" if unknown and unknown[0] else ""
+        raise ValueError(f"role= has an unknown role{shown} (roles: admin, or infer and/or "
+                         "metrics as a comma list)")
+    if ADMIN in roles and len(set(roles)) > 1:
+        raise ValueError("role=admin already includes every role: give it alone")
+    return frozenset(roles)
+
+
+def parse_file(text: str) -> list[ApiKey]:
+    """Every key of a key file; ValueError ``line N: problem`` for the first bad line, or a
+    key given twice with different scopes."""
+    keys: list[ApiKey] = []
+    seen: dict[str, tuple[int, KeyScope]] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            key = parse_line(line)
+        except ValueError as exc:
+            raise ValueError(f"line {number}: {exc}") from None
+        if key is None:
+            continue
+        earlier = seen.setdefault(str(key), (number, key.scope))
+        if earlier[1] != key.scope:
+            raise ValueError(f"line {number}: the key of line {earlier[0]} again, with another "
+                             "scope: give each key once")
+        keys.append(key)
+    return keys
+
+
+# ---------------------------------------------------------------------------- enforcement
+
+def needed_role(scope: Scope) -> str:
+    """The role a request needs (``admin``, ``infer`` or ``metrics``), from the path tables."""
+    path: str = scope["path"]
+    method: str = scope["method"]
+    if is_local(scope):
+        if path in METRICS_PATHS:
+            return METRICS if method in READ_METHODS else ADMIN
+        methods = INFER_PATHS.get(path)
+        if methods is None or method not in methods:
+            return ADMIN
+        if path in LISTING_PATHS and b"reload" in scope["query_string"] \
+                and QueryParams(scope["query_string"]).get("reload"):
+            return ADMIN  # GET /models?reload=1 re-reads the configuration
+        return INFER
+    if path in METRICS_PATHS:  # /metrics?model=: the child's own
+        return METRICS if method in READ_METHODS else ADMIN
+    if path.startswith(ADMIN_PROXIED_PREFIXES) or (
+            path in ADMIN_PROXIED_WRITES and method not in READ_METHODS):
+        return ADMIN
+    return INFER
+
+
+def check_path(key_scope: KeyScope, scope: Scope) -> None:
+    """Forbidden unless the key's roles reach this path."""
+    role = needed_role(scope)
+    if role not in key_scope.grants:
+        raise Forbidden(f"this API key ({key_scope.describe()}) may not use {scope['method']} "
+                        f"{scope['path'][:200]}: that needs role={role}")
+
+
+def key_scope_of(scope: Scope) -> KeyScope | None:
+    """The scope the API key middleware left for this request; None: full access."""
+    state: dict[str, Any] = scope.get("state") or {}
+    return state.get(KEY_SCOPE)
+
+
+def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str) -> ModelRuntime:
+    """``supervisor.resolve(name)``, then Forbidden if the model is outside the key's scope.
+    A not-found model's close matches name only models in scope."""
+    if key_scope is None or key_scope.pattern is None:
+        return supervisor.resolve(name)
+    try:
+        runtime = supervisor.resolve(name)
+    except ModelNotFound:
+        close = []
+        for candidate in supervisor.catalogue.close_matches(name):
+            model_id = supervisor.catalogue.resolve(candidate)
+            found = supervisor.models.get(model_id) if model_id is not None else None
+            if found is not None and key_scope.allows_runtime(found):
+                close.append(candidate)
+        raise ModelNotFound(name, close) from None
+    if not key_scope.allows_runtime(runtime):
+        raise Forbidden(f"model '{name}' is not allowed for this API key")
+    return runtime

@@ -1,0 +1,533 @@
+"""Scoped API keys: the key file's syntax and its errors, the path and model checks through the
+real middleware, proxy and routes (in process, against a fake llama-server), and a scoped key
+against the real llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from support import fake_binary, start_router, write_presets
+
+from router.app import create_app
+from router.keys import (
+    ADMIN,
+    FULL,
+    INFER,
+    METRICS,
+    ApiKey,
+    KeyScope,
+    _allows,
+    needed_role,
+    parse_file,
+    parse_line,
+)
+from router.routes import EventStream, _conversation_in_scope
+from router.server import build_app, prepare
+from router.settings import ConfigurationError, Settings
+from router.state import State
+
+SECRET = "sk-Very-Secret-0123456789"  # must never show in an error message
+
+
+# --------------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize(("line", "roles", "models"), [
+    (f"{SECRET}", {ADMIN}, None),
+    (f"  {SECRET}   # a comment", {ADMIN}, None),
+    (f"{SECRET} models=chat-*,coder role=infer", {INFER}, ("chat-*", "coder")),
+    (f"{SECRET}\trole=infer\tmodels=coder  # tabs, any order", {INFER}, ("coder",)),
+    (f"{SECRET} role=metrics", {METRICS}, None),
+    (f"{SECRET} role=infer,metrics models=owner/repo:*", {INFER, METRICS}, ("owner/repo:*",)),
+    (f"{SECRET} models=chat-*", {ADMIN}, ("chat-*",)),
+    (f"{SECRET} role=admin", {ADMIN}, None),
+    ("abc== role=infer", {INFER}, None),  # base64 padding: still the key
+])
+def test_good_lines(line: str, roles: set[str], models: tuple[str, ...] | None) -> None:
+    key = parse_line(line)
+    assert key is not None
+    assert str(key) == line.split()[0]
+    assert key.scope.roles == roles and key.scope.models == models
+    assert SECRET not in repr(key) and "<hidden>" in repr(key)
+
+
+@pytest.mark.parametrize("line", ["", "   ", "# only a comment", "  # indented comment"])
+def test_blank_and_comment_lines(line: str) -> None:
+    assert parse_line(line) is None
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    (f"{SECRET} model=chat", "unknown field 'model' (known: models, role)"),
+    (f"{SECRET} roles=infer", "unknown field 'roles'"),
+    (f"{SECRET} Part-Of-A-Key==", "unknown field of word 2"),
+    (f"{SECRET} second-half-of-the-key", "word 2 is not a name=value field"),
+    (f"{SECRET} models=", "models= needs a comma list"),
+    (f"{SECRET} models=a,,b", "without empty entries"),
+    (f"{SECRET} models=a, b", "word 3 is not a name=value field"),
+    (f"{SECRET} role=root", "unknown role 'root'"),
+    (f"{SECRET} role=", "role= has an unknown role"),
+    (f"{SECRET} role=infer,", "role= has an unknown role"),
+    (f"{SECRET} role=admin,infer", "role=admin already includes every role"),
+    (f"{SECRET} role=infer role=metrics", "role= given twice"),
+    ("models=chat role=infer", "starts with the field models= where the key belongs"),
+    ("role=infer", "starts with the field role="),
+])
+def test_bad_lines_say_what_is_wrong_and_never_show_the_key(line: str, problem: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_line(line)
+    message = str(caught.value)
+    assert problem in message
+    for secret in (SECRET, "Part-Of-A-Key", "second-half-of-the-key"):
+        assert secret not in message
+
+
+def test_a_file_names_the_line_of_its_first_problem() -> None:
+    text = f"# keys\n{SECRET}\n\nother-key  models=a  colour=blue\n"
+    with pytest.raises(ValueError, match=r"^line 4: unknown field 'colour'"):
+        parse_file(text)
+
+
+def test_a_key_twice_with_different_scopes_is_refused_the_same_scope_is_not() -> None:
+    assert len(parse_file(f"{SECRET} role=infer\n{SECRET}  role=infer\n")) == 2
+    with pytest.raises(ValueError) as caught:
+        parse_file(f"{SECRET} role=infer\nx\n{SECRET} role=infer models=a\n")
+    assert str(caught.value).startswith("line 3: the key of line 1 again, with another scope")
+    assert SECRET not in str(caught.value)
+
+
+def settings_with(tmp_path: Path, text: str, **kw: Any) -> Settings:
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(text)
+    return Settings(api_key_file=key_file, **kw)
+
+
+def test_settings_give_file_keys_with_their_scope_and_flag_keys_full_access(
+        tmp_path: Path) -> None:
+    keys = settings_with(tmp_path, f"{SECRET} models=chat-* role=infer\nplain-key\n",
+                         api_key=["flag-key"]).all_api_keys()
+    assert keys == ["flag-key", SECRET, "plain-key"]
+    assert all(isinstance(key, ApiKey) for key in keys)
+    assert keys[0].scope.full and SECRET not in repr(keys)  # type: ignore[attr-defined]
+    assert isinstance(keys[1], ApiKey) and keys[1].scope == KeyScope(frozenset({INFER}),
+                                                                     ("chat-*",))
+    assert isinstance(keys[2], ApiKey) and keys[2].scope.full
+    # The same key on the command line and unscoped in the file: both full access, fine.
+    assert settings_with(tmp_path, "flag-key\n", api_key=["flag-key"]).all_api_keys()
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    (f"# first\n{SECRET} role=boss\n", ", line 2: role= has an unknown role 'boss'"),
+    (f"{SECRET} models=a\n{SECRET} models=b\n", ", line 2: the key of line 1 again"),
+    ("# only comments\n", "gives no API key"),
+])
+def test_settings_errors_name_the_file_and_line_not_the_key(tmp_path: Path, text: str,
+                                                            problem: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        settings_with(tmp_path, text).all_api_keys()
+    message = str(caught.value)
+    assert f"--api-key-file {tmp_path / 'api-keys'}" in message and problem in message
+    assert SECRET not in message
+
+
+def test_a_flag_key_cannot_also_be_a_scoped_file_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        settings_with(tmp_path, f"{SECRET} role=infer\n", api_key=[SECRET]).all_api_keys()
+    assert "also given by --api-key" in str(caught.value) and SECRET not in str(caught.value)
+
+
+def test_serve_refuses_a_bad_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"{SECRET} models=chat-*  role=infer\n{SECRET}-2 rol=infer\n")
+    result = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--port", "0",
+                             "--api-key-file", str(key_file)],
+                            capture_output=True, text=True, timeout=60, env=os.environ)
+    assert result.returncode == 2
+    assert f"{key_file}, line 2: unknown field 'rol'" in result.stderr
+    assert SECRET not in result.stderr + result.stdout
+
+
+# --------------------------------------------------------------------------- matching
+
+def test_model_patterns() -> None:
+    scope = KeyScope(frozenset({INFER}), ("chat-*", "coder", "a.b", "owner/*:Q4*"))
+    for allowed in ("chat-", "chat-a", "chat-x/y:z", "coder", "a.b", "owner/repo:Q4_K_M"):
+        assert scope.allows(allowed), allowed
+    for refused in ("xchat-a", "coder2", "Coder", "axb", "owner/repo:Q8_0", ""):
+        assert not scope.allows(refused), refused
+    # A model is in scope when its id or one of its aliases matches.
+    assert scope.allows("team-model", ("tm", "chat-team"))
+    assert not scope.allows("team-model", ("tm",))
+    assert FULL.allows("anything") and FULL.full
+
+
+def test_matching_is_cached_per_scope_and_model() -> None:
+    scope = KeyScope(frozenset({INFER}), ("cached-*",))
+    scope.allows("cached-model")
+    hits = _allows.cache_info().hits
+    for _ in range(3):
+        assert scope.allows("cached-model")
+    assert _allows.cache_info().hits == hits + 3
+    other = KeyScope(frozenset({INFER, METRICS}), ("cached-*",))
+    misses = _allows.cache_info().misses
+    assert other.allows("cached-model")
+    assert _allows.cache_info().misses == misses + 1
+
+
+def test_scopes_are_immutable() -> None:
+    scope = KeyScope(frozenset({INFER}), ("a",))
+    with pytest.raises(AttributeError):
+        scope.models = None  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("method", "target", "role"), [
+    ("POST", "/v1/chat/completions", INFER),
+    ("POST", "/v1/embeddings", INFER),
+    ("GET", "/props", INFER),
+    ("GET", "/props?model=a", INFER),
+    ("POST", "/props?model=a", ADMIN),
+    ("GET", "/models", INFER),
+    ("GET", "/v1/models", INFER),
+    ("HEAD", "/v1/models", INFER),
+    ("GET", "/models?reload=1", ADMIN),
+    ("GET", "/models?reload=", INFER),
+    ("GET", "/models/sse", INFER),
+    ("GET", "/metrics", METRICS),
+    ("GET", "/metrics?model=a", METRICS),
+    ("POST", "/models/load", ADMIN),
+    ("POST", "/models/unload", ADMIN),
+    ("POST", "/models/reload", ADMIN),
+    ("POST", "/models", ADMIN),
+    ("DELETE", "/models", ADMIN),
+    ("GET", "/logs", ADMIN),
+    ("GET", "/logs/stream", ADMIN),
+    ("GET", "/activity", ADMIN),
+    ("GET", "/activity/totals", ADMIN),
+    ("GET", "/slots?model=a", ADMIN),
+    ("POST", "/slots/0?action=erase", ADMIN),
+    ("GET", "/lora-adapters?model=a", INFER),
+    ("POST", "/lora-adapters", ADMIN),
+    ("GET", "/v1/stream?conv_id=c", INFER),
+    ("DELETE", "/v1/stream?conv_id=c", INFER),
+    ("POST", "/v1/streams/lookup", INFER),
+])
+def test_needed_roles(method: str, target: str, role: str) -> None:
+    path, _, query = target.partition("?")
+    assert needed_role({"method": method, "path": path, "query_string": query.encode()}) == role
+
+
+# --------------------------------------------------------------------------- in process
+
+KEYS = {  # name in the tables below -> (key, scope line)
+    "admin": ("admin-key", None),  # --api-key: full access
+    "infer": ("infer-key", "models=chat-*,coder role=infer"),
+    "all": ("infer-all-key", "role=infer"),
+    "metrics": ("metrics-key", "role=metrics"),
+    "both": ("both-key", "models=coder role=infer,metrics"),
+    "some": ("admin-some-key", "models=chat-*"),  # admin, limited to some models
+}
+MODELS = {  # id -> aliases
+    "chat-a": "ca", "chat-b": "", "coder": "code", "secret": "hidden",
+    "assistant": "chat-helper",  # in chat-*'s scope by its alias
+}
+NOT_LOADED = 400  # a request that passed every key check reaches the model: not loaded
+DENIED = 403
+
+
+def presets_text(directory: Path) -> str:
+    text = "version = 1\n"
+    for model, aliases in MODELS.items():
+        (directory / f"{model}.gguf").write_bytes(b"GGUF")
+        text += f"[{model}]\nmodel = {directory / model}.gguf\n"
+        if aliases:
+            text += f"alias = {aliases}\n"
+    return text
+
+
+@pytest.fixture
+async def app(tmp_path: Path) -> AsyncIterator[Starlette]:
+    presets = write_presets(tmp_path / "models.ini", presets_text(tmp_path))
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("".join(f"{key} {line}\n" for key, line in KEYS.values() if line))
+    settings = Settings(presets=[presets], llama_server=fake_binary(tmp_path),
+                        api_key=[KEYS["admin"][0]], api_key_file=key_file, webui=False,
+                        models_autoload=False)
+    application = build_app(prepare(settings))
+    async with application.router.lifespan_context(application):
+        yield application
+
+
+async def call(app: Starlette, method: str, target: str, who: str | None = None,
+               headers: dict[str, str] | None = None, **kw: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEYS[who][0]}"} if who else headers or {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://router") as client:
+        return await client.request(method, target, headers=headers, **kw)
+
+
+def chat(model: str) -> tuple[str, str, dict[str, Any]]:
+    return "POST", "/v1/chat/completions", {"json": {"model": model, "messages": []}}
+
+
+async def chat_as(app: Starlette, who: str, model: str) -> httpx.Response:
+    method, target, kw = chat(model)
+    return await call(app, method, target, who, **kw)
+
+
+# Each request and, per key, the status it gets: 403 from the key's scope, anything else
+# means it got past the key checks (NOT_LOADED: it reached the model, which autoload off
+# keeps from loading). Keys: admin, infer (chat-*,coder), all (infer, every model), metrics,
+# both (infer+metrics, coder), some (admin, chat-*).
+ANY: dict[str, Any] = {}
+MATRIX: list[tuple[tuple[str, str, dict[str, Any]], dict[str, int]]] = [
+    (chat("chat-a"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+    (chat("ca"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+    (chat("coder"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=403)),
+    (chat("code"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=403)),
+    (chat("secret"), dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+    (chat("hidden"), dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+    (chat("assistant"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+    (("POST", "/v1/embeddings?model=secret", ANY),
+     dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+    (("GET", "/props", ANY), dict(admin=200, infer=200, all=200, metrics=403, both=200,
+                                  some=200)),
+    (("GET", "/props?model=secret", ANY),
+     dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+    (("POST", "/props?model=chat-a", {"json": {}}),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("GET", "/v1/models", ANY), dict(admin=200, infer=200, all=200, metrics=403, both=200,
+                                      some=200)),
+    (("GET", "/models", ANY), dict(admin=200, infer=200, all=200, metrics=403, both=200,
+                                   some=200)),
+    (("GET", "/models?reload=1", ANY),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=200)),
+    (("GET", "/metrics", ANY), dict(admin=200, infer=403, all=403, metrics=200, both=200,
+                                    some=200)),
+    (("GET", "/metrics?model=coder", ANY),
+     dict(admin=400, infer=403, all=403, metrics=400, both=400, some=403)),
+    (("GET", "/metrics?model=chat-a", ANY),
+     dict(admin=400, infer=403, all=403, metrics=400, both=403, some=400)),
+    (("POST", "/models/unload", {"json": {"model": "chat-a"}}),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("POST", "/models/unload", {"json": {"model": "secret"}}),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=403)),
+    (("POST", "/models/load", {"json": {"model": "no-such-model"}}),
+     dict(admin=404, infer=403, all=403, metrics=403, both=403, some=404)),
+    (("POST", "/models/reload", ANY),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=200)),
+    (("POST", "/models", {"json": {"model": "owner/repo:Q4_K_M"}}),
+     dict(infer=403, all=403, metrics=403, both=403)),  # admins would ask the Hub
+    (("DELETE", "/models?model=secret", ANY),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=403)),
+    (("DELETE", "/models?model=chat-b", ANY),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("GET", "/logs", ANY), dict(admin=200, infer=403, all=403, metrics=403, both=403,
+                                 some=200)),
+    (("GET", "/logs?model=secret", ANY),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=403)),
+    (("GET", "/logs?model=chat-b", ANY),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=200)),
+    (("GET", "/activity", ANY), dict(admin=200, infer=403, all=403, metrics=403, both=403,
+                                     some=200)),
+    (("GET", "/activity/totals", ANY),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=200)),
+    (("GET", "/slots?model=chat-a", ANY),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("POST", "/slots/0?action=erase&model=chat-a", {"json": {}}),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("GET", "/lora-adapters?model=chat-a", ANY),
+     dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+    (("POST", "/lora-adapters?model=chat-a", {"json": []}),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
+    (("GET", "/v1/stream?conv_id=nobody", ANY),
+     dict(admin=404, infer=404, all=404, metrics=403, both=404, some=404)),
+    (("POST", "/v1/streams/lookup", {"json": {"conversation_ids": ["nobody"]}}),
+     dict(admin=200, infer=200, all=200, metrics=403, both=200, some=200)),
+    (("GET", "/health", ANY), dict(admin=200, infer=200, all=200, metrics=200, both=200,
+                                   some=200)),
+]
+
+
+@pytest.mark.fake
+@pytest.mark.parametrize(("request_", "expected"), MATRIX,
+                         ids=[f"{r[0]} {r[1]} {json.dumps(r[2])}" for r, _ in MATRIX])
+async def test_the_auth_matrix(app: Starlette, request_: tuple[str, str, dict[str, Any]],
+                               expected: dict[str, int]) -> None:
+    method, target, kw = request_
+    for who, status in expected.items():
+        response = await call(app, method, target, who, **kw)
+        assert response.status_code == status, (who, response.text)
+        if status == DENIED:
+            error = response.json()["error"]
+            assert error == {"code": 403, "type": "permission_error",
+                             "message": error["message"]}, who
+            assert "key" in error["message"] and KEYS[who][0] not in error["message"]
+    public = target == "/health"
+    assert (await call(app, method, target, **kw)).status_code == (200 if public else 401)
+    wrong = await call(app, method, target, headers={"X-Api-Key": "wrong"}, **kw)
+    assert wrong.status_code == (200 if public else 401)
+
+
+def listed(response: httpx.Response) -> set[str]:
+    assert response.status_code == 200, response.text
+    return {m["id"] for m in response.json()["data"]}
+
+
+@pytest.mark.fake
+async def test_listings_show_a_scoped_key_only_its_models(app: Starlette) -> None:
+    everything = set(MODELS)
+    in_chat_scope = {"chat-a", "chat-b", "assistant"}
+    for who, models in [("admin", everything), ("all", everything),
+                        ("infer", in_chat_scope | {"coder"}), ("both", {"coder"}),
+                        ("some", in_chat_scope)]:
+        for path in ("/v1/models", "/models"):
+            assert listed(await call(app, "GET", path, who)) == models, (who, path)
+
+
+@pytest.mark.fake
+async def test_close_matches_name_only_models_in_scope(app: Starlette) -> None:
+    admin = (await chat_as(app, "admin", "secrt")).json()
+    assert "did you mean 'secret'" in admin["error"]["message"]
+    scoped = await chat_as(app, "infer", "secrt")
+    assert scoped.status_code == 404
+    assert scoped.json()["error"]["message"] == "model 'secrt' not found"
+    near = (await chat_as(app, "infer", "chat-aa")).json()
+    assert "did you mean 'chat-a'" in near["error"]["message"]
+
+
+@pytest.mark.fake
+async def test_an_infer_key_cannot_load_or_unload_even_its_own_model(app: Starlette) -> None:
+    for path in ("/models/load", "/models/unload"):
+        response = await call(app, "POST", path, "infer", json={"model": "chat-a"})
+        assert response.status_code == 403
+        assert "needs role=admin" in response.json()["error"]["message"]
+    state: State = app.state.router
+    assert state.supervisor.models["chat-a"].status.value == "unloaded"
+
+
+@pytest.mark.fake
+async def test_the_event_stream_shows_a_scoped_key_only_its_models(app: Starlette) -> None:
+    state: State = app.state.router
+    events: list[dict[str, Any]] = []
+    done = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":  # subscribed: these come after the snapshot
+            state.events.publish("secret", "model_status", {"status": {"value": "loading"}})
+            state.events.publish("chat-b", "marker")
+        for block in message.get("body", b"").decode().split("\n\n"):
+            if block.startswith("data: "):
+                events.append(json.loads(block[6:]))
+                if events[-1]["event"] == "marker":
+                    done.set()
+
+    async def receive() -> dict[str, Any]:
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "GET", "path": "/models/sse", "headers": [],
+             "query_string": b""}
+    stream = EventStream(state, KeyScope(frozenset({INFER}), ("chat-*",)))
+    await stream(scope, receive, send)  # type: ignore[arg-type]
+    assert {e["model"] for e in events} == {"chat-a", "chat-b", "assistant"}
+    assert events[-1]["event"] == "marker"
+
+
+@pytest.mark.fake
+async def test_resumable_streams_of_other_models_are_out_of_reach(app: Starlette) -> None:
+    state: State = app.state.router
+    state.conversations.remember("conv-secret", "secret")
+    state.conversations.remember("conv-chat", "chat-a")
+    scope = KeyScope(frozenset({INFER}), ("chat-*",))
+    assert not _conversation_in_scope(state, scope, "conv-secret")
+    assert _conversation_in_scope(state, scope, "conv-chat")
+    assert _conversation_in_scope(state, scope, "unknown")  # a 404 anyway
+    assert _conversation_in_scope(state, None, "conv-secret")
+    response = await call(app, "GET", "/v1/stream?conv_id=conv-secret", "infer")
+    assert response.status_code == 404
+
+
+@pytest.mark.fake
+async def test_no_key_shows_in_answers_or_logs(app: Starlette,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    for who in KEYS:
+        await chat_as(app, who, "chat-a")
+        await call(app, "POST", "/models/unload", who, json={"model": "secret"})
+    texts = [(await call(app, "GET", path, "admin")).text
+             for path in ("/props", "/models", "/metrics", "/logs?lines=1000", "/activity")]
+    texts += [caplog.text]
+    for key, _ in KEYS.values():
+        for text in texts:
+            assert key not in text
+
+
+def test_the_middleware_refuses_one_key_with_two_scopes() -> None:
+    @contextlib.asynccontextmanager
+    async def no_lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+
+    same = [ApiKey("k", KeyScope(frozenset({INFER}))), ApiKey("k", FULL)]
+    application = create_app(no_lifespan, same)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="twice with different scopes"):
+        application.build_middleware_stack()
+
+
+# --------------------------------------------------------------------------- real server
+
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+
+@pytest.mark.real
+def test_a_scoped_key_against_the_real_llama_server(tmp_path: Path, llama_server: Path,
+                                                    tiny_models: dict[str, Path]) -> None:
+    presets = write_presets(tmp_path / "models.ini", "version = 1\n[*]\nctx-size = 1024\n"
+                            f"[alpha]\nmodel = {tiny_models['alpha']}\n"
+                            f"[beta]\nmodel = {tiny_models['beta']}\n")
+    admin, scoped = "admin-key-7f3a91", "scoped-key-c2d8e4"
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"# team A: chat with alpha only\n{scoped}  models=alpha  role=infer\n")
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
+                      "--api-key", admin, "--api-key-file", str(key_file)) as router, \
+            router.client() as client:
+        as_scoped = {"Authorization": f"Bearer {scoped}"}
+        as_admin = {"Authorization": f"Bearer {admin}"}
+        answer = client.post("/v1/chat/completions", json={"model": "alpha", **CHAT},
+                             headers=as_scoped)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+        refused = client.post("/v1/chat/completions", json={"model": "beta", **CHAT},
+                              headers=as_scoped)
+        assert refused.status_code == 403
+        assert refused.json()["error"]["type"] == "permission_error"
+        assert [m["id"] for m in client.get("/v1/models", headers=as_scoped).json()["data"]] \
+            == ["alpha"]
+        assert {m["id"] for m in client.get("/v1/models", headers=as_admin).json()["data"]} \
+            == {"alpha", "beta"}
+        unload = client.post("/models/unload", json={"model": "alpha"}, headers=as_scoped)
+        assert unload.status_code == 403
+        assert unload.json()["error"]["type"] == "permission_error"
+        assert client.get("/metrics", headers=as_scoped).status_code == 403
+        # Neither key anywhere: the router's answers, its log, the child's argv and environ.
+        seen = [client.get(path, headers=as_admin).text for path in
+                ("/props", "/models", "/metrics", "/logs?lines=1000",
+                 "/logs?model=alpha&lines=1000")]
+        child = next(p for p in router.children() if "llama-server" in p.name())
+        seen += [" ".join(child.cmdline()), " ".join(child.environ().values()), router.log()]
+        for key in (admin, scoped):
+            assert not any(key in text for text in seen), key
+        # The scoped key's refusal left the model loaded; the admin key may unload it.
+        models = client.get("/models", headers=as_admin).json()["data"]
+        assert next(m for m in models if m["id"] == "alpha")["status"]["value"] == "loaded"
+        assert client.post("/models/unload", json={"model": "alpha"},
+                           headers=as_admin).status_code == 200
