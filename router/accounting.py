@@ -51,6 +51,7 @@ class Accounting:
     def __init__(self, gpus: list[GpuDevice]) -> None:
         self.gpus = gpus
         self._estimated: set[str] = set()
+        self._retry: dict[str, ModelRuntime] = {}  # estimates to try again (``run``)
         self._rss: dict[int, int | None] = {}  # per child pid, refreshed by run()
         self._gpu_usage: dict[int, dict[str, int]] = {}  # per child pid, refreshed by run()
 
@@ -78,8 +79,9 @@ class Accounting:
             except (OSError, ValueError) as exc:
                 if _transient(exc):  # e.g. out of file descriptors: not the file's fault
                     self._estimated.discard(runtime.id)
+                    self._retry[runtime.id] = runtime
                     log.warning("cannot read the model's header now (%s); the estimate is "
-                                "retried at its next load", exc, extra={"model": runtime.id})
+                                "tried again in a moment", exc, extra={"model": runtime.id})
                 else:
                     log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
         return runtime.estimate
@@ -124,6 +126,8 @@ class Accounting:
         gpu_due = 0.0
         loop = asyncio.get_running_loop()
         while True:
+            for model_id in list(self._retry):  # a header that could not be read just now
+                await self.estimate(self._retry.pop(model_id))
             pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
             if pids:
                 self._rss = await asyncio.to_thread(_measure_all, pids)

@@ -136,6 +136,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     method: str = scope["method"]
     if method not in METHODS:
         raise MethodNotAllowed(f"method {method} is not allowed")
+    if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
+        raise BadRequest("the request target must be an absolute path such as /v1/models")
     body = await read_body(scope, receive, sup.settings.max_body_bytes)
     model: str | None = None
     if method in ("POST", "PUT", "PATCH"):

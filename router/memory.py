@@ -184,13 +184,16 @@ def read_shape(path: str | Path) -> GGUFShape:
     try:
         with first.open("rb") as fh:
             magic = fh.read(4)
-    except OSError as exc:
-        raise ValueError(f"{path}: not a GGUF file ({exc})") from exc
+    except OSError as exc:  # unreadable now (permissions, out of file descriptors)
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (bad magic {magic!r})")
     try:
         fields = read_metadata(first)
     except ValueError as exc:
+        if isinstance(exc.__cause__, OSError):
+            raise ValueError(f"{path}: cannot be read ({exc.__cause__.strerror or exc})") \
+                from exc
         raise ValueError(f"{path}: not a GGUF file ({exc})") from exc
 
     arch = fields.get("general.architecture")

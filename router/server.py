@@ -28,8 +28,10 @@ from starlette.applications import Starlette
 from . import gpus
 from .app import State, create_app
 from .events import EventBus
+from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
 from .gpus import GpuDevice
+from .http11 import EnvelopeHttpToolsProtocol
 from .install import (
     WEBUI_MISSING,
     InstallError,
@@ -291,8 +293,12 @@ def serve(settings: Settings) -> None:
     prepared = prepare(settings)
     notifier = Notifier()
     app = build_app(prepared, notifier)
+    open_files = raise_soft_limit()
+    cap = connection_cap(open_files, settings.models_max)
+    log.info("up to %d client connections at once (%d file descriptors)", cap, open_files)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
+                            http=EnvelopeHttpToolsProtocol.capped(cap),
                             timeout_graceful_shutdown=math.ceil(
                                 settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from .accounting import TRANSIENT_ERRNOS
 from .cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
 from .errors import LoadFailed
 from .events import EventBus
@@ -42,6 +44,7 @@ from .scheduler import Status
 log = logging.getLogger("router.spawner")
 
 PORT_RETRIES = 3
+START_RETRY_S = 0.25
 INFO_TIMEOUT_S = 5.0
 
 
@@ -121,15 +124,8 @@ class Spawner:
         """Spawn one child into ``children`` (retrying a taken port) and wait until it is
         healthy; raises ``ChildError`` (the caller stops what ``children`` holds)."""
         for attempt in range(PORT_RETRIES):
-            port = free_port()
-            argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
-            env = {**child_environment(), **spin_environment()} if self.cores else None
-            child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client, env=env,
-                                 max_connections=runtime.max_connections, cpu=cpu,
-                                 router_port=self._router_port)
-            child.on_state = functools.partial(self._child_state, runtime, child)
-            children.append(child)
-            await child.start()
+            child = await self._start(runtime, children, cpu,
+                                      timeout - (time.monotonic() - started))
             try:
                 await child.wait_ready(timeout - (time.monotonic() - started), timeout)
                 return
@@ -137,7 +133,36 @@ class Spawner:
                 if not exc.port_in_use or attempt == PORT_RETRIES - 1:
                     raise
                 children.remove(child)
-                log.warning("port %d was taken; retrying", port, extra={"model": runtime.id})
+                log.warning("port %d was taken; retrying", child.port,
+                            extra={"model": runtime.id})
+
+    async def _start(self, runtime: ModelRuntime, children: list[ChildProcess],
+                     cpu: CpuShare | None, within: float) -> ChildProcess:
+        """Start a child on a free port into ``children``. A failure for a reason of the
+        moment (out of file descriptors or memory: a flood of clients) is retried every
+        ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                port = free_port()
+                argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
+                env = {**child_environment(), **spin_environment()} if self.cores else None
+                child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
+                                     env=env, max_connections=runtime.max_connections,
+                                     cpu=cpu, router_port=self._router_port)
+                child.on_state = functools.partial(self._child_state, runtime, child)
+                children.append(child)  # from now on the caller stops it if anything fails
+                await child.start()
+            except OSError as exc:
+                if exc.errno not in TRANSIENT_ERRNOS or time.monotonic() >= deadline:
+                    raise
+                if children and children[-1].pid is None:
+                    children.pop()  # never started: nothing to stop
+                log.warning("cannot start llama-server now (%s); retrying", exc.strerror,
+                            extra={"model": runtime.id})
+                await asyncio.sleep(START_RETRY_S)
+                continue
+            return child
 
     def _child_state(self, runtime: ModelRuntime, child: ChildProcess, state: str,
                      payload: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -86,7 +87,9 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 
 @contextlib.contextmanager
 def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-                 child_args: tuple[str, ...] = ()) -> Iterator[RouterProcess]:
+                 child_args: tuple[str, ...] = (),
+                 open_files: int | None = None) -> Iterator[RouterProcess]:
+    """A router subprocess; ``open_files`` caps its file descriptors (``ulimit -n``)."""
     port = free_port()
     log_path = tmp_path / f"router-{port}.log"
     argv = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), *args]
@@ -94,7 +97,10 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         argv += ["--", *child_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})},
+                                preexec_fn=None if open_files is None else
+                                (lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                            (open_files, open_files))))
     router = RouterProcess(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + STARTUP_DEADLINE_S
