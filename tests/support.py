@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import psutil
 import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
 
+from router.forward import proxy
 from router.process import free_port
 
 TESTS = Path(__file__).parent
@@ -171,3 +177,31 @@ class SSEClient(threading.Thread):
                     self.events.append(json.loads(line[6:]))
                 if self.stop.is_set():
                     return
+
+
+@contextlib.asynccontextmanager
+async def proxy_in_uvicorn(state: object, timeout: float) -> AsyncIterator[httpx.AsyncClient]:
+    """``forward.proxy`` served by uvicorn on a free port (as the router serves it), with
+    ``state`` as the app's state; a client for it. ``timeout`` guards every wait."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope["app"] = SimpleNamespace(state=state)
+            await proxy(scope, receive, send)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None,
+                                           access_log=False))
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(timeout):
+            while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
+                await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout)
+        sock.close()

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,9 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from starlette.types import Receive, Scope, Send
-from support import start_router, write_presets
+from support import proxy_in_uvicorn, start_router, write_presets
 
 from router.forward import proxy
 from router.proxy import RESPONSE_DROP, upstream_headers
@@ -112,29 +109,11 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
         state = SimpleNamespace(router=SimpleNamespace(supervisor=FakeSupervisor(pool),
                                                        shutdown=Shutdown(30.0)),
                                 webui=None)
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http":
-                scope["app"] = SimpleNamespace(state=state)
-                await proxy(scope, receive, send)
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None,
-                                               access_log=False))
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         try:
-            async with asyncio.timeout(TIMEOUT):
-                while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
-                    await asyncio.sleep(0.01)
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            async with proxy_in_uvicorn(state, TIMEOUT) as client:
                 yield client
         finally:
-            server.should_exit = True
-            await asyncio.wait_for(serving, TIMEOUT)
             await pool.aclose()
-            sock.close()
 
 
 def answer(raw: bytes) -> Child:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,11 +22,15 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from starlette.types import Receive, Scope, Send
-from support import RouterProcess, fake_binary, start_router, wait_until, write_presets
+from support import (
+    RouterProcess,
+    fake_binary,
+    proxy_in_uvicorn,
+    start_router,
+    wait_until,
+    write_presets,
+)
 
-from router.forward import proxy
 from router.state import Shutdown
 from router.upstream import ChildConnections
 
@@ -117,29 +120,11 @@ async def proxy_before(child: Child, shutdown: Shutdown
         supervisor = FakeSupervisor(pool)
         state = SimpleNamespace(router=SimpleNamespace(supervisor=supervisor, shutdown=shutdown),
                                 webui=None)
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http":
-                scope["app"] = SimpleNamespace(state=state)
-                await proxy(scope, receive, send)
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None,
-                                               access_log=False))
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
         try:
-            async with asyncio.timeout(TIMEOUT):
-                while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
-                    await asyncio.sleep(0.01)
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            async with proxy_in_uvicorn(state, TIMEOUT) as client:
                 yield client, supervisor, arrived
         finally:
-            server.should_exit = True
-            await asyncio.wait_for(serving, TIMEOUT)
             await pool.aclose()
-            sock.close()
 
 
 async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
