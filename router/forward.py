@@ -16,6 +16,7 @@ from typing import Any
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
 
+from .affinity import request_keys
 from .errors import (
     BadRequest,
     ClientGone,
@@ -140,9 +141,10 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         raise BadRequest("the request target must be an absolute path such as /v1/models")
     body = await read_body(scope, receive, sup.settings.max_body_bytes)
     model: str | None = None
+    parsed: dict[str, Any] | None = None
     if method in ("POST", "PUT", "PATCH"):
         content_type = header(scope, b"content-type") or b""
-        model, _ = model_from_body(content_type.decode("latin-1"), body)
+        model, parsed = model_from_body(content_type.decode("latin-1"), body)
     params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
     model = model or params.get("model")
     if not model:
@@ -159,16 +161,20 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     runtime = sup.resolve(model) if key_scope is None else resolve_in_scope(sup, key_scope, model)
     request_state["model"] = runtime.preset.id
     autoload = _autoload(params, sup.settings.models_autoload)
+    keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)
+    if parsed is not None and runtime.preset.prefix_routing:
+        keys = request_keys(parsed) or None
     conv_id = header(scope, CONVERSATION_HEADER) if body else None
     if conv_id:  # a resumable stream: remember whose it is, also while the model loads
         state.conversations.remember(conv_id.decode("latin-1"), runtime.id)
     if runtime.serving:  # hot path: no waiting, no tasks
-        lease = await sup.acquire(model, autoload=autoload, budget=budget)
+        lease = await sup.acquire(model, autoload=autoload, budget=budget, keys=keys)
     else:
         waited = time.perf_counter()
         try:
             lease = await _acquire_unless_disconnected(
-                sup.acquire(model, autoload=autoload, budget=budget), receive, shutdown)
+                sup.acquire(model, autoload=autoload, budget=budget, keys=keys), receive,
+                shutdown)
         finally:  # for the activity record, also when the wait failed
             request_state["queue_s"] = queued = time.perf_counter() - waited
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)

@@ -1,11 +1,13 @@
 """The hot path's bookkeeping: a request holds one replica of a serving model while it runs.
 
-``Leases.take`` picks a replica (the one with the most free slots) and counts the request in
-flight, without awaiting anything, so nothing can stop the model between "it serves" and "it
-is in use". ``Lease.release`` gives it back exactly once, however the request ended. The
-owner (the supervisor) hears of the transitions it acts on through callbacks: a model's
-first request in flight (``on_busy``), its last one done (``on_idle``), and the last request
-of a replica that has left its model (a crash, a replacement) done (``on_replica_done``).
+``Leases.take`` picks a replica (the one with the most free slots, or by the request's prompt
+prefix keys when it has them: ``ModelRuntime.route``) and counts the request in flight,
+without awaiting anything, so nothing can stop the model between "it serves" and "it is in
+use". ``Lease.release`` gives it back exactly once, however the request ended. The owner (the
+supervisor) hears of the transitions it acts on through callbacks: a model's first request in
+flight (``on_busy``), its last one done (``on_idle``), and the last request of a replica that
+has left its model (a crash, a replacement) done (``on_replica_done``). A routing decision by
+prefix is reported to ``on_routed`` (the metrics), when set.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .process import ChildProcess
 from .runtime import ModelRuntime, Replica
 
 ModelCallback = Callable[[ModelRuntime], None]
+RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
 
 
 class Lease:
@@ -46,10 +49,19 @@ class Leases:
         self._on_busy = on_busy
         self._on_idle = on_idle
         self._on_replica_done = on_replica_done
+        self.on_routed: RoutedCallback | None = None
 
-    def take(self, runtime: ModelRuntime, replica: Replica | None = None) -> Lease:
-        """Hold ``replica`` (default: the least busy) of a serving model for one request."""
-        replica = replica or runtime.pick_replica()
+    def take(self, runtime: ModelRuntime, replica: Replica | None = None,
+             keys: tuple[int, ...] | None = None) -> Lease:
+        """Hold ``replica`` of a serving model for one request; default: by the prompt's
+        prefix ``keys`` (``affinity``) when given, else the least busy."""
+        if replica is None:
+            if keys is None:
+                replica = runtime.pick_replica()
+            else:
+                replica, decision = runtime.route(keys)
+                if self.on_routed is not None:
+                    self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
         runtime.in_flight += 1
         runtime.last_used = time.monotonic()

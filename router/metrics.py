@@ -69,10 +69,16 @@ class RouterMetrics:
                                     "checks", ["model"], registry=r)
         self.scrape_errors = Counter("llamarouter_child_scrape_errors",
                                      "Child /metrics scrapes that failed", ["model"], registry=r)
+        self.replica_routing = Counter(
+            "llamarouter_replica_routing", "Requests to a model with several replicas routed "
+            "by their prompt's prefix, by decision: prefix_hit (the replica that served its "
+            "longest prefix), miss (none had: the least busy), override (that replica was "
+            "saturated: the least busy with a free slot)", ["model", "decision"], registry=r)
 
         # Labelled children per (model, endpoint, status): a request is counted with one dict
         # lookup instead of a labels() call per family (the hot path; none are ever removed).
         self._children: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
+        self._routing: dict[tuple[str, str], Any] = {}  # (model, decision): the labelled child
 
     def observe_request(self, model: str, endpoint: str, status: int, total_s: float,
                         ttft_s: float | None, tokens: int | None) -> None:
@@ -94,9 +100,19 @@ class RouterMetrics:
         if generated is not None and tokens:
             generated.inc(tokens)
 
+    def observe_routing(self, model: str, decision: str) -> None:
+        """Count one routing decision among replicas (``Leases.on_routed``; the hot path: one
+        dict lookup, the labelled child cached like ``observe_request``'s)."""
+        child = self._routing.get((model, decision))
+        if child is None:
+            child = self._routing[(model, decision)] = self.replica_routing.labels(model,
+                                                                                  decision)
+        child.inc()
+
     def attach(self, supervisor: Supervisor) -> None:
         self.registry.register(_LiveGauges(supervisor))
         supervisor.events.listeners.append(self.on_event)
+        supervisor.leases.on_routed = self.observe_routing
 
     def on_event(self, event: Event) -> None:
         """Count lifecycle transitions from the supervisor's status events."""

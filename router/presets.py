@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from .affinity import ROUTING_PREFIX, ROUTINGS
 from .flags import FALSEY, TRUTHY, FlagTable
 
 GLOBAL_SECTION = "*"
@@ -101,6 +102,9 @@ class ModelPreset:
     wait_budget: float | None = None
     ttl: float | None = None
     replicas: int = 1
+    # replica-routing: how requests choose among replicas (``affinity``): "prefix" (the
+    # replica that served the prompt's longest prefix) or "least-busy".
+    replica_routing: str = ROUTING_PREFIX
     # dedup-cache-models: hide from /models the HF-cache entries backing hf-repo and
     # spec-draft-hf (they stay usable by id); ``listed`` is False for such a hidden entry.
     dedup_cache_models: bool = False
@@ -113,6 +117,11 @@ class ModelPreset:
     @property
     def hf_repo(self) -> str | None:
         return self.args.get("hf-repo")
+
+    @property
+    def prefix_routing(self) -> bool:
+        """Requests choose among several replicas by their prompt's prefix (``affinity``)."""
+        return self.replicas > 1 and self.replica_routing == ROUTING_PREFIX
 
 
 @dataclass
@@ -244,6 +253,12 @@ def _parse_count(value: str) -> int:
     return int(value)
 
 
+def _parse_routing(value: str) -> str:
+    if value.lower() not in ROUTINGS:
+        raise ValueError(f"bad replica routing {value!r}: use {' or '.join(ROUTINGS)}")
+    return value.lower()
+
+
 def _parse_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
@@ -256,6 +271,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "wait-budget": (_parse_seconds, "wait_budget"),
     "ttl": (_parse_seconds, "ttl"),
     "replicas": (_parse_count, "replicas"),
+    "replica-routing": (_parse_routing, "replica_routing"),
     "alias": (_parse_list, "aliases"),
     "tags": (_parse_list, "tags"),
     "dedup-cache-models": (_parse_bool, "dedup_cache_models"),

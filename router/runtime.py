@@ -2,7 +2,9 @@
 
 Plain data, written only by the supervisor and its parts; ``state`` changes only through
 ``lifecycle.transition`` (``Executor.apply``). A model has ``replicas`` children (1 unless its
-preset says ``replicas = N``); requests go to the replica with the most free slots.
+preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
+a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
+that served the longest prefix of their prompt.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .affinity import Decision, PrefixTable, choose
 from .lifecycle import ModelState
 from .logs import LogRing
 from .presets import ModelPreset
@@ -42,6 +45,9 @@ class Failure:
 class Replica:
     child: ChildProcess
     in_flight: int = 0
+    # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
+    # as its KV cache does.
+    prefixes: PrefixTable = field(default_factory=PrefixTable)
 
 
 def slots(args: Mapping[str, str]) -> int:
@@ -154,6 +160,16 @@ class ModelRuntime:
         """The replica with the most free slots (ties: the first)."""
         return max(self.replicas, key=lambda r: self.slots - r.in_flight)
 
+    def route(self, keys: tuple[int, ...]) -> tuple[Replica, Decision]:
+        """The replica for a request with prompt prefix ``keys`` (``affinity.choose``), which
+        then remembers them."""
+        replicas = self.replicas
+        size = self.slots
+        index, decision = choose([(r.in_flight, size) for r in replicas],
+                                 [r.prefixes for r in replicas], keys)
+        replica = replicas[index]
+        replica.prefixes.record(keys)
+        return replica, decision
 
 
 def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[ChildProcess]]:

@@ -106,13 +106,14 @@ class Supervisor:
 
     # ----------------------------------------------------------------- requests
 
-    async def acquire(self, name: str, *, autoload: bool = True,
-                      budget: float | None = None) -> Lease:
+    async def acquire(self, name: str, *, autoload: bool = True, budget: float | None = None,
+                      keys: tuple[int, ...] | None = None) -> Lease:
         """Wait until the model serves (loading it if allowed) and hold a replica for one
-        request. Raises ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
+        request (chosen by the prompt's prefix ``keys`` if given: ``affinity``). Raises
+        ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
         runtime = self.resolve(name)
         if runtime.serving:
-            return self.leases.take(runtime)
+            return self.leases.take(runtime, keys=keys)
         if not autoload and runtime.status is Status.UNLOADED:
             raise ModelNotLoaded(runtime.id)
         if self.total_waiting >= self.settings.max_queue:
@@ -144,7 +145,7 @@ class Supervisor:
                     if runtime.unloads != unloads:
                         raise LoadFailed(f"model '{runtime.id}' was unloaded while this "
                                          "request waited for it") from None
-            return self.leases.take(runtime)
+            return self.leases.take(runtime, keys=keys)
         finally:
             runtime.waiting -= 1
             if runtime.waiting == 0:

@@ -73,10 +73,11 @@ class FakeSupervisor:
         self.pool = pool
 
     def resolve(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model), serving=True)
+        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False),
+                               serving=True)
 
-    async def acquire(self, model: str, *, autoload: bool, budget: float | None
-                      ) -> SimpleNamespace:
+    async def acquire(self, model: str, *, autoload: bool, budget: float | None,
+                      keys: tuple[int, ...] | None = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None)
 

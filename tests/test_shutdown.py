@@ -81,11 +81,11 @@ class FakeSupervisor:
         self.waits = asyncio.Event()  # set when a request starts waiting for ``loading``
 
     def resolve(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model),
+        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False),
                                serving=model != "loading")
 
-    async def acquire(self, model: str, *, autoload: bool, budget: float | None
-                      ) -> SimpleNamespace:
+    async def acquire(self, model: str, *, autoload: bool, budget: float | None,
+                      keys: tuple[int, ...] | None = None) -> SimpleNamespace:
         if model == "loading":
             self.waiting += 1
             self.waits.set()
