@@ -94,7 +94,8 @@ class Admission:
         waited = time.monotonic() - since
         plan = plan_admission(
             [m.snapshot(accounting.memory_held(m), accounting.devices_held(m))
-             if m.status.holds_process else m.snapshot(0) for m in self._models()],
+             if m.status.holds_process else m.snapshot(0) for m in self._models()
+             if m.preset.upstream is None],  # a remote upstream holds nothing here
             runtime.id, self.settings.models_max, target_memory=target_memory,
             memory_budget=self.memory_budget, target_devices=runtime.estimate_devices,
             device_budgets=self.gpu_budgets, waited_s=waited, fairness_s=self.settings.fairness)

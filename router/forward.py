@@ -33,7 +33,7 @@ from .paths import (
     CHILD_GET_PATHS,
     METHODS,
 )
-from .proxy import ResponseAborted, relay, upstream_headers, wait_disconnect
+from .proxy import ResponseAborted, for_remote, relay, upstream_headers, wait_disconnect
 from .requests import header, model_from_body, read_body
 from .resumable import CONVERSATION_HEADER
 from .state import Shutdown, State
@@ -181,9 +181,13 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     if conv_id:
         state.conversations.remember(conv_id.decode("latin-1"), runtime.id, lease.child)
     try:
-        await relay(lease.child.connections, method, _target(scope),
-                    upstream_headers(scope["headers"]), body, receive=receive, send=send,
-                    shutdown=shutdown)
+        headers = upstream_headers(scope["headers"])
+        preset = runtime.preset
+        if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
+            headers, body = for_remote(headers, body, parsed, preset.upstream_key,
+                                       preset.upstream_model)
+        await relay(lease.child.connections, method, _target(scope), headers, body,
+                    receive=receive, send=send, shutdown=shutdown)
     finally:
         lease.release()
 

@@ -11,6 +11,9 @@ as a crash (``executor``): in-flight requests fail with the envelope (502, or th
 of a stream), the model restarts under the crash backoff, and the ``unresponsive`` event and
 metric say why.
 
+A remote upstream (``remote``) is probed the same way (its own health path, with its key);
+after its misses it is marked gone instead of killed, and handled as a crash the same way.
+
 A child the CPU gate has paused for its turn (``cpugate``) is not answering either: a probe
 that ends while it is paused is not counted.
 """
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable
 import httpx
 
 from .process import ChildProcess
+from .remote import RemoteUpstream
 from .runtime import ModelRuntime
 from .scheduler import Status
 
@@ -71,12 +75,19 @@ class Liveness:
                     problem, extra={"event": "health_missed", "model": runtime.id,
                                     "pid": child.pid})
         if child.unanswered_probes >= self.misses and runtime.status is Status.LOADED:
+            if isinstance(child, RemoteUpstream):
+                self._on_unresponsive(runtime, child, (
+                    f"upstream {child.url} stopped answering: {child.unanswered_probes} "
+                    f"health checks in a row failed (last: {problem})"))
+                return
             self._on_unresponsive(runtime, child, (
                 f"llama-server stopped answering: {child.unanswered_probes} health checks "
                 f"in a row failed (last: {problem}); killed it"))
 
     async def _ask(self, child: ChildProcess) -> str | None:
         """None if the child answered /health with 200 in time, else what went wrong."""
+        if isinstance(child, RemoteUpstream):  # its own health path and key
+            return await child.probe(self.timeout)
         try:
             response = await self._client.get(child.base_url + "/health", timeout=self.timeout,
                                               headers={"connection": "close"})

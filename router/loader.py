@@ -5,6 +5,8 @@ model not in the cache yet, wait for an old child of the model to be gone, sit o
 backoff, queue for admission (``admission``), then spawn every replica until healthy
 (``spawner``). Each step reports to the lifecycle through ``Executor.apply``. A cancelled
 load (an unload, a reconfiguration, nobody waiting any more) stops what it started.
+A remote upstream (``remote``) downloads nothing and skips admission: it holds no local
+memory, cores or ``--models-max`` slot.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class Loader:
 
     async def load(self, runtime: ModelRuntime) -> None:
         """Load the model; raises LoadFailed (the reason is also in ``runtime.failure``)."""
-        if runtime.preset.model_path is None:  # an hf-repo model not in the cache yet
+        remote = runtime.preset.upstream is not None  # served elsewhere (``remote``)
+        if runtime.preset.model_path is None and not remote:  # an hf-repo model to download
             await asyncio.shield(self.start_download(runtime))
         while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
             await self._changes.wait()
@@ -65,7 +68,8 @@ class Loader:
             log.info("waiting %.1f s before restarting after %d failures", delay,
                      runtime.state.failures_in_row, extra={"model": runtime.id})
             await asyncio.sleep(delay)
-        await self._admission.admit(runtime)
+        if not remote:  # a remote upstream holds no local memory, cores or model slot
+            await self._admission.admit(runtime)
         self._executor.apply(runtime, Admitted())
         try:
             await self._spawn(runtime)

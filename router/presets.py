@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from urllib.parse import urlsplit
 
 from .affinity import ROUTING_PREFIX, ROUTINGS
 from .flags import FALSEY, TRUTHY, FlagTable
@@ -109,6 +110,13 @@ class ModelPreset:
     # spec-draft-hf (they stay usable by id); ``listed`` is False for such a hidden entry.
     dedup_cache_models: bool = False
     listed: bool = True
+    # upstream: a remote OpenAI-compatible server (``http://host:port``) serving this model
+    # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
+    # the client's, unchanged); upstream_key: the bearer key read from upstream-api-key-file
+    # (never shown: not in repr, /models or /props).
+    upstream: str | None = None
+    upstream_model: str | None = None
+    upstream_key: str | None = field(default=None, repr=False)
 
     @property
     def model_path(self) -> str | None:
@@ -259,6 +267,49 @@ def _parse_routing(value: str) -> str:
     return value.lower()
 
 
+def _parse_upstream(value: str) -> str:
+    """``http://host[:port]`` → ``http://host:port`` (no path, query, credentials)."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad upstream address {value!r}: {exc}") from None
+    if parts.scheme == "https":
+        raise ValueError(f"https upstreams are not supported yet: {value!r}; use http:// "
+                         "(on a private network, or through a TLS-terminating tunnel)")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"bad upstream address {value!r}: expected http://host:port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"bad upstream address {value!r}: no path or query; the request's "
+                         "own path is used (e.g. /v1/chat/completions)")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"bad upstream address {value!r}: no credentials in the address; "
+                         "use upstream-api-key-file")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{port or 80}"
+
+
+def _parse_name(value: str) -> str:
+    if not value:
+        raise ValueError("expected a model name")
+    return value
+
+
+def read_key_file(path: Path) -> str:
+    """The first line of ``path`` that is neither empty nor a ``#`` comment, stripped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"file does not exist: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line
+    raise ValueError(f"no key in {path} (its first non-comment line is the key)")
+
+
 def _parse_list(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
@@ -275,7 +326,12 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "alias": (_parse_list, "aliases"),
     "tags": (_parse_list, "tags"),
     "dedup-cache-models": (_parse_bool, "dedup_cache_models"),
+    "upstream": (_parse_upstream, "upstream"),
+    "upstream-model": (_parse_name, "upstream_model"),
+    "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),
 }
+# Keys of a remote upstream: never defaults in [*], and only with ``upstream``.
+UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file")
 _PRESET_ONLY_ENV = {"__PRESET_" + k.upper().replace("-", "_"): k for k in PRESET_ONLY}
 
 
@@ -301,6 +357,8 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
                 preset_key = resolved.option.key  # a, LLAMA_ARG_ALIAS, LLAMA_ARG_TAGS
             if preset_key in PRESET_ONLY:
                 parser, attr = PRESET_ONLY[preset_key]
+                if preset_key == "upstream-api-key-file":  # relative to the preset's directory
+                    value = str((path.parent / Path(value).expanduser()).absolute())
                 try:
                     parsed = parser(value)
                 except ValueError as exc:
@@ -308,6 +366,7 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
                 else:
                     if attr != "_ignored":
                         options[attr] = parsed
+                origins[preset_key] = origin
                 continue
             if resolved is None:
                 close = table.suggest(key, extra=list(PRESET_ONLY))
@@ -343,9 +402,34 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
                     problems.append(PresetProblem(
                         origins[key], f"'{key}' cannot be a default for every model",
                         section.name, key))
+            for key in UPSTREAM_KEYS:
+                if key in origins:
+                    problems.append(PresetProblem(
+                        origins[key], f"'{key}' cannot be a default for every model",
+                        section.name, key))
             defaults = parsed_section
         else:
+            problems += _upstream_problems(section.name, args, origins)
             models.append(parsed_section)
     if problems:
         raise PresetsInvalid(problems)
     return PresetFile(path, defaults, models, warnings)
+
+
+def _upstream_problems(name: str, args: Mapping[str, str],
+                       origins: Mapping[str, Origin]) -> list[PresetProblem]:
+    """A remote upstream has no local model file; its other keys need ``upstream``."""
+    problems: list[PresetProblem] = []
+    if "upstream" in origins:
+        for key in SOURCE_KEYS:
+            if key in args:
+                problems.append(PresetProblem(
+                    origins[key], f"'{key}' cannot be set with 'upstream' (line "
+                    f"{origins['upstream'].line}): a remote upstream serves the model",
+                    name, key))
+    else:
+        for key in UPSTREAM_KEYS[1:]:
+            if key in origins:
+                problems.append(PresetProblem(origins[key], "only for a model with "
+                                              "'upstream = http://host:port'", name, key))
+    return problems

@@ -3,7 +3,8 @@
 * The body passes through as the bytes the client sent; only headers are filtered:
   hop-by-hop headers (RFC 9110 §7.6.1: the fixed set and every header a ``Connection``
   header names), ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
-  behind, so API keys never reach children. Hop-by-hop headers of the child's response stay
+  behind, so API keys never reach children (a remote upstream gets its own key instead,
+  ``for_remote``). Hop-by-hop headers of the child's response stay
   behind too. ``strip_hop_by_hop`` is the one place that does it, for both directions.
 * The response is relayed chunk by chunk as the child writes it (no decoding, no buffering),
   except a small body of known length, which goes out in one piece.
@@ -27,7 +28,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Send
 
@@ -70,6 +71,18 @@ class ResponseAborted(Exception):
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The client's headers as the child gets them."""
     return strip_hop_by_hop(raw, REQUEST_DROP)
+
+
+def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, parsed: dict[str, Any] | None,
+               key: str | None, model: str | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A request as a remote upstream (``remote``) gets it: its own bearer key (the client's
+    credentials were dropped already), and in a JSON body ``model`` renamed to ``model``
+    when the preset sets ``upstream-model``. Only models with ``upstream`` pay for this."""
+    if key is not None:
+        headers = [*headers, (b"authorization", b"Bearer " + key.encode("latin-1"))]
+    if model is not None and parsed is not None:
+        body = json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
+    return headers, body
 
 
 def strip_hop_by_hop(raw: list[tuple[bytes, bytes]], drop: frozenset[bytes]

@@ -27,8 +27,10 @@ class CatalogueDiff:
 
 
 def needs_restart(old: ModelPreset, new: ModelPreset) -> bool:
-    """A running child cannot take the new preset: its arguments or replica count differ."""
-    return dict(old.args) != dict(new.args) or old.replicas != new.replicas
+    """A running child cannot take the new preset: its arguments or replica count differ
+    (or, for a remote upstream, its address or key)."""
+    return (dict(old.args) != dict(new.args) or old.replicas != new.replicas
+            or old.upstream != new.upstream or old.upstream_key != new.upstream_key)
 
 
 def diff(old: Mapping[str, ModelPreset], new: Mapping[str, ModelPreset]) -> CatalogueDiff:

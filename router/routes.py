@@ -140,7 +140,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         status.update(pid=child.pid, port=child.port)
     if runtime.loaded_at is not None:
         status["uptime_s"] = round(time.monotonic() - runtime.loaded_at, 1)
-    if child is not None:
+    if child is not None and preset.upstream is None:
         status["cpu"] = child.cpu.describe() if child.cpu is not None else {
             "threads": preset.args.get("threads"), "cores": None,
             "placed_by": "preset" if supervisor.cores else "llama-server"}
@@ -186,6 +186,8 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
         "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
         "source": preset.source, "can_remove": preset.source == "cache",
     }
+    if preset.upstream is not None:  # a remote upstream (its key is never shown)
+        entry["upstream"] = preset.upstream
     if runtime.info and runtime.status is not Status.UNLOADED:
         for key, value in runtime.info.items():
             entry.setdefault(key, value)

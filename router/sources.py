@@ -159,7 +159,12 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
             seen_in[section.name] = section.origin
             own = preset_file.merged(section)
             base = merged.get(section.name)
-            if base is not None:
+            if base is not None and own.upstream is not None:
+                problems.append(PresetProblem(
+                    section.origin, f"'upstream' cannot be set for a model that has a local "
+                    f"file ({base.source}: {base.model_path or base.hf_repo})", section.name,
+                    "upstream"))
+            elif base is not None:
                 own = replace(own, args=MappingProxyType({**base.args, **own.args}))
             merged[section.name] = own
 
@@ -168,27 +173,36 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
     aliases: dict[str, str] = {}
     for model_id in sorted(merged):
         model = merged[model_id]
+        if model.upstream is not None:  # served remotely: no llama-server arguments, one
+            final[model_id] = replace(model, args=MappingProxyType({}), replicas=1)
+            _add_aliases(model, merged, aliases, problems)
+            continue
         args = {**global_args, **model.args, **override_args}
         if not any(key in args for key in SOURCE_KEYS) and model.origin is not None:
             problems.append(PresetProblem(
                 model.origin, "no model source: set 'model = /path/file.gguf' or "
                 "'hf-repo = owner/repo:QUANT'", model_id))
         final[model_id] = _with_cached_files(replace(model, args=MappingProxyType(args)))
-        for alias in model.aliases:
-            if alias in merged or alias in aliases:
-                owner = alias if alias in merged else aliases[alias]
-                problems.append(PresetProblem(
-                    model.origin or Origin(Path("?"), 0),
-                    f"alias '{alias}' is already the name or an alias of model '{owner}'",
-                    model_id, "alias"))
-            else:
-                aliases[alias] = model_id
+        _add_aliases(model, merged, aliases, problems)
     if problems:
         raise PresetsInvalid(problems)
     for model_id in _cache_entries_backing_dedup_presets(final):
         final[model_id] = replace(final[model_id], listed=False)
     warnings = tuple(w for f in files for w in f.warnings)
     return Catalogue(final, aliases, warnings)
+
+
+def _add_aliases(model: ModelPreset, merged: dict[str, ModelPreset], aliases: dict[str, str],
+                 problems: list[PresetProblem]) -> None:
+    for alias in model.aliases:
+        if alias in merged or alias in aliases:
+            owner = alias if alias in merged else aliases[alias]
+            problems.append(PresetProblem(
+                model.origin or Origin(Path("?"), 0),
+                f"alias '{alias}' is already the name or an alias of model '{owner}'",
+                model.id, "alias"))
+        else:
+            aliases[alias] = model.id
 
 
 def _cache_entries_backing_dedup_presets(models: dict[str, ModelPreset]) -> set[str]:

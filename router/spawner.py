@@ -9,6 +9,8 @@
   waited for until healthy. While it loads, its own progress reports (child mode, see
   ``process``) are published as llama.cpp's router does: ``status_change`` with
   ``progress``, the least advanced of the model's children being started.
+* A model with ``upstream`` (``remote``) gets a ``RemoteUpstream`` instead of a child: no
+  process, no port of its own, no CPU placement.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .process import (
     load_progress,
     progress_rank,
 )
+from .remote import RemoteUpstream
 from .runtime import ModelRuntime, http_threads
 from .scheduler import Status
 
@@ -67,6 +70,8 @@ class Spawner:
     def display_argv(self, runtime: ModelRuntime) -> list[str]:
         """The argv a model would start with (port 0), cached per preset for ``/models``."""
         preset, cache_ram = runtime.preset, runtime.cache_ram_mib
+        if preset.upstream is not None:
+            return ["upstream", preset.upstream]
         cached = self._argv_cache.get(runtime.id)
         if cached is None or cached[0] is not preset or cached[1] != cache_ram:
             cached = (preset, cache_ram, self.child_argv(preset, 0, cache_ram))
@@ -108,7 +113,7 @@ class Spawner:
 
     def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
         """Where ``count`` new children of a model compute (see the module docstring)."""
-        if not self.cores or places_itself(runtime.preset.args):
+        if not self.cores or places_itself(runtime.preset.args) or runtime.preset.upstream:
             return [None] * count
         if not self._computes_on_cpu(runtime):
             held = [c.cpu for m in self._models() for c in m.children() if c.cpu]
@@ -143,6 +148,13 @@ class Spawner:
         ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
         deadline = time.monotonic() + within
         while True:
+            if runtime.preset.upstream is not None:  # served elsewhere: nothing to spawn
+                remote = RemoteUpstream(runtime.id, runtime.preset.upstream, runtime.logs,
+                                        self._client, api_key=runtime.preset.upstream_key,
+                                        max_connections=runtime.max_connections)
+                children.append(remote)
+                await remote.start()
+                return remote
             try:
                 port = free_port()
                 argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)

@@ -187,7 +187,8 @@ class Supervisor:
                 raise LoadFailed(
                     f"model '{runtime.id}' failed {runtime.state.failures_in_row} times in a "
                     f"row{last}; not restarting it. Fix the cause, then POST /models/load.")
-            if runtime.preset.model_path is None and runtime.preset.hf_repo is None:
+            if (runtime.preset.model_path is None and runtime.preset.hf_repo is None
+                    and runtime.preset.upstream is None):
                 raise LoadFailed(f"model '{runtime.id}' has no model file")
             runtime.load_on_demand = on_demand
             runtime.load_task = asyncio.create_task(self.loader.load(runtime),

@@ -73,7 +73,8 @@ class FakeSupervisor:
         self.pool = pool
 
     def resolve(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False),
+        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
+                                                                  upstream=None),
                                serving=True)
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,

@@ -81,7 +81,8 @@ class FakeSupervisor:
         self.waits = asyncio.Event()  # set when a request starts waiting for ``loading``
 
     def resolve(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False),
+        return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
+                                                                  upstream=None),
                                serving=model != "loading")
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
