@@ -191,7 +191,8 @@ class _LiveGauges(Collector):
             in_flight.add_metric([model], runtime.in_flight)
             queued.add_metric([model], runtime.waiting)
             rss = self.supervisor.accounting.measured(runtime)
-            alive += len(runtime.replicas) + len(runtime.spawning)
+            if runtime.preset.upstream is None:  # a remote upstream runs no process here
+                alive += len(runtime.replicas) + len(runtime.spawning)
             if rss is not None:
                 memory.add_metric([model], rss)
             for pool, used in sorted(self.supervisor.accounting.measured_devices(runtime).items()):
