@@ -2,7 +2,8 @@
 
 A child that became healthy can still freeze (SIGSTOP from outside, a deadlock, a GPU hang).
 Its requests would then wait for ever: nothing else notices, because the process is alive.
-So every ``interval`` seconds each serving child gets a ``GET /health`` with a ``timeout``;
+So every ``interval`` seconds each serving child is probed (``ChildProcess.probe``: a
+``GET /health``) with a ``timeout``;
 llama-server answers it on an HTTP thread of its own (the router keeps two free of proxied
 connections, ``runtime.RESERVED_HTTP_THREADS``) without waiting for generation, so a slow
 generation never looks dead. ``misses`` unanswered probes in a row (no answer in time, a
@@ -11,7 +12,8 @@ as a crash (``executor``): in-flight requests fail with the envelope (502, or th
 of a stream), the model restarts under the crash backoff, and the ``unresponsive`` event and
 metric say why.
 
-A remote upstream (``remote``) is probed the same way (its own health path, with its key);
+A remote upstream (``remote``) answers the same probe (``RemoteUpstream.probe``: its own
+health path, with its key);
 after its misses it is marked gone instead of killed, and handled as a crash the same way.
 
 A child the CPU gate has paused for its turn (``cpugate``) is not answering either: a probe
@@ -24,8 +26,6 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-import httpx
-
 from .process import ChildProcess
 from .remote import RemoteUpstream
 from .runtime import ModelRuntime
@@ -37,10 +37,9 @@ Unresponsive = Callable[[ModelRuntime, ChildProcess, str], None]
 
 
 class Liveness:
-    def __init__(self, client: httpx.AsyncClient, *, interval: float, timeout: float,
+    def __init__(self, *, interval: float, timeout: float,
                  misses: int, is_paused: Callable[[ChildProcess], bool],
                  on_unresponsive: Unresponsive) -> None:
-        self._client = client
         self.interval = interval  # seconds between probe rounds; 0: no probes
         self.timeout = timeout
         self.misses = misses
@@ -61,7 +60,7 @@ class Liveness:
         await asyncio.gather(*(self._probe(runtime, child) for runtime, child in targets))
 
     async def _probe(self, runtime: ModelRuntime, child: ChildProcess) -> None:
-        problem = await self._ask(child)
+        problem = await child.probe(self.timeout)
         if problem is None:
             if child.unanswered_probes:
                 log.info("answers again after %d missed health checks", child.unanswered_probes,
@@ -84,17 +83,3 @@ class Liveness:
                 f"llama-server stopped answering: {child.unanswered_probes} health checks "
                 f"in a row failed (last: {problem}); killed it"))
 
-    async def _ask(self, child: ChildProcess) -> str | None:
-        """None if the child answered /health with 200 in time, else what went wrong."""
-        if isinstance(child, RemoteUpstream):  # its own health path and key
-            return await child.probe(self.timeout)
-        try:
-            response = await self._client.get(child.base_url + "/health", timeout=self.timeout,
-                                              headers={"connection": "close"})
-        except httpx.TimeoutException:
-            return f"no answer within {self.timeout:g} s"
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if response.status_code != 200:
-            return f"/health answered {response.status_code}"
-        return None

@@ -143,6 +143,24 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def http_error_text(exc: httpx.HTTPError) -> str:
+    """An HTTP failure in a few words for a message: its type, and its text if it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def ask_health(client: httpx.AsyncClient, url: str, timeout: float,
+                     headers: dict[str, str]) -> tuple[int | None, str | None]:
+    """One health request: ``(status, None)`` when answered in time, else ``(None, what
+    went wrong)``."""
+    try:
+        response = await client.get(url, timeout=timeout, headers=headers)
+    except httpx.TimeoutException:
+        return None, f"no answer within {timeout:g} s"
+    except httpx.HTTPError as exc:
+        return None, http_error_text(exc)
+    return response.status_code, None
+
+
 class ChildProcess:
     """A llama-server process serving one model on 127.0.0.1:``port``."""
 
@@ -300,6 +318,15 @@ class ChildProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._listening.wait(), HEALTH_POLL_INTERVAL_S)
             self._listening.clear()
+
+    async def probe(self, timeout: float) -> str | None:
+        """A liveness check (``liveness``): None if ``/health`` answered 200 within
+        ``timeout``, else what went wrong."""
+        status, problem = await ask_health(self._client, self.base_url + "/health", timeout,
+                                           {"connection": "close"})
+        if problem is not None:
+            return problem
+        return None if status == 200 else f"/health answered {status}"
 
     async def stop(self, timeout: float) -> int | None:
         """SIGTERM the group, SIGKILL after ``timeout``, reap. Returns the exit code."""

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from .logs import LogRing
-from .process import ChildProcess, ChildTimeout
+from .process import ChildProcess, ChildTimeout, ask_health, http_error_text
 from .settings import HEALTH_POLL_INTERVAL_S
 from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
 
@@ -93,21 +93,15 @@ class RemoteUpstream(ChildProcess):
     async def probe(self, timeout: float) -> str | None:
         """None if the upstream answered its health path with 200 within ``timeout``, else
         what went wrong. A 404 on ``/health`` switches to ``/v1/models`` (asked at once)."""
-        try:
-            response = await self._client.get(self.base_url + self.health_path,
-                                              timeout=timeout, headers=self._probe_headers)
-            if response.status_code == 404 and self.health_path == "/health":
-                self.health_path = "/v1/models"
-                response = await self._client.get(self.base_url + self.health_path,
-                                                  timeout=timeout,
-                                                  headers=self._probe_headers)
-        except httpx.TimeoutException:
-            return f"no answer within {timeout:g} s"
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if response.status_code != 200:
-            return f"{self.health_path} answered {response.status_code}"
-        return None
+        status, problem = await ask_health(self._client, self.base_url + self.health_path,
+                                           timeout, self._probe_headers)
+        if status == 404 and self.health_path == "/health":
+            self.health_path = "/v1/models"
+            status, problem = await ask_health(self._client, self.base_url + self.health_path,
+                                               timeout, self._probe_headers)
+        if problem is not None:
+            return problem
+        return None if status == 200 else f"{self.health_path} answered {status}"
 
     async def wait_ready(self, timeout: float, total: float | None = None) -> None:
         """Probe until 200 within ``timeout`` s (see the module docstring)."""
@@ -129,7 +123,7 @@ class RemoteUpstream(ChildProcess):
                                           f"{exc or type(exc).__name__}",
                                           self.logs.tail(20)) from None
             except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                last = http_error_text(exc)
             else:
                 if reached.status_code == 404 and self.health_path == "/health":
                     self.health_path = "/v1/models"

@@ -84,7 +84,7 @@ class Supervisor:
             drain=self._drain)
         self.loader = Loader(settings, self.executor, self.spawner, self.admission,
                              self.accounting, events, self.changes)
-        self.liveness = Liveness(client, interval=settings.liveness_interval,
+        self.liveness = Liveness(interval=settings.liveness_interval,
                                  timeout=settings.liveness_timeout,
                                  misses=settings.liveness_misses,
                                  is_paused=self.cpu_gate.is_paused,

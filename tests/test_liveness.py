@@ -77,7 +77,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 def prober(client: httpx.AsyncClient, killed: list[str], paused: set[ChildProcess] | None = None,
            misses: int = 2) -> Liveness:
-    return Liveness(client, interval=0.01, timeout=0.2, misses=misses,
+    return Liveness(interval=0.01, timeout=0.2, misses=misses,
                     is_paused=lambda child: child in (paused or set()),
                     on_unresponsive=lambda runtime, child, why: killed.append(why))
 
@@ -145,7 +145,7 @@ async def test_only_serving_models_are_probed(client: httpx.AsyncClient) -> None
 
 
 async def test_interval_zero_probes_nothing(client: httpx.AsyncClient) -> None:
-    liveness = Liveness(client, interval=0, timeout=1, misses=1, is_paused=lambda c: False,
+    liveness = Liveness(interval=0, timeout=1, misses=1, is_paused=lambda c: False,
                         on_unresponsive=lambda *a: None)
     await asyncio.wait_for(liveness.run(lambda: []), HANG_GUARD_S)  # returns at once
 

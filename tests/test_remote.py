@@ -209,7 +209,7 @@ async def test_gone_after_missed_probes() -> None:
             assert child is remote
             remote.kill_now()
 
-        liveness = Liveness(client, interval=0.01, timeout=1.0, misses=2,
+        liveness = Liveness(interval=0.01, timeout=1.0, misses=2,
                             is_paused=lambda child: False, on_unresponsive=unresponsive)
         exit_task = asyncio.ensure_future(remote.wait_exit())
         await liveness.probe_round([runtime])
