@@ -8,8 +8,9 @@ interleaved rounds, prints a table and optionally writes JSON::
 
 Measured, round-robin across the targets so noise hits all of them alike:
 
-* non-streaming chat latency (``max_tokens`` 1), streaming time to first content chunk and
-  ``POST /tokenize`` latency, one request at a time on a keep-alive connection;
+* non-streaming chat latency (``max_tokens`` 1), streaming time to first content chunk (on a
+  new connection per request, and on a keep-alive client) and ``POST /tokenize`` latency, one
+  request at a time;
 * ``/tokenize`` throughput with 32 keep-alive connections (``wrk`` when installed, else a raw
   asyncio generator run as a subprocess); the generator's own CPU use is recorded to show it is
   not the bottleneck;
@@ -18,6 +19,14 @@ Measured, round-robin across the targets so noise hits all of them alike:
   llama-server's own spawn → ``/health`` 200 time;
 * router RSS (the router process alone) idle and under the throughput load;
 * ``GET /models`` with a 500-section preset file.
+
+Then, with the real SmolLM2-135M-Instruct (``benchmarks.realmodel``, ``benchmarks.multiturn``):
+generated tokens/s at 1 and 4 streams, TTFT, byte-identical output and swap time; and a
+multi-turn workload on ``replicas = 2`` (prefix vs least-busy replica routing). Last, the
+CPU-sharing phase (``benchmarks.sharing``). ``--phases`` picks which run.
+
+llama-router runs as users run it: at its default log level (every child line relayed to its
+log at info), unless ``--router-log-level`` says otherwise.
 
 Every process the harness starts is stopped in a ``finally`` block and checked with psutil.
 """
@@ -72,12 +81,17 @@ TOKENIZE_TEXT = "The quick brown fox jumps over the lazy dog."
 HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
-LATENCY_METRICS = ("chat", "ttft", "tokenize", "models")
+LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
+PHASES = ("main", "real", "multiturn", "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
     "tokenize_throughput": "/tokenize throughput at least 1.5x llama.cpp router's",
     "ttft_added_p50": "added streaming TTFT p50 at most 1 ms",
+    "ttft_vs_llamacpp": "added streaming TTFT p50 below llama.cpp router's, new connection "
+                        "per request",
+    "ttft_ka_vs_llamacpp": "added streaming TTFT p50 below llama.cpp router's, keep-alive "
+                           "client",
     "cold_start_added": "cold start p50 at most 30 ms above the child's own spawn -> healthy",
     "idle_rss": "idle router RSS at most 80 MB",
     "models_500_p50": "GET /models with 500 presets under 20 ms (p50)",
@@ -104,6 +118,15 @@ class Config:
     only_sharing: bool = False
     stall_bound: float = 30.0  # seconds before a concurrent run counts as stalled
     quick: bool = False
+    phases: tuple[str, ...] = PHASES
+    # llama-router's --log-level; None: its default (info: every child line is logged too)
+    router_log_level: str | None = None
+    # Run llama-router from this source tree instead of this repository's (before/after runs)
+    router_src: Path | None = None
+    real_rounds: int = 4  # interleaved rounds of the real-model phase (benchmarks.realmodel)
+    conversations: int = 4  # concurrent conversations of the multi-turn phase
+    turns: int = 3  # turns per conversation (the first one is not a follow-up)
+    multiturn_reps: int = 1  # runs of the multi-turn workload per target
 
 
 # --------------------------------------------------------------------------- processes
@@ -238,10 +261,17 @@ class Endpoint:
     url: str
     item: Managed
     client: httpx.Client = field(init=False)
+    # A second keep-alive client, for streams only (``timed_first_token(keep_alive=True)``).
+    stream_client: httpx.Client = field(init=False)
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.client = httpx.Client(base_url=self.url, timeout=120.0, trust_env=False)
+        self.stream_client = httpx.Client(base_url=self.url, timeout=120.0, trust_env=False)
+
+    def close(self) -> None:
+        self.client.close()
+        self.stream_client.close()
 
     def tally(self, phase: str) -> dict[str, int]:
         """Retry counts (``dropped``, ``http_502``) of one phase or metric."""
@@ -366,18 +396,20 @@ def _has_content(line: bytes) -> bool:
 
 
 def timed_first_token(client: httpx.Client, body: bytes,
-                      url: str = "/v1/chat/completions") -> float:
+                      url: str = "/v1/chat/completions", keep_alive: bool = False) -> float:
     """Seconds from sending a streaming chat request to its first ``data:`` with content.
 
-    Every sample opens a new connection (``Connection: close``): llama-server closes its side
-    after a stream anyway while a router may keep it, and a connect in one column only would
-    skew the comparison.
+    By default every sample opens a new connection (``Connection: close``): llama-server
+    closes its side after a stream anyway while a router may keep it, and a connect in one
+    column only would skew the comparison. ``keep_alive`` measures what a client with a
+    connection pool sees instead: a server that keeps the connection saves the connect.
     """
     what = f"stream {client.base_url}{url}"
     start = time.perf_counter()
     first: float | None = None
     try:
-        with client.stream("POST", url, content=body, headers=STREAM_HEADERS) as response:
+        with client.stream("POST", url, content=body,
+                           headers=JSON_HEADERS if keep_alive else STREAM_HEADERS) as response:
             if response.status_code != 200:
                 response.read()
                 _classify(response, what)
@@ -643,8 +675,9 @@ def unload_all(ep: Endpoint, timeout: float = 30.0) -> None:
 
 
 def write_presets(path: Path, sections: dict[str, Path], extra: Sequence[str],
-                  parallel: int = 4) -> Path:
-    lines = ["version = 1", "", "[*]", "ctx-size = 2048", f"parallel = {parallel}", *extra, ""]
+                  parallel: int = 4, ctx_size: int = 2048) -> Path:
+    lines = ["version = 1", "", "[*]", f"ctx-size = {ctx_size}", f"parallel = {parallel}",
+             *extra, ""]
     for name, model in sections.items():
         lines += [f"[{name}]", f"model = {model}", ""]
     path.write_text("\n".join(lines))
@@ -665,10 +698,11 @@ class Bench:
 
     # ------------------------------------------------------------ start
 
-    def _start_direct(self, model: str, name: str) -> tuple[Managed, str]:
+    def _start_direct(self, model: str, name: str,
+                      flags: Sequence[str] = CHILD_FLAGS) -> tuple[Managed, str]:
         port = free_port()
         item = self.procs.start(name, [str(self.binary), "-m", str(self.models[model]),
-                                       *CHILD_FLAGS, *CHILD_CPU.argv(), "--host", "127.0.0.1",
+                                       *flags, *CHILD_CPU.argv(), "--host", "127.0.0.1",
                                        "--port", str(port), "--alias", model],
                                 env=spin_environment())
         return item, f"http://127.0.0.1:{port}"
@@ -686,12 +720,20 @@ class Bench:
 
     def _start_router(self, presets: Path, name: str) -> tuple[Managed, str]:
         port = free_port()
+        level = self.cfg.router_log_level
         item = self.procs.start(name, [sys.executable, "-m", "router.cli", "serve",
                                        "--presets", str(presets), "--port", str(port),
-                                       "--models-max", "1", "--log-level", "warning",
+                                       "--models-max", "1",
+                                       *(["--log-level", level] if level else []),
                                        "--llama-server", str(self.binary)],
-                                cwd=ROOT)
+                                cwd=self.cfg.router_src or ROOT)
         return item, f"http://127.0.0.1:{port}"
+
+    def lc_cpu_keys(self) -> list[str]:
+        """llama.cpp preset lines giving a child what llama-router gives a model alone."""
+        flags = CHILD_CPU.argv()
+        return [f"{flag.lstrip('-')} = {value}"
+                for flag, value in zip(flags[::2], flags[1::2], strict=True)]
 
     def setup(self) -> None:
         model_dir = self.workdir / "models"
@@ -703,9 +745,7 @@ class Bench:
         # llama-router always passes --metrics to its children; llama.cpp needs it in [*].
         # Every child, direct or behind either router, computes alike: as llama-router runs a
         # model alone (CHILD_CPU, spin_environment), so the rows measure the serving path.
-        flags = CHILD_CPU.argv()
-        lc_cpu = [f"{flag.lstrip('-')} = {value}"
-                  for flag, value in zip(flags[::2], flags[1::2], strict=True)]
+        lc_cpu = self.lc_cpu_keys()
         lc_presets = write_presets(self.workdir / "llamacpp.ini", chat,
                                    ["metrics = true", *lc_cpu])
         lr_presets = write_presets(self.workdir / "llama-router.ini", chat, [])
@@ -742,6 +782,8 @@ class Bench:
                 attempt(partial(timed_request, ep.client, "POST", "/v1/chat/completions", chat),
                         tally)
                 attempt(partial(timed_first_token, ep.client, stream), tally)
+                attempt(partial(timed_first_token, ep.stream_client, stream, keep_alive=True),
+                        tally)
             for _ in range(20):
                 attempt(partial(timed_request, ep.client, "POST", "/tokenize", tok), tally)
         for column, ep in self.list_eps.items():
@@ -773,6 +815,8 @@ class Bench:
             "chat": lambda c: timed_request(self.eps[c].client, "POST", "/v1/chat/completions",
                                             chat),
             "ttft": lambda c: timed_first_token(self.eps[c].client, stream),
+            "ttft_ka": lambda c: timed_first_token(self.eps[c].stream_client, stream,
+                                                   keep_alive=True),
             "tokenize": lambda c: timed_request(self.eps[c].client, "POST", "/tokenize", tok),
             "models": lambda c: timed_request(self.list_eps[c].client, "GET",
                                               "/v1/models" if c == DIRECT else "/models", None),
@@ -897,7 +941,13 @@ class Bench:
 
     def close(self) -> None:
         for ep in [*self.eps.values(), *self.list_eps.values()]:
-            ep.client.close()
+            ep.close()
+
+    def stop_targets(self) -> None:
+        """Stop the main phase's servers: the phases after it start their own."""
+        self.close()
+        for ep in [*self.eps.values(), *self.list_eps.values()]:
+            self.procs.stop(ep.item)
 
 
 # --------------------------------------------------------------------------- profile summary
@@ -979,6 +1029,7 @@ def build_rows(res: dict[str, Any], presets: int) -> list[Row]:
     lat = res["latency_ms"]
     rows: list[Row] = []
     for name, label in (("chat", "chat max_tokens=1"), ("ttft", "stream first token"),
+                        ("ttft_ka", "stream first token, keep-alive client"),
                         ("tokenize", "POST /tokenize")):
         for stat in ("p50", "p99"):
             rows.append(Row(f"{name}_{stat}_ms", f"{label} {stat}", "ms", "latency",
@@ -1035,6 +1086,14 @@ def evaluate(res: dict[str, Any], rows: list[Row]) -> dict[str, dict[str, Any]]:
     rps = by["tokenize_rps"]
     ttft = by["ttft_p50_ms"]
     cold = by["cold_vs_healthy_ms"]
+
+    def ahead(metric: str) -> tuple[bool, str]:
+        p50, p99 = by[f"{metric}_p50_ms"], by[f"{metric}_p99_ms"]
+        lr, lc = p50[ROUTER] - p50[DIRECT], p50[LLAMACPP] - p50[DIRECT]
+        return lr < lc, (f"llama-router {lr:+.3f} ms vs llama.cpp router {lc:+.3f} ms "
+                         f"(p99 {p99[ROUTER]:.2f} vs {p99[LLAMACPP]:.2f} ms, direct "
+                         f"{p99[DIRECT]:.2f} ms)")
+
     checks: dict[str, tuple[bool, str]] = {
         "tokenize_added_p50": (lr_added < lc_added,
                                f"llama-router +{lr_added:.3f} ms vs llama.cpp router "
@@ -1043,7 +1102,9 @@ def evaluate(res: dict[str, Any], rows: list[Row]) -> dict[str, dict[str, Any]]:
                                 f"{rps[ROUTER]:.0f} vs {rps[LLAMACPP]:.0f} req/s = "
                                 f"{rps[ROUTER] / rps[LLAMACPP]:.2f}x"),
         "ttft_added_p50": (ttft[ROUTER] - ttft[DIRECT] <= 1.0,
-                           f"+{ttft[ROUTER] - ttft[DIRECT]:.3f} ms"),
+                           f"{ttft[ROUTER] - ttft[DIRECT]:+.3f} ms"),
+        "ttft_vs_llamacpp": ahead("ttft"),
+        "ttft_ka_vs_llamacpp": ahead("ttft_ka"),
         "cold_start_added": (cold[ROUTER] - cold[DIRECT] <= 30.0,
                              f"{cold[ROUTER]:.1f} ms vs child healthy {cold[DIRECT]:.1f} ms "
                              f"= +{cold[ROUTER] - cold[DIRECT]:.1f} ms"),
@@ -1138,14 +1199,41 @@ def run_bench(cfg: Config) -> dict[str, Any]:
     leftovers: list[str] = []
     results: dict[str, Any] = {}
     sharing: dict[str, Any] | None = None
+    phases: dict[str, dict[str, Any]] = {}
+    phase_wall: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def took(phase: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phase_wall[phase] = round(now - mark, 1)
+        mark = now
+
     try:
-        if not cfg.only_sharing:
+        if "main" in cfg.phases:
             results = bench.run()
-        if cfg.sharing_reps > 0:
-            from .sharing import run_phase  # imports this module
+            bench.stop_targets()
+            took("main")
+        if "real" in cfg.phases and cfg.real_rounds > 0:
+            from . import realmodel  # imports this module
+
+            real = realmodel.Settings.quick() if cfg.quick else realmodel.Settings()
+            real.rounds = cfg.real_rounds if not cfg.quick else real.rounds
+            phases["real_model"] = realmodel.run_phase(bench, real)
+            took("real")
+        if "multiturn" in cfg.phases and cfg.multiturn_reps > 0:
+            from . import multiturn
+
+            turns = multiturn.Settings.quick() if cfg.quick else multiturn.Settings(
+                conversations=cfg.conversations, turns=cfg.turns, reps=cfg.multiturn_reps)
+            phases["multiturn"] = multiturn.run_phase(bench, turns)
+            took("multiturn")
+        if "sharing" in cfg.phases and cfg.sharing_reps > 0:
+            from .sharing import run_phase
 
             sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound,
                                 cfg.quick)
+            took("sharing")
     except BaseException:
         for item in procs.items:
             print(f"--- {item.name} log tail ---\n{item.tail(15)}", file=sys.stderr)
@@ -1165,6 +1253,7 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         "leftover_processes": leftovers,
         "loadavg_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.perf_counter() - began, 1),
+        "phase_wall_s": phase_wall,
         "targets": {},
     }
     if results:
@@ -1173,6 +1262,9 @@ def run_bench(cfg: Config) -> dict[str, Any]:
                                      **r.values} for r in rows}
         report["targets"] = evaluate(results, rows)
         report["table"] = render_table(rows)
+    for name, phase in phases.items():
+        report[name] = phase
+        report["targets"].update(phase["targets"])
     if sharing is not None:
         report["sharing"] = sharing
         report["targets"].update(sharing["targets"])
@@ -1186,10 +1278,21 @@ def print_report(report: dict[str, Any]) -> None:
     details = report["details"]
     print(f"llama-router source: {machine['router_source']}")
     tool = details["throughput"]["tool"] if details else "-"
-    print(f"throughput generator: {tool}; wall {report['wall_s']} s; "
+    level = report["config"].get("router_log_level") or "its default (info)"
+    phase_wall = ", ".join(f"{k} {v:g} s" for k, v in report.get("phase_wall_s", {}).items())
+    print(f"throughput generator: {tool}; llama-router log level: {level}; "
+          f"wall {report['wall_s']} s ({phase_wall}); "
           f"1-min load average {report['loadavg_1m']['start']} -> {report['loadavg_1m']['end']}\n")
     if "table" in report:
         print(report["table"])
+        print()
+    for name, title in (("real_model", "Real model (SmolLM2-135M-Instruct Q4_1):"),
+                        ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):")):
+        phase = report.get(name)
+        if phase is None:
+            continue
+        print(title)
+        print(phase.get("table") or phase.get("skipped"))
         print()
     if "sharing" in report:
         print("Models generating at the same time on the CPU (seconds; '>' = stalled past "
@@ -1197,7 +1300,7 @@ def print_report(report: dict[str, Any]) -> None:
         print(report["sharing"]["table"])
         print()
     for target in report["targets"].values():
-        mark = "MET   " if target["met"] else "MISSED"
+        mark = {True: "MET   ", False: "MISSED", None: "NOTRUN"}[target["met"]]
         print(f"{mark} {target['goal']}: {target['measured']}")
     profile = details.get("profile")
     if profile and "self_by_function_pct" in profile:
@@ -1243,7 +1346,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds before a run of the CPU-sharing phase counts as stalled "
                         "(default 30)")
     parser.add_argument("--only-sharing", action="store_true",
-                        help="run only the CPU-sharing phase")
+                        help="run only the CPU-sharing phase (= --phases sharing)")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma list of the phases to run, of {', '.join(PHASES)} "
+                        "(default: all)")
+    parser.add_argument("--real-rounds", type=int,
+                        help="interleaved rounds of the real-model phase (default 4; 0 skips)")
+    parser.add_argument("--conversations", type=int,
+                        help="concurrent conversations of the multi-turn phase (default 4)")
+    parser.add_argument("--turns", type=int,
+                        help="turns per conversation of the multi-turn phase (default 3)")
+    parser.add_argument("--multiturn-reps", type=int,
+                        help="runs of the multi-turn workload per target (default 1; 0 skips)")
+    parser.add_argument("--router-log-level",
+                        help="start llama-router with this --log-level (default: none given, "
+                        "so its default, info)")
+    parser.add_argument("--router-src", type=Path,
+                        help="run llama-router from this source tree (a copy of the "
+                        "repository) instead of this one: before/after comparisons")
     parser.add_argument("--workdir", type=Path, help="keep models, presets and logs here")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--loadgen", help=argparse.SUPPRESS)
@@ -1273,6 +1393,25 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--sharing-reps must be 0 or more")
         cfg.sharing_reps = args.sharing_reps
     cfg.only_sharing = args.only_sharing
+    phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not phases:
+        parser.error(f"--phases: unknown {', '.join(unknown) or 'empty list'}; "
+                     f"choose from {', '.join(PHASES)}")
+    cfg.phases = ("sharing",) if args.only_sharing else phases
+    for name in ("real_rounds", "conversations", "turns", "multiturn_reps"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < (0 if name in ("real_rounds", "multiturn_reps") else 1):
+                parser.error(f"--{name.replace('_', '-')} is out of range")
+            setattr(cfg, name, value)
+    if args.turns is not None and args.turns < 2:
+        parser.error("--turns must be 2 or more (follow-up turns are measured)")
+    cfg.router_log_level = args.router_log_level
+    if args.router_src is not None:
+        if not (args.router_src / "router" / "cli.py").is_file():
+            parser.error(f"--router-src: no router/cli.py in {args.router_src}")
+        cfg.router_src = args.router_src.resolve()
     if args.stall_bound is not None:
         if args.stall_bound <= 0:
             parser.error("--stall-bound must be positive")
@@ -1295,4 +1434,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the one ``benchmarks.bench`` that the phase modules import (``-m`` runs this file
+    # as ``__main__``, a second copy whose BenchError they would not raise).
+    from benchmarks.bench import main as _main
+
+    raise SystemExit(_main())

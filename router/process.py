@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from .cpus import CpuShare
-from .logs import LogRing
+from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
 from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
 
@@ -63,6 +63,10 @@ ROUTER_PORT_ENV = "LLAMA_SERVER_ROUTER_PORT"
 # "sleeping" or "downloading". Must be quick and must not raise.
 StateCallback = Callable[[str, dict[str, Any]], None]
 _BIND_FAILURE_MARKERS = ("couldn't bind", "address already in use", "failed to bind")
+# A ready child's output is read at most this often (``_read_output``), this much at a time.
+OUTPUT_BATCH_S = 0.05
+OUTPUT_CHUNK_BYTES = 1 << 16
+MAX_LINE_BYTES = 1 << 16  # longer output lines are skipped
 
 
 def load_progress(previous: dict[str, Any] | None,
@@ -122,6 +126,11 @@ def _level_of(line: str) -> int:
     if len(parts) >= 2 and len(parts[1]) == 1:
         return _LLAMA_LEVELS.get(parts[1], logging.INFO)
     return logging.INFO
+
+
+def _wake(waker: asyncio.Future[None]) -> None:
+    if not waker.done():
+        waker.set_result(None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -187,6 +196,8 @@ class ChildProcess:
         self._connections: ChildConnections | None = None
         self._max_connections = max_connections
         self._readers: list[asyncio.Task[None]] = []
+        self._batch_output = False  # read output every OUTPUT_BATCH_S (once ready)
+        self._wakers: set[asyncio.Future[None]] = set()  # readers waiting to read again
         self.started_at: float | None = None
         self.unanswered_probes = 0  # health checks missed in a row while serving (``liveness``)
         self.killed_because: str | None = None  # why the router killed it, for the crash report
@@ -232,22 +243,61 @@ class ChildProcess:
             asyncio.create_task(self._read_output(self._proc.stderr), name=f"log:{self.model_id}")]
 
     async def _read_output(self, stream: asyncio.StreamReader) -> None:
+        """Read one output stream to its end, line by line. Once the child is ready, what
+        it wrote is taken at most every ``OUTPUT_BATCH_S``: llama-server writes several lines
+        as it starts each request, and handling them one by one would compete with relaying
+        that request's first token (on a loaded machine, with the child's own computing)."""
         prefix = f"[{self.model_id}] "
+        pending = b""
+        skipping = False  # within a line over MAX_LINE_BYTES: drop it up to its end
         while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line over the stream limit: skip it
-                continue
-            if not raw:
+            chunk = await stream.read(OUTPUT_CHUNK_BYTES)
+            if not chunk:
+                if pending and not skipping:
+                    self._output_line(pending, prefix)
                 return
-            if raw.startswith(CHILD_STATE_PREFIX):
-                self._state_line(raw[len(CHILD_STATE_PREFIX):])
-                continue
-            line = raw.decode("utf-8", "replace").rstrip()
-            self.logs.append(line)
-            output_log.log(_level_of(line), "%s%s", prefix, line)
-            if _LISTENING_MARKER in line:
-                self._listening.set()
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                if skipping:
+                    skipping = False
+                else:
+                    self._output_line(raw, prefix)
+            if len(pending) > MAX_LINE_BYTES:
+                pending, skipping = b"", True
+            if self._batch_output:
+                await self._nap()
+
+    async def _nap(self) -> None:
+        """Wait ``OUTPUT_BATCH_S``, or less if ``_output_now`` is called meanwhile."""
+        loop = asyncio.get_running_loop()
+        waker: asyncio.Future[None] = loop.create_future()
+        self._wakers.add(waker)
+        timer = loop.call_later(OUTPUT_BATCH_S, _wake, waker)
+        try:
+            await waker
+        finally:
+            timer.cancel()
+            self._wakers.discard(waker)
+
+    def _output_now(self) -> None:
+        """Read output as it comes again (the child is stopping or gone: its last lines
+        matter, and nothing is relayed any more)."""
+        self._batch_output = False
+        for waker in list(self._wakers):
+            _wake(waker)
+
+    def _output_line(self, raw: bytes, prefix: str) -> None:
+        if raw.startswith(CHILD_STATE_PREFIX):
+            self._state_line(raw[len(CHILD_STATE_PREFIX):])
+            return
+        line = raw.decode("utf-8", "replace").rstrip()
+        self.logs.append(line)
+        level = _level_of(line)
+        if output_log.isEnabledFor(level):
+            # Handed to the log thread as is: formatting and writing happen there.
+            relay(output_log, level, prefix + line)
+        if _LISTENING_MARKER in line:
+            self._listening.set()
 
     def _state_line(self, raw: bytes) -> None:
         try:
@@ -273,6 +323,7 @@ class ChildProcess:
         """Wait for the process to exit and its output to be drained; the exit code."""
         assert self._proc is not None
         code = await self._proc.wait()
+        self._output_now()
         if self._readers:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(asyncio.gather(*self._readers)), 1.0)
@@ -293,6 +344,7 @@ class ChildProcess:
             with contextlib.suppress(asyncio.CancelledError):
                 await exit_task
         if poll_task in done and not poll_task.cancelled() and poll_task.exception() is None:
+            self._batch_output = True  # serving: its output is read in batches
             return
         if exit_task in done:
             code = exit_task.result()
@@ -333,6 +385,7 @@ class ChildProcess:
         proc = self._proc
         if proc is None:
             return None
+        self._output_now()
         if proc.returncode is None:
             await self.close_pool()
             self._close_stdin(EXIT_COMMAND)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import sys
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from router import logs
-from router.logs import KeyValueFormatter, LogRing, RingHandler
+from router.logs import BackgroundStreamHandler, KeyValueFormatter, LogRing, RingHandler
 
 
 def record(message: str, *args: object, **fields: object) -> logging.LogRecord:
@@ -83,15 +87,162 @@ def test_configure_sets_the_level_and_quiets_http_clients() -> None:
     root = logging.getLogger()
     quieted = [logging.getLogger(name) for name in ("httpx", "httpcore")]
     saved = root.handlers[:], root.level, [q.level for q in quieted]
+    background = logs._background
     try:
         logs.configure("warning")
         assert root.level == logging.WARNING
         assert len(root.handlers) == 1
-        assert isinstance(root.handlers[0].formatter, KeyValueFormatter)
+        first = root.handlers[0]
+        assert isinstance(first, BackgroundStreamHandler)
+        assert isinstance(first.formatter, KeyValueFormatter)
         assert logging.getLogger("httpx").level == logging.WARNING
         assert logging.getLogger("httpcore").level == logging.WARNING
+        assert logs._background is first
+        logs.configure("info")  # again: the first handler's thread is stopped
+        assert root.handlers[0] is not first and not first.running
+        root.handlers[0].close()
     finally:
+        logs._background = background
         root.handlers[:], level, levels = saved
         root.setLevel(level)
         for quiet, old in zip(quieted, levels, strict=True):
             quiet.setLevel(old)
+
+
+def written(stream: io.StringIO) -> list[str]:
+    return stream.getvalue().splitlines()
+
+
+@pytest.fixture
+def background(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[BackgroundStreamHandler,
+                                                                  io.StringIO]]:
+    """A background handler installed as ``configure`` installs it, on a StringIO."""
+    stream = io.StringIO()
+    handler = BackgroundStreamHandler(stream)
+    handler.setFormatter(KeyValueFormatter("%(levelname)s %(name)s: %(message)s"))
+    monkeypatch.setattr(logs, "_background", handler)
+    try:
+        yield handler, stream
+    finally:
+        handler.close()
+
+
+CHILD = logging.getLogger("router.test.child")
+
+
+async def test_relayed_lines_are_written_later_and_before_any_later_record(
+        background: tuple[BackgroundStreamHandler, io.StringIO]) -> None:
+    handler, stream = background
+    handed = time.time()
+    logs.relay(CHILD, logging.INFO, "[m] 50% done %s")  # used as is: no %-formatting
+    logs.relay(CHILD, logging.WARNING, "[m] second")
+    assert written(stream) == []  # only queued
+    handler.handle(record("router event %s", "after", event="x"))  # written at once...
+    assert written(stream) == ["INFO router.test.child: [m] 50% done %s",  # ...after them
+                               "WARNING router.test.child: [m] second",
+                               "INFO router.test: router event after event=x"]
+    logs.relay(CHILD, logging.INFO, "[m] on its own")
+    for _ in range(200):  # the writer thread writes it after the batching delay
+        if len(written(stream)) == 4:
+            break
+        await asyncio.sleep(0.005)
+    assert written(stream)[-1] == "INFO router.test.child: [m] on its own"
+    formatter = KeyValueFormatter("%(created)f")
+    with_time = logs._record(CHILD.name, logging.INFO, "x", handed)
+    assert formatter.format(with_time) == f"{handed:f}"  # stamped when handed over
+
+
+def test_background_handler_writes_records_at_once_and_tracebacks(
+        background: tuple[BackgroundStreamHandler, io.StringIO]) -> None:
+    handler, stream = background
+    handler.handle(record("plain"))
+    assert written(stream) == ["INFO router.test: plain"]
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = record("failed")
+        failed.exc_info = sys.exc_info()
+    handler.handle(failed)
+    text = stream.getvalue()
+    assert "INFO router.test: failed\nTraceback" in text and "ValueError: boom" in text
+
+
+def test_close_and_flush_write_what_is_pending(
+        background: tuple[BackgroundStreamHandler, io.StringIO]) -> None:
+    handler, stream = background
+    logs.relay(CHILD, logging.INFO, "one")
+    handler.flush()
+    assert written(stream) == ["INFO router.test.child: one"]
+    for n in range(50):
+        logs.relay(CHILD, logging.INFO, f"line {n}")
+    handler.close()
+    assert written(stream)[1:] == [f"INFO router.test.child: line {n}" for n in range(50)]
+    assert not handler.running
+    logs.relay(CHILD, logging.ERROR, "after close")  # no thread: through the logger at once
+
+
+def test_relay_without_a_background_handler_logs_through_the_logger(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "_background", None)
+    collect = Collect()
+    CHILD.addHandler(collect)
+    try:
+        logs.relay(CHILD, logging.WARNING, "[m] 100% line")
+        assert [r.getMessage() for r in collect.records] == ["[m] 100% line"]
+    finally:
+        CHILD.removeHandler(collect)
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class BlockedStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unblocked = threading.Event()
+        self.writing = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.writing.set()
+        self.unblocked.wait(10)
+        return super().write(text)
+
+
+def test_relay_never_blocks_and_drops_lines_when_stderr_is_stuck(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "MAX_PENDING", 3)
+    stream = BlockedStream()
+    handler = BackgroundStreamHandler(stream)
+    handler.setFormatter(KeyValueFormatter("%(message)s"))
+    monkeypatch.setattr(logs, "_background", handler)
+    try:
+        logs.relay(CHILD, logging.INFO, "first")  # the writer takes it and blocks writing
+        assert stream.writing.wait(5)
+        began = time.monotonic()
+        for n in range(5):
+            logs.relay(CHILD, logging.INFO, f"queued {n}")
+        assert time.monotonic() - began < 0.5  # never waited for the stuck stream
+        assert handler.dropped == 2
+        stream.unblocked.set()
+        handler.flush()
+        lines = written(stream)
+        assert lines[:4] == ["first", "queued 0", "queued 1", "queued 2"]
+        assert lines[4] == "2 child output lines dropped: stderr did not keep up"
+    finally:
+        stream.unblocked.set()
+        handler.close()
+
+
+def test_time_format_is_loggings_default() -> None:
+    formatter = KeyValueFormatter("%(asctime)s")
+    plain = logging.Formatter("%(asctime)s")
+    for created in (1_700_000_000.123, 1_700_000_000.999, 1_700_000_001.004):
+        made = record("x")
+        made.created, made.msecs = created, int((created - int(created)) * 1000) + 0.0
+        assert formatter.format(made) == plain.format(made)
