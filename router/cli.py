@@ -82,6 +82,21 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--webui-path", type=Path, default=S, metavar="DIR",
                    help="serve the web UI built in DIR (with index.html) instead")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--node-name", default=S, metavar="NAME",
+                   help="this router's name among peers: /models' node field, metrics' node "
+                   "label (default: the host name)")
+    p.add_argument("--peer", action="append", default=S, metavar="URL",
+                   help="another llama-router (or llama.cpp router) to front, http://host:port: "
+                   "its models are served through this one; repeatable (docs/deployment.md)")
+    p.add_argument("--peer-api-key-file", type=Path, default=S, metavar="FILE",
+                   help="file with the API key sent to peers as a bearer token")
+    p.add_argument("--peer-dns", action="append", default=S, metavar="NAME:PORT",
+                   help="resolve NAME's A/AAAA records periodically; each address is a peer "
+                   "(a Kubernetes headless Service); repeatable")
+    p.add_argument("--peer-dns-interval", type=float, default=S, metavar="S",
+                   help="seconds between resolutions of --peer-dns (default 10)")
+    p.add_argument("--peer-prefix", action="store_true", default=S,
+                   help="list peers' models as NODE/MODEL instead of their own ids")
 
 
 def main(argv: list[str] | None = None) -> int:

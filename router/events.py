@@ -47,6 +47,10 @@ class EventBus:
         payload: Event = {"model": model, "event": event}
         if data is not None:
             payload["data"] = data
+        self.publish_payload(payload)
+
+    def publish_payload(self, payload: Event) -> None:
+        """Publish an event already shaped (a peer's, relayed with its ``node``)."""
         for listener in self.listeners:
             listener(payload)
         for subscriber in self._subscribers:

@@ -22,12 +22,14 @@ from .errors import (
     ClientGone,
     MethodNotAllowed,
     ModelMissing,
+    ModelNotFound,
     NotFound,
     RouterError,
     envelope_bytes,
 )
 from .keys import KEY_SCOPE, resolve_in_scope
 from .leases import Lease
+from .nodes import came_through, local_model, raise_if_elsewhere, serve_across_nodes
 from .paths import (
     API_ROOTS,
     CHILD_GET_PATHS,
@@ -158,7 +160,21 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
     request_state = scope.setdefault("state", {})
     key_scope = request_state.get(KEY_SCOPE)  # set by ApiKeyMiddleware for a scoped key only
-    runtime = sup.resolve(model) if key_scope is None else resolve_in_scope(sup, key_scope, model)
+    peers = state.peers
+    if peers is not None and peers.peers and peers.holders(model) \
+            and not came_through(scope, state.node):  # on other nodes too (``nodes``)
+        local = local_model(sup, key_scope, model)
+        request_state["model"] = model if local is None else local.preset.id
+        if await serve_across_nodes(state, scope, receive, send, model, local, _target(scope),
+                                    body, parsed):
+            return
+    try:
+        runtime = sup.resolve(model) if key_scope is None \
+            else resolve_in_scope(sup, key_scope, model)
+    except ModelNotFound:
+        if peers is not None:
+            raise_if_elsewhere(peers, model)
+        raise
     request_state["model"] = runtime.preset.id
     autoload = _autoload(params, sup.settings.models_autoload)
     keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)

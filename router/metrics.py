@@ -115,7 +115,10 @@ class RouterMetrics:
         supervisor.leases.on_routed = self.observe_routing
 
     def on_event(self, event: Event) -> None:
-        """Count lifecycle transitions from the supervisor's status events."""
+        """Count lifecycle transitions from the supervisor's status events (a peer's events,
+        relayed with their ``node``, are counted by the peer)."""
+        if "node" in event:
+            return
         kind = event.get("event")
         if kind == "unresponsive":
             self.unresponsive.labels(event["model"]).inc()

@@ -68,6 +68,15 @@ class ResponseAborted(Exception):
     announced."""
 
 
+class FailOver(Exception):
+    """The upstream answered ``status`` (one of ``fail_over``) and nothing was sent to the
+    client: the caller may try another node (``nodes``)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"answered {status}")
+        self.status = status
+
+
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The client's headers as the child gets them."""
     return strip_hop_by_hop(raw, REQUEST_DROP)
@@ -118,8 +127,12 @@ def _connection_options(value: bytes, drop: frozenset[bytes], named: set[bytes] 
 
 async def relay(connections: ChildConnections, method: str, target: bytes,
                 headers: list[tuple[bytes, bytes]], body: bytes, *, receive: Receive,
-                send: Send, shutdown: Shutdown | None = None) -> None:
+                send: Send, shutdown: Shutdown | None = None,
+                fail_over: frozenset[int] = frozenset()) -> None:
     """Send the request to the child and relay its response to the client.
+
+    A response whose status is in ``fail_over`` is not relayed: ``FailOver`` is raised
+    instead (its connection is closed), so that the caller can try another node.
 
     Raises ``RouterError`` (``UpstreamError``, or ``InvalidHeader`` for a header that cannot
     be forwarded; ``ShuttingDown`` when ``shutdown``'s grace period ends first) only while
@@ -143,6 +156,10 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
                     raise shutdown.error() from None
                 return
             raise
+        if response.status in fail_over:
+            response.abort()
+            response.release()
+            raise FailOver(response.status)
         try:
             await _relay_response(response, send, cancel, shutdown)
         finally:

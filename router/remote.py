@@ -160,9 +160,12 @@ class RemoteUpstream(ChildProcess):
 
     def kill_now(self) -> None:
         """Mark the upstream gone (the liveness check gave up on it): the exit watcher
-        reports it; proxied connections close as they are released."""
+        reports it, and requests still waiting on it end at once (their connections are
+        aborted: a 502, or a stream's error event)."""
         self._marked_gone = True
         self._gone.set()
+        if self._connections is not None:
+            self._connections.abort_all()
 
     async def stop(self, timeout: float) -> int | None:
         """Stop using the upstream: close the pool. Always clean (0)."""

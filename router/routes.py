@@ -21,11 +21,12 @@ from starlette.types import Message, Receive, Scope, Send
 from . import dashboard, sse
 from .activity import activity_totals, list_activity
 from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
-from .errors import BadRequest, ModelMissing, NotFound, UpstreamError, envelope
+from .errors import BadRequest, ModelMissing, NotFound, RouterError, UpstreamError, envelope
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .memory import total_ram_bytes
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
+from .nodes import admin_targets, forward_admin, local_model, merged_listing, scrape_peers
 from .presets import ModelPreset
 from .requests import model_from_body, read_body
 from .resumable import StreamResume
@@ -50,7 +51,9 @@ async def props(request: Request) -> Response:
         "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error,
-        "llama_router": budgets(state.supervisor),
+        "llama_router": {**budgets(state.supervisor), "node": state.node,
+                         **({"peers": state.peers.describe()} if state.peers is not None
+                            and state.peers.configured else {})},
     })
 
 
@@ -202,20 +205,70 @@ async def list_models(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed
             and (key_scope is None or key_scope.allows_runtime(r))]
+    if state.peers is not None and state.peers.peers:
+        data = merged_listing(data, state.peers, state.node, key_scope)
     return JSONResponse({"data": data, "object": "list"})
 
 
 async def _model_from_json(request: Request) -> str:
+    model, _ = await _admin_request(request)
+    return model
+
+
+async def _admin_request(request: Request) -> tuple[str, dict[str, Any] | None]:
+    """The model a load/unload names, and the JSON body (None if it is not JSON)."""
     body = await read_body(request.scope, request.receive, 1 << 20)
-    model, _ = model_from_body(request.headers.get("content-type", ""), body)
+    model, parsed = model_from_body(request.headers.get("content-type", ""), body)
     if not model:
         raise ModelMissing()
-    return model
+    return model, parsed
+
+
+async def _on_peers(request: Request, action: str, name: str,
+                    payload: dict[str, Any] | None) -> Response | None:
+    """A load/unload of a model that peers list (or that names a ``node``): forwarded to the
+    node(s) it concerns (``nodes.admin_targets``). None: this router's own business."""
+    state = _state(request)
+    peers = state.peers
+    asked = payload.get("node") if payload else None
+    if peers is None or not peers.peers or not (peers.holders(name) or asked):
+        return None
+    if asked is not None and not isinstance(asked, str):
+        raise BadRequest('"node" must be a node name (GET /models shows them)')
+    key_scope = key_scope_of(request.scope)
+    local = local_model(state.supervisor, key_scope, name)
+    targets = admin_targets(peers, name, local, state.node, asked, action)
+    if targets == [None]:
+        return None
+    request.scope.setdefault("state", {})["model"] = name
+    results: dict[str, Any] = {}
+    status = 200
+    for peer in targets:
+        if peer is None:
+            try:
+                await (state.supervisor.load(name) if action == "load"
+                       else state.supervisor.unload(name))
+                results[state.node] = {"success": True}
+            except RouterError as exc:
+                results[state.node] = exc.envelope()
+                status = exc.status
+            continue
+        code, answer = await forward_admin(peer, f"/models/{action}", payload or {}, name)
+        results[peer.node] = answer
+        if code >= 400:
+            status = code
+    if len(targets) == 1:
+        return JSONResponse(next(iter(results.values())), status_code=status)
+    succeeded = [n for n, r in results.items() if r.get("success")]
+    return JSONResponse({"success": bool(succeeded), "nodes": results},
+                        status_code=200 if succeeded else status)
 
 
 async def load_model(request: Request) -> Response:
     sup = _state(request).supervisor
-    name = await _model_from_json(request)
+    name, payload = await _admin_request(request)
+    if (forwarded := await _on_peers(request, "load", name, payload)) is not None:
+        return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status is not Status.UNLOADED:
@@ -308,7 +361,9 @@ async def reload_models(request: Request) -> Response:
 
 async def unload_model(request: Request) -> Response:
     sup = _state(request).supervisor
-    name = await _model_from_json(request)
+    name, payload = await _admin_request(request)
+    if (forwarded := await _on_peers(request, "unload", name, payload)) is not None:
+        return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
     if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
@@ -345,6 +400,16 @@ class EventStream:
                     continue
                 subscription.offer({"model": runtime.preset.id, "event": "model_status",
                                     "data": {"status": runtime.status.public}})
+            peers = self.state.peers
+            for model_id, holders in (peers.listing() if peers is not None else {}).items():
+                if self._shows(model_id):
+                    for peer in holders:  # each node's state, as its events will update it
+                        data: dict[str, Any] = {"status": peer.status_of(model_id)
+                                                if peer.up else "unloaded"}
+                        if not peer.up:
+                            data.update(unavailable=True, message=peer.reason)
+                        subscription.offer({"model": model_id, "event": "model_status",
+                                            "data": data, "node": peer.node})
 
             async def next_event() -> str:
                 while True:
@@ -358,6 +423,9 @@ class EventStream:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     body = await state.metrics.exposition(state.supervisor, state.client)
+    if state.peers is not None and state.peers.peers:  # every node's, with a node label
+        texts = [({"node": state.node}, body.decode()), *await scrape_peers(state.peers)]
+        body = "".join(render_merged(merge_child_metrics(texts))).encode()
     return Response(body, media_type=CONTENT_TYPE)
 
 

@@ -42,6 +42,7 @@ from .install import (
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .memory import format_size
 from .metrics import RouterMetrics
+from .peers import PeerError, Peers, default_node_name, dns_target, peer_url, read_peer_key
 from .reload import Reloader
 from .settings import ConfigurationError, Settings
 from .sources import Catalogue, build_catalogue
@@ -69,11 +70,25 @@ class Prepared:
     gpus: list[GpuDevice] = field(default_factory=list)
     gpu_budgets: dict[str, int] = field(default_factory=dict)
     webui: Path | None = None  # the web UI folder to serve; None: none (see settings.webui)
+    peer_key: str | None = None  # sent to peers (--peer-api-key-file); never logged
+
+
+def _check_peers(settings: Settings) -> str | None:
+    """Every --peer and --peer-dns well-formed; the peer key, if any."""
+    try:
+        for url in settings.peer:
+            peer_url(url)
+        for spec in settings.peer_dns:
+            dns_target(spec)
+        return read_peer_key(settings.peer_api_key_file)
+    except PeerError as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the binary, learn its flags, load and validate every model source."""
     api_keys = settings.all_api_keys()  # first: a bad key setting stops everything
+    peer_key = _check_peers(settings)
     binary = find_llama_server(settings.llama_server)
     table = load_flag_table(binary, cache_root() / "flags")
     try:
@@ -94,7 +109,8 @@ def prepare(settings: Settings) -> Prepared:
                  format_size(device.total_bytes),
                  format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, api_keys,
-                    _build_info(binary), devices, gpu_budgets, _webui_folder(settings))
+                    _build_info(binary), devices, gpu_budgets, _webui_folder(settings),
+                    peer_key)
 
 
 def _webui_folder(settings: Settings) -> Path | None:
@@ -155,8 +171,17 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
             logging.getLogger().addHandler(ring_handler)
             reloader = Reloader(prepared.settings, prepared.table, prepared.overrides,
                                 supervisor, events, (notifier or Notifier({})).notify)
+            settings = prepared.settings
+            peers = Peers(client=client, events=events,
+                          own_node=settings.node_name or default_node_name(),
+                          static=settings.peer, dns=settings.peer_dns,
+                          dns_interval=settings.peer_dns_interval, api_key=prepared.peer_key,
+                          prefix=settings.peer_prefix,
+                          interval=settings.liveness_interval or 2.0,
+                          timeout=settings.liveness_timeout, misses=settings.liveness_misses)
+            peers.start()
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
-                                     router_log, reloader)
+                                     router_log, reloader, peers)
             watcher = asyncio.create_task(reloader.watch(), name="config-watch")
             atexit.register(supervisor.kill_all_now)
             startup = asyncio.create_task(supervisor.load_startup_models())
@@ -166,6 +191,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
             finally:
                 watcher.cancel()
                 startup.cancel()
+                await peers.close()
                 await supervisor.close()
                 atexit.unregister(supervisor.kill_all_now)
                 logging.getLogger().removeHandler(ring_handler)

@@ -31,6 +31,7 @@ HEALTH_POLL_INTERVAL_S = 0.02
 DEFAULT_LIVENESS_INTERVAL_S = 2.0
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 DEFAULT_LIVENESS_MISSES = 3
+DEFAULT_PEER_DNS_INTERVAL_S = 10.0
 
 
 class ConfigurationError(Exception):
@@ -87,6 +88,18 @@ class Settings(BaseSettings):
     webui: bool = Field(True, description="serve llama.cpp's web UI at / (false: none)")
     webui_path: Path | None = Field(None, description="serve the web UI built in this folder "
                                     "(with index.html) instead of the installed one")
+    node_name: str = Field("", description="this router's name as a node among peers "
+                           "(/models, metrics' node label); default: the host name")
+    peer: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="other routers to front: http://host:port")
+    peer_api_key_file: Path | None = Field(None, description="file with the bearer key sent "
+                                           "to peers (one line)")
+    peer_dns: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="NAME:PORT whose A/AAAA records are the peers "
+                                          "(a headless Service)")
+    peer_dns_interval: float = Field(DEFAULT_PEER_DNS_INTERVAL_S, gt=0,
+                                     description="seconds between resolutions of --peer-dns")
+    peer_prefix: bool = Field(False, description="list peers' models as NODE/MODEL")
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -99,7 +112,7 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()] or [""]
         return value
 
-    @field_validator("presets", "models_dir", "child_args", mode="before")
+    @field_validator("presets", "models_dir", "child_args", "peer", "peer_dns", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

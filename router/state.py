@@ -15,6 +15,7 @@ from .errors import RouterError, ShuttingDown
 from .events import EventBus
 from .logs import LogRing
 from .metrics import RouterMetrics
+from .peers import Peers
 from .reload import Reloader
 from .resumable import ConversationOwners
 from .supervisor import Supervisor
@@ -65,7 +66,7 @@ class State:
 
     def __init__(self, supervisor: Supervisor, client: httpx.AsyncClient, events: EventBus,
                  build_info: str, metrics: RouterMetrics, router_log: LogRing,
-                 reloader: Reloader) -> None:
+                 reloader: Reloader, peers: Peers | None = None) -> None:
         self.supervisor = supervisor
         self.client = client
         self.events = events
@@ -73,6 +74,8 @@ class State:
         self.metrics = metrics
         self.router_log = router_log
         self.reloader = reloader
+        self.peers = peers  # None in tests that build a State by hand
+        self.node = peers.node if peers is not None else ""
         self.conversations = ConversationOwners()  # resumable streams: which child has each
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[Any]] = set()

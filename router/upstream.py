@@ -378,6 +378,7 @@ class ChildConnections:
             collections.deque()
         self._closed = False
         self._warming: set[asyncio.Task[None]] = set()
+        self._made: set[_Connection] = set()  # connected and not yet lost, idle or in use
 
     @property
     def open_connections(self) -> int:
@@ -428,6 +429,13 @@ class ChildConnections:
         while self._idle:
             self._idle.pop().close()
 
+    def abort_all(self) -> None:
+        """Abort every connection, idle or in use: the server behind them is gone (a remote
+        upstream or peer that stopped answering). A request in flight on one sees its
+        exchange break (a 502, or a stream's error event); the pool stays usable."""
+        for conn in list(self._made):
+            conn.abort()
+
     # -- pool ---------------------------------------------------------------------------------
 
     async def _acquire(self, fresh: bool, cancel: Cancel | None = None
@@ -464,7 +472,7 @@ class ChildConnections:
     async def _open_reserved(self) -> _Connection:
         """Connect in a place already counted in ``_open``; the place is freed exactly once,
         by the connection's loss or, if it was never made, here."""
-        conn = _Connection(on_lost=self._lost)
+        conn = _Connection(on_lost=lambda: self._lost(conn))
         try:
             await self._connect(conn)
         except BaseException:
@@ -474,6 +482,8 @@ class ChildConnections:
             else:
                 conn.abort()  # made after all (a late cancellation): its loss frees the place
             raise
+        if not conn.closed:
+            self._made.add(conn)
         return conn
 
     def _give_back(self, granted: _Connection | None) -> None:
@@ -483,8 +493,9 @@ class ChildConnections:
         else:
             self._release(granted)
 
-    def _lost(self) -> None:
+    def _lost(self, conn: _Connection) -> None:
         """A connection closed, by either side: its place is free."""
+        self._made.discard(conn)
         self._open -= 1
         self._grant_places()
 

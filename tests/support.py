@@ -94,11 +94,16 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 @contextlib.contextmanager
 def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                  child_args: tuple[str, ...] = (),
-                 open_files: int | None = None) -> Iterator[RouterProcess]:
-    """A router subprocess; ``open_files`` caps its file descriptors (``ulimit -n``)."""
-    port = free_port()
-    log_path = tmp_path / f"router-{port}.log"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), *args]
+                 open_files: int | None = None, host: str = "127.0.0.1",
+                 port: int | None = None,
+                 launcher: list[str] | None = None) -> Iterator[RouterProcess]:
+    """A router subprocess on ``host`` (another loopback address: another "machine") and
+    ``port`` (default: a free one); ``open_files`` caps its file descriptors (``ulimit -n``);
+    ``launcher`` runs Python (default: this interpreter)."""
+    port = port or free_port(host)
+    log_path = tmp_path / f"router-{host}-{port}.log"
+    argv = [*(launcher or [sys.executable]), "-m", "router.cli", "serve", "--host", host,
+            "--port", str(port), *args]
     if child_args:
         argv += ["--", *child_args]
     with open(log_path, "wb") as log:
@@ -107,7 +112,7 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                                 preexec_fn=None if open_files is None else
                                 (lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
                                                             (open_files, open_files))))
-    router = RouterProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    router = RouterProcess(proc, f"http://{host}:{port}", log_path)
     try:
         deadline = time.monotonic() + STARTUP_DEADLINE_S
         while True:

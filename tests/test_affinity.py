@@ -355,7 +355,8 @@ class KeySupervisor:
 async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> tuple[int, ...] | None:
     sup = KeySupervisor(preset)
     app = SimpleNamespace(state=SimpleNamespace(
-        router=SimpleNamespace(supervisor=sup, shutdown=Shutdown(30.0)), webui=None))
+        router=SimpleNamespace(supervisor=sup, shutdown=Shutdown(30.0), peers=None),
+        webui=None))
     raw = json.dumps({"model": preset.id, **body}).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
              "raw_path": b"/v1/chat/completions", "query_string": b"", "app": app,

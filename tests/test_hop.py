@@ -109,7 +109,8 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
     async with child_server(child) as (port, _):
         pool = ChildConnections("127.0.0.1", port)
         state = SimpleNamespace(router=SimpleNamespace(supervisor=FakeSupervisor(pool),
-                                                       shutdown=Shutdown(30.0)),
+                                                       shutdown=Shutdown(30.0),
+                                                       peers=None),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
@@ -171,7 +172,8 @@ async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_i
                         (b"content-length", b"%d" % len(body)),
                         (b"x-note", b"a\r\nx-injected: 1")],
             "app": SimpleNamespace(state=SimpleNamespace(
-                router=SimpleNamespace(supervisor=FakeSupervisor(pool), shutdown=Shutdown(30.0)),
+                router=SimpleNamespace(supervisor=FakeSupervisor(pool), shutdown=Shutdown(30.0),
+                                       peers=None),
                 webui=None))}
         messages: list[dict[str, Any]] = []
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from support import start_router, wait_until, write_presets
 
+from router.errors import UpstreamError
 from router.flags import FlagTable
 from router.lifecycle import ModelState
 from router.liveness import Liveness
@@ -336,3 +337,20 @@ def test_remote_with_api_key(tmp_path: Path, llama_server: Path,
         assert response.json()["error"]
         listed = json.dumps(router.models()) + client.get("/props").text
         assert "sk-remote-secret" not in listed and "sk-remote-secret" not in router.log()
+
+
+async def test_a_request_in_flight_ends_when_the_upstream_is_marked_gone() -> None:
+    """``kill_now`` (the liveness check gave up on a frozen upstream) ends the requests
+    still waiting on it: their connections are aborted, nothing hangs."""
+    from tests.test_peers import StandInPeer
+
+    async with StandInPeer("far", {}) as stand_in, httpx.AsyncClient() as client:
+        remote = RemoteUpstream("m", stand_in.url, LogRing(10), client)
+        response = await remote.connections.send("GET", b"/stream", [], b"")
+        await stand_in.chunks.put(b"data: 1\n\n")
+        assert await response.next_chunk() == b"data: 1\n\n"
+        remote.kill_now()
+        with pytest.raises(UpstreamError):
+            await asyncio.wait_for(response.next_chunk(), HANG_GUARD_S)
+        response.release()
+        assert await asyncio.wait_for(remote.wait_exit(), HANG_GUARD_S) == GONE_CODE

@@ -119,7 +119,8 @@ async def proxy_before(child: Child, shutdown: Shutdown
     async with child_server:
         pool = ChildConnections("127.0.0.1", child_server.sockets[0].getsockname()[1])
         supervisor = FakeSupervisor(pool)
-        state = SimpleNamespace(router=SimpleNamespace(supervisor=supervisor, shutdown=shutdown),
+        state = SimpleNamespace(router=SimpleNamespace(supervisor=supervisor, shutdown=shutdown,
+                                                       peers=None),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
