@@ -143,6 +143,37 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         assert not leftovers, f"children left behind: {leftovers}\n{router.log()}"
 
 
+@contextlib.contextmanager
+def llama_server_process(argv: list[str], port: int, log_path: Path,
+                         env: dict[str, str] | None = None
+                         ) -> Iterator[subprocess.Popen[bytes]]:
+    """A llama-server (plain, or llama.cpp's router) started with ``argv`` and listening on
+    127.0.0.1:``port``: healthy when yielded, stopped afterwards."""
+    log = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            env=None if env is None else {**os.environ, **env})
+    try:
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-server exited with {proc.returncode}:\n"
+                            f"{log_path.read_text(errors='replace')[-2000:]}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+        assert wait_until(healthy, STARTUP_DEADLINE_S), "llama-server did not start"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
 def fake_nvidia_smi(directory: Path, config: dict[str, object]) -> dict[str, str]:
     """Install tests/fake_nvidia_smi.py as ``directory/bin/nvidia-smi`` answering from
     ``config``; the environment entries that put it first on PATH."""

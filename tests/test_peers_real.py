@@ -26,9 +26,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import (
+    RouterProcess,
+    SSEClient,
+    llama_server_process,
+    start_router,
+    wait_until,
+    write_presets,
+)
 
 from router.process import free_port
-from tests.support import RouterProcess, SSEClient, start_router, wait_until, write_presets
 
 pytestmark = pytest.mark.real
 
@@ -304,36 +311,17 @@ model = {tiny_models["beta"]}
 """)
     cache = tmp_path / "empty-cache"
     cache.mkdir()
-    log = (tmp_path / "cpp-router.log").open("wb")
-    proc = subprocess.Popen([str(llama_server), "--host", "127.0.0.1", "--port", str(port),
-                             "--models-preset", str(presets), "--models-max", "1"],
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "LLAMA_CACHE": str(cache)})
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(up, HANG_GUARD_S)
-        with start_router(tmp_path, "--peer", url, *PEER_OPTIONS) as gateway:
-            assert wait_until(lambda: "beta" in listing(gateway), HANG_GUARD_S), gateway.log()
-            assert listing(gateway)["beta"]["node"] == f"127.0.0.1:{port}"
-            with gateway.client() as client:
-                answer = chat(client, "beta")
-                assert answer.status_code == 200, answer.text
-            assert wait_until(lambda: status(gateway, "beta") == "loaded", HANG_GUARD_S)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    url = f"http://127.0.0.1:{port}"
+    with llama_server_process([str(llama_server), "--host", "127.0.0.1", "--port", str(port),
+                               "--models-preset", str(presets), "--models-max", "1"], port,
+                              tmp_path / "cpp-router.log", env={"LLAMA_CACHE": str(cache)}), \
+            start_router(tmp_path, "--peer", url, *PEER_OPTIONS) as gateway:
+        assert wait_until(lambda: "beta" in listing(gateway), HANG_GUARD_S), gateway.log()
+        assert listing(gateway)["beta"]["node"] == f"127.0.0.1:{port}"
+        with gateway.client() as client:
+            answer = chat(client, "beta")
+            assert answer.status_code == 200, answer.text
+        assert wait_until(lambda: status(gateway, "beta") == "loaded", HANG_GUARD_S)
 
 
 # ------------------------------------------------------------------------------ DNS discovery

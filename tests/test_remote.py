@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 import httpx
 import pytest
-from support import start_router, wait_until, write_presets
+from support import llama_server_process, start_router, wait_until, write_presets
 
 from router.errors import UpstreamError
 from router.flags import FlagTable
@@ -229,29 +229,10 @@ async def test_gone_after_missed_probes() -> None:
 def llama_server_on(binary: Path, model: Path, port: int, tmp_path: Path,
                     *args: str) -> Iterator[subprocess.Popen[bytes]]:
     """A plain llama-server on ``port``, healthy when yielded, stopped afterwards."""
-    log = open(tmp_path / f"remote-{port}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(binary), "--host", "127.0.0.1", "--port", str(port), "-m",
-                             str(model), "-c", "2048", "-np", "2", *args],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                pytest.fail(f"remote llama-server exited with {proc.returncode}")
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_until(healthy, HANG_GUARD_S), "remote llama-server did not start"
+    with llama_server_process([str(binary), "--host", "127.0.0.1", "--port", str(port), "-m",
+                               str(model), "-c", "2048", "-np", "2", *args], port,
+                              tmp_path / f"remote-{port}-{time.monotonic_ns()}.log") as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 def stream_text(client: httpx.Client, model: str) -> str:
@@ -342,7 +323,7 @@ def test_remote_with_api_key(tmp_path: Path, llama_server: Path,
 async def test_a_request_in_flight_ends_when_the_upstream_is_marked_gone() -> None:
     """``kill_now`` (the liveness check gave up on a frozen upstream) ends the requests
     still waiting on it: their connections are aborted, nothing hangs."""
-    from tests.test_peers import StandInPeer
+    from test_peers import StandInPeer
 
     async with StandInPeer("far", {}) as stand_in, httpx.AsyncClient() as client:
         remote = RemoteUpstream("m", stand_in.url, LogRing(10), client)
