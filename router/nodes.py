@@ -173,6 +173,29 @@ def merged_listing(local: list[dict[str, Any]], peers: Peers, node: str,
     return merged
 
 
+def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
+                 ) -> dict[str, Any]:
+    """``event`` as ``/models/sse`` sends it: for a model on several nodes, its ``status``
+    is the model's across them (as ``/models`` lists it: a node unloading it does not make a
+    model that another node serves look unloaded), the node's own in ``node_status``."""
+    data = event.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
+        return event
+    model = event["model"]
+    holders = [p for p in peers.peers.values() if p.up and model in p.models]
+    local = supervisor.models.get(model)
+    if len(holders) + (local is not None) < 2:
+        return event
+    statuses = [p.status_of(model) for p in holders]
+    if local is not None:
+        statuses.append(local.status.public)
+    best = "loaded" if "loaded" in statuses else LOADING if LOADING in statuses \
+        else data["status"]
+    if best == data["status"]:
+        return event
+    return {**event, "data": {**data, "status": best, "node_status": data["status"]}}
+
+
 async def scrape_peers(peers: Peers) -> list[tuple[dict[str, str], str]]:
     """Each peer's ``/metrics`` that answered, with its ``node`` label."""
     async def scrape(peer: Peer) -> tuple[dict[str, str], str] | None:

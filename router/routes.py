@@ -26,7 +26,14 @@ from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
-from .nodes import admin_targets, forward_admin, local_model, merged_listing, scrape_peers
+from .nodes import (
+    across_nodes,
+    admin_targets,
+    forward_admin,
+    local_model,
+    merged_listing,
+    scrape_peers,
+)
 from .presets import ModelPreset
 from .requests import model_from_body, read_body
 from .resumable import StreamResume
@@ -415,6 +422,8 @@ class EventStream:
                 while True:
                     event = await subscription.get()
                     if self._shows(event["model"]):
+                        if peers is not None and peers.peers:
+                            event = across_nodes(event, peers, self.state.supervisor)
                         return json.dumps(event)
 
             await sse.respond(scope, receive, send, next_event, self.state.closing)

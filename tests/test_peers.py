@@ -18,7 +18,7 @@ import pytest
 
 from router.errors import BadRequest, UpstreamError
 from router.events import EventBus
-from router.nodes import _renamed, admin_targets, came_through
+from router.nodes import _renamed, across_nodes, admin_targets, came_through
 from router.peers import (
     Candidate,
     Peer,
@@ -326,3 +326,21 @@ async def test_peer_set_follows_its_sources() -> None:
         assert peers.describe()[0]["up"] is False
         await asyncio.wait_for(peers.close(), HANG_GUARD_S)
         assert not peers.peers
+
+
+def test_events_of_a_model_on_several_nodes_carry_its_status_across_them() -> None:
+    a = StubPeer("node-a", {"m": "loaded", "only-b": "loaded"})
+    b = StubPeer("node-b", {"m": "unloaded", "only-b": "unloaded"})
+    peers: Any = StubPeers(a, b)
+    supervisor: Any = type("Sup", (), {"models": {}})()
+    unloaded = {"model": "m", "event": "status_change", "data": {"status": "unloaded"},
+                "node": "node-b"}
+    assert across_nodes(unloaded, peers, supervisor) == {
+        **unloaded, "data": {"status": "loaded", "node_status": "unloaded"}}
+    loaded = {**unloaded, "data": {"status": "loaded", "info": {}}, "node": "node-a"}
+    assert across_nodes(loaded, peers, supervisor) is loaded  # nothing to say
+    del a.models["only-b"]  # one node: its event as it is
+    alone = {**unloaded, "model": "only-b"}
+    assert across_nodes(alone, peers, supervisor) is alone
+    b.up = False  # a node that is down does not count
+    assert across_nodes(unloaded, peers, supervisor) is unloaded

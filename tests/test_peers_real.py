@@ -151,6 +151,19 @@ def test_load_unload_forwarded_and_events_relayed(
                                json={"model": "shared", "node": "node-a"}).status_code == 200
             assert wait_until(lambda: status(a, "shared") == "loaded", HANG_GUARD_S)
             assert status(b, "shared") == "unloaded"
+            # Loaded on node-b too, then unloaded there: node-a still serves it, and the
+            # event says so (the model's status across nodes; node-b's own beside it).
+            assert client.post("/models/load",
+                               json={"model": "shared", "node": "node-b"}).status_code == 200
+            assert wait_until(lambda: relayed("shared", "loaded", "node-b"), HANG_GUARD_S)
+            assert client.post("/models/unload",
+                               json={"model": "shared", "node": "node-b"}).status_code == 200
+            assert wait_until(lambda: any(
+                e.get("node") == "node-b" and e["model"] == "shared"
+                and (e.get("data") or {}).get("node_status") == "unloaded"
+                and e["data"]["status"] == "loaded" for e in events.events), HANG_GUARD_S), \
+                events.events
+            assert status(a, "shared") == "loaded" and status(b, "shared") == "unloaded"
             unloaded = client.post("/models/unload", json={"model": "gamma"})
             assert unloaded.status_code == 200, unloaded.text
             assert wait_until(lambda: status(b, "gamma") == "unloaded", HANG_GUARD_S)
