@@ -38,6 +38,8 @@ from .peers import (
     rank,
 )
 from .proxy import FailOver, relay, upstream_headers
+from .requests import header
+from .resumable import CONVERSATION_HEADER
 from .runtime import ModelRuntime
 from .scheduler import Status
 from .state import State
@@ -128,6 +130,9 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, receive: Receiv
     if peer_model != model:  # --peer-prefix: the peer knows the model by its own id
         body, target = _renamed(body, parsed, target, peer_model)
     scope.setdefault("state", {})["node"] = peer.node
+    conv_id = header(scope, CONVERSATION_HEADER) if body else None
+    if conv_id:  # a resumable stream: resumed through the peer that has it (``resumable``)
+        state.conversations.remember(conv_id.decode("latin-1"), model, peer)
     peer.outstanding[model] = peer.outstanding.get(model, 0) + 1
     try:
         await relay(peer.connections, scope["method"], target, headers, body,

@@ -13,6 +13,10 @@ serves it (``ConversationOwners``, filled by the proxy), and answers:
 * ``DELETE /v1/stream?conv_id=<id>``: forwarded to the owning child (which stops it), the
   mapping is forgotten; 204 whatever happened.
 
+A conversation a gateway sent to a peer (``nodes``) is owned by that peer: resumes, lookups
+and stops for it go to the peer (with the peer key) while it is up, and the peer finds its own
+child the same way.
+
 The table is bounded: the least recently used conversations are forgotten first.
 """
 
@@ -31,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from .errors import BadRequest, NotFound, Unavailable
+from .peers import VIA_HEADER, Peer
 from .process import ChildProcess
 from .proxy import relay, upstream_headers
 from .scheduler import Status
@@ -39,28 +44,30 @@ if TYPE_CHECKING:
     from .state import Shutdown
     from .supervisor import Supervisor
 
+Owner = ChildProcess | Peer  # the child that serves a conversation, or the peer it went to
+
 CONVERSATION_HEADER = b"x-conversation-id"
 DEFAULT_CAPACITY = 10_000
 CHILD_TIMEOUT_S = 5.0
 
 
 class ConversationOwners:
-    """Conversation id → (model id, the child serving it once known); bounded LRU."""
+    """Conversation id → (model id, the child or peer serving it once known); bounded LRU."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
-        self._owners: OrderedDict[str, tuple[str, ChildProcess | None]] = OrderedDict()
+        self._owners: OrderedDict[str, tuple[str, Owner | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._owners)
 
-    def remember(self, conv_id: str, model: str, child: ChildProcess | None = None) -> None:
+    def remember(self, conv_id: str, model: str, child: Owner | None = None) -> None:
         self._owners[conv_id] = (model, child)
         self._owners.move_to_end(conv_id)
         while len(self._owners) > self.capacity:
             self._owners.popitem(last=False)
 
-    def owner(self, conv_id: str) -> tuple[str, ChildProcess | None] | None:
+    def owner(self, conv_id: str) -> tuple[str, Owner | None] | None:
         found = self._owners.get(conv_id)
         if found is not None:
             self._owners.move_to_end(conv_id)
@@ -71,14 +78,16 @@ class ConversationOwners:
 
 
 def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
-                   conv_id: str) -> tuple[str, ChildProcess] | None:
-    """The owning model and child, if that child still serves."""
+                   conv_id: str) -> tuple[str, Owner] | None:
+    """The owning model and child, if that child still serves (or peer, if it is up)."""
     found = owners.owner(conv_id)
     if found is None:
         return None
     model, child = found
     if child is None:
         return None
+    if isinstance(child, Peer):
+        return (model, child) if child.up else None
     runtime = supervisor.models.get(model)
     if runtime is None or not any(r.child is child for r in runtime.replicas):
         return None
@@ -113,11 +122,17 @@ class StreamResume:
                                          headers={"Retry-After": "1"})
             raise NotFound("Stream not found or expired")
         model, child = running
+        query = QueryParams({"conv_id": conv_id, **(
+            {"from": request.query_params["from"]} if "from" in request.query_params else {})})
+        if isinstance(child, Peer):  # the peer finds its child
+            headers = [*upstream_headers(scope["headers"]), *child.auth,
+                       (VIA_HEADER, child.own_node.encode("latin-1"))]
+            await relay(child.connections, "GET", f"/v1/stream?{query}".encode(), headers, b"",
+                        receive=receive, send=send, shutdown=self.shutdown)
+            return
         lease = self.supervisor.lease_child(model, child)
         if lease is None:
             raise NotFound("Stream not found or expired")
-        query = QueryParams({"conv_id": conv_id, **(
-            {"from": request.query_params["from"]} if "from" in request.query_params else {})})
         try:
             await relay(child.connections, "GET", f"/v1/stream?{query}".encode(),
                         upstream_headers(scope["headers"]), b"", receive=receive, send=send,
@@ -134,15 +149,16 @@ async def lookup(request: Request, supervisor: Supervisor, owners: ConversationO
         ids = [i for i in body.get("conversation_ids", []) if isinstance(i, str) and i]
     except (ValueError, AttributeError, TypeError):
         return JSONResponse([])
-    per_child: dict[ChildProcess, list[str]] = {}
+    per_child: dict[Owner, list[str]] = {}
     for conv_id in ids:
         running = _running_owner(owners, supervisor, conv_id)
         if running is not None:
             per_child.setdefault(running[1], []).append(conv_id)
 
-    async def ask(child: ChildProcess, wanted: list[str]) -> list[Any]:
+    async def ask(child: Owner, wanted: list[str]) -> list[Any]:
+        url, headers = _where(child)
         try:
-            response = await client.post(child.base_url + "/v1/streams/lookup",
+            response = await client.post(url + "/v1/streams/lookup", headers=headers,
                                          json={"conversation_ids": wanted},
                                          timeout=CHILD_TIMEOUT_S)
             sessions = response.json() if response.status_code == 200 else []
@@ -161,7 +177,15 @@ async def stop(request: Request, supervisor: Supervisor, owners: ConversationOwn
     running = _running_owner(owners, supervisor, conv_id)
     owners.forget(conv_id)
     if running is not None:
+        url, headers = _where(running[1])
         with contextlib.suppress(httpx.HTTPError):  # the child is gone: so is its stream
-            await client.delete(running[1].base_url + "/v1/stream",
+            await client.delete(url + "/v1/stream", headers=headers,
                                 params={"conv_id": conv_id}, timeout=CHILD_TIMEOUT_S)
     return Response(status_code=204, media_type="application/json")
+
+
+def _where(owner: Owner) -> tuple[str, dict[str, str]]:
+    """The base URL to ask the owner at, and the headers to ask with (a peer's key)."""
+    if isinstance(owner, Peer):
+        return owner.url, {k: v for k, v in owner.probe_headers.items() if k != "connection"}
+    return owner.base_url, {}

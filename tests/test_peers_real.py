@@ -175,6 +175,32 @@ def test_load_unload_forwarded_and_events_relayed(
         events.stop.set()
 
 
+def test_resumable_streams_through_the_gateway(
+        cluster: tuple[RouterProcess, RouterProcess, RouterProcess]) -> None:
+    """llama.cpp's web UI resumes a stream by its conversation id: through the gateway, the
+    node that has it answers."""
+    _, _, gateway = cluster
+    request = {"stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    with gateway.client() as client:
+        originals = {}
+        for conv_id, model in (("conv-a", "alpha"), ("conv-b", "gamma")):
+            with client.stream("POST", "/v1/chat/completions",
+                               headers={"X-Conversation-Id": conv_id},
+                               json={"model": model, **request}) as streamed:
+                originals[conv_id] = "".join(streamed.iter_text())
+            assert "[DONE]" in originals[conv_id]
+        sessions = client.post("/v1/streams/lookup",
+                               json={"conversation_ids": ["conv-a", "conv-b", "nope"]}).json()
+        assert sorted(s["conversation_id"] for s in sessions) == ["conv-a", "conv-b"]
+        for conv_id, original in originals.items():
+            replay = client.get("/v1/stream", params={"conv_id": conv_id, "from": "0"})
+            assert replay.status_code == 200, replay.text
+            assert replay.text == original  # the bytes the node's child kept
+        assert client.delete("/v1/stream", params={"conv_id": "conv-a"}).status_code == 204
+        assert client.get("/v1/stream", params={"conv_id": "conv-a"}).status_code == 404
+        assert client.get("/v1/stream", params={"conv_id": "conv-b"}).status_code == 200
+
+
 def test_metrics_carry_each_node(
         cluster: tuple[RouterProcess, RouterProcess, RouterProcess]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
