@@ -6,13 +6,14 @@ UI's own API-key prompt lets the user in."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import start_router, write_presets
+from support import start_router, wait_until, write_presets
 
 from router.install import find_webui
 
@@ -100,3 +101,31 @@ def test_the_web_ui_asks_for_the_api_key_and_works_with_it(
         prompt.press("Enter")
         pick(page, "tiny-chat")
         chat(page, "Hello with a key", 0)
+
+
+def test_the_web_ui_on_a_gateway_serves_models_of_other_machines(
+        tmp_path: Path, tiny_models: dict[str, Path], webui: Path, llama_server: Path,
+        page: Any) -> None:
+    """The UI on a gateway in front of two nodes (``--peer``; 127.0.0.2 and 127.0.0.3 stand
+    for two machines): it lists both nodes' models, loads each on its node (the load and its
+    events go through the gateway) and chats with it."""
+    nodes = []
+    with contextlib.ExitStack() as stack:
+        for host, name, source in (("127.0.0.2", "tiny-chat", "alpha"),
+                                   ("127.0.0.3", "tiny-coder", "beta")):
+            presets = write_presets(tmp_path / f"{name}.ini", f"[{name}]\nmodel = "
+                                    f"{tiny_models[source]}\nctx-size = 512\n")
+            nodes.append(stack.enter_context(start_router(
+                tmp_path, "--presets", str(presets), "--node-name", f"node-{name}",
+                host=host)))
+        gateway = stack.enter_context(start_router(
+            tmp_path, "--peer", nodes[0].url, "--peer", nodes[1].url))
+        assert wait_until(lambda: {"tiny-chat", "tiny-coder"} <= set(gateway.models()), 30)
+        page.goto(gateway.url + "/")
+        page.locator(SELECTOR).filter(has_text="tiny-").wait_for()
+        pick(page, "tiny-chat")
+        assert nodes[0].models()["tiny-chat"]["status"]["value"] == "loaded"
+        chat(page, "Hello, first machine", 0)
+        pick(page, "tiny-coder")
+        assert nodes[1].models()["tiny-coder"]["status"]["value"] == "loaded"
+        chat(page, "Hello, second machine", 2)
