@@ -187,22 +187,30 @@ class Peer:
         self.up = False
 
     async def _run(self) -> None:
+        """Check the peer every ``interval`` s for as long as it is configured; a check that
+        fails in an unforeseen way is logged and the next one runs as usual."""
         while True:
-            problem, silent = await self._probe()
-            if problem is None:
-                self._missed = 0
-                if not self.up:
-                    await self._come_up()
-                elif self._follower is None or self._follower.done():
-                    self._follow()
-            else:
-                self._missed += 1
-                if self.up and self._missed >= self.misses:
-                    self.mark_down(f"missed {self._missed} health checks ({problem})",
-                                   abort=silent)
-                elif not self.up:
-                    self.reason = problem
+            try:
+                await self._check()
+            except Exception as exc:  # never leave a peer unwatched
+                log.exception("peer %s: check failed", self.url, exc_info=exc)
             await asyncio.sleep(self.interval)
+
+    async def _check(self) -> None:
+        problem, silent = await self._probe()
+        if problem is None:
+            self._missed = 0
+            if not self.up:
+                await self._come_up()
+            elif self._follower is None or self._follower.done():
+                self._follow()
+        else:
+            self._missed += 1
+            if self.up and self._missed >= self.misses:
+                self.mark_down(f"missed {self._missed} health checks ({problem})",
+                               abort=silent)
+            elif not self.up:
+                self.reason = problem
 
     async def _probe(self) -> tuple[str | None, bool]:
         """None if ``GET /health`` answered 200 within the timeout, else what went wrong;
@@ -301,7 +309,13 @@ class Peer:
                                          "data": {"status": "unloaded", "removed": True}})
 
     def _follow(self) -> None:
-        self._follower = asyncio.create_task(self._follow_events(), name=f"peer-sse:{self.url}")
+        self._follower = asyncio.create_task(self._follow_quietly(), name=f"peer-sse:{self.url}")
+
+    async def _follow_quietly(self) -> None:
+        try:
+            await self._follow_events()
+        except Exception as exc:  # the next check follows again
+            log.warning("peer %s: events stopped: %r", self.node, exc)
 
     async def _follow_events(self) -> None:
         """Follow the peer's ``/models/sse`` until it ends (the next probe follows again)."""
@@ -436,7 +450,9 @@ class Peers:
         while True:
             try:
                 infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-            except socket.gaierror as exc:
+            except (socket.gaierror, UnicodeError, OSError) as exc:
+                if not isinstance(exc, socket.gaierror):  # a resolver failure of another kind
+                    exc = socket.gaierror(socket.EAI_FAIL, str(exc))
                 gone = exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None))
                 problem = f"{source}: {exc.strerror or exc}" + (
                     ": no peers until it has addresses" if gone
