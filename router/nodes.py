@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, urlencode
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from .affinity import PrefixTable, request_keys
 from .errors import BadRequest, ModelNotFound, Unavailable, UpstreamError, envelope
 from .keys import Forbidden, KeyScope, resolve_in_scope
 from .peers import (
@@ -34,6 +35,7 @@ from .peers import (
     Candidate,
     Peer,
     Peers,
+    by_prefix,
     merge_entries,
     rank,
 )
@@ -92,8 +94,16 @@ async def serve_across_nodes(state: State, scope: Scope, receive: Receive, send:
                              body: bytes, parsed: dict[str, Any] | None) -> bool:
     """Serve the request on the best node holding ``model``; False when that is this router
     (the caller serves it). Raises like ``proxy.relay`` for the last node tried."""
-    assert state.peers is not None
-    order = candidates(state.peers, model, local, state.node)
+    peers = state.peers
+    assert peers is not None
+    order = candidates(peers, model, local, state.node)
+    keys = request_keys(parsed) if parsed is not None else ()
+    if keys:  # a conversation's next turn: where its prompt is cached (``affinity``)
+        tables = peers.prefixes.setdefault(model, {})
+        order, decision = by_prefix(order, tables, keys)
+        if decision is not None:
+            state.metrics.observe_routing(model, decision)
+        tables.setdefault(order[0].node, PrefixTable()).record(keys)
     for index, candidate in enumerate(order):
         peer = candidate.peer
         if peer is None:

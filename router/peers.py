@@ -34,7 +34,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from .affinity import Decision, PrefixTable, choose
 from .events import EventBus
 from .upstream import ChildConnections
 
@@ -49,6 +50,10 @@ log = logging.getLogger("router.peers")
 
 PEER_MAX_CONNECTIONS = 256  # to one peer; it queues what it cannot serve at once
 FAIL_OVER_STATUSES = frozenset({502, 503, 504})
+# Requests a node is taken to serve at once for prefix routing across nodes (llama-server's
+# default parallel slots): the router does not know a peer's.
+NODE_SLOTS = 4
+_EMPTY = PrefixTable(0)
 # Sent with every request to a peer: the nodes it passed through, so a request that comes
 # back (peers that front each other) is served where it is, never sent round again.
 VIA_HEADER = b"x-llama-router-via"
@@ -112,6 +117,21 @@ def rank(candidates: Iterable[Candidate]) -> list[Candidate]:
     """The order to try nodes in: loaded first (no cold load), then the fewest requests
     outstanding, then this router before a peer (no network hop)."""
     return sorted(candidates, key=lambda c: (not c.loaded, c.outstanding, c.peer is not None))
+
+
+def by_prefix(order: list[Candidate], tables: dict[str, PrefixTable], keys: Sequence[int]
+              ) -> tuple[list[Candidate], Decision | None]:
+    """``order`` with the node that holds the longest prefix of the prompt (``keys``) first,
+    among the nodes where the model is loaded (``affinity.choose``, each node taken to serve
+    ``NODE_SLOTS`` requests at once: a holder with that many outstanding yields to a node with
+    fewer), and the decision; unchanged (None) when fewer than two such nodes or no keys."""
+    loaded = [c for c in order if c.loaded]
+    if len(loaded) < 2 or not keys:
+        return order, None
+    index, decision = choose([(c.outstanding, NODE_SLOTS) for c in loaded],
+                             [tables.get(c.node) or _EMPTY for c in loaded], keys)
+    chosen = loaded[index]
+    return [chosen, *(c for c in order if c is not chosen)], decision
 
 
 class Peer:
@@ -396,6 +416,8 @@ class Peers:
         self._options = {"api_key": api_key, "prefix": prefix, "interval": interval,
                          "timeout": timeout, "misses": misses}
         self.peers: dict[str, Peer] = {}  # by url
+        # model -> node -> the prompt prefixes sent there lately (``by_prefix``)
+        self.prefixes: dict[str, dict[str, PrefixTable]] = {}
         self._sources: dict[str, set[str]] = {}  # url -> the sources naming it
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -437,6 +459,8 @@ class Peers:
                 if not sources:
                     del self._sources[url]
                     peer = self.peers.pop(url)
+                    for tables in self.prefixes.values():
+                        tables.pop(peer.node, None)
                     log.info("peer %s removed (%s)", url, source,
                              extra={"event": "peer_removed"})
                     task = asyncio.create_task(peer.close())

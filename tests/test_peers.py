@@ -344,3 +344,31 @@ def test_events_of_a_model_on_several_nodes_carry_its_status_across_them() -> No
     assert across_nodes(alone, peers, supervisor) is alone
     b.up = False  # a node that is down does not count
     assert across_nodes(unloaded, peers, supervisor) is unloaded
+
+
+def test_a_conversation_goes_back_to_the_node_that_has_its_prefix() -> None:
+    from router.affinity import PrefixTable, chat_keys
+    from router.peers import NODE_SLOTS, by_prefix
+
+    first_turn = [{"role": "system", "content": "long"}, {"role": "user", "content": "q1"}]
+    follow_up = chat_keys([*first_turn, {"role": "assistant", "content": "a1"},
+                           {"role": "user", "content": "q2"}])
+    b_table = PrefixTable()
+    b_table.record(chat_keys(first_turn))
+    tables = {"b": b_table}
+    a = Candidate("a", loaded=True, outstanding=0, peer=object())  # type: ignore[arg-type]
+    b = Candidate("b", loaded=True, outstanding=2, peer=object())  # type: ignore[arg-type]
+    cold = Candidate("gw", loaded=False, outstanding=0)
+    order = rank([cold, a, b])
+    assert [c.node for c in order] == ["a", "b", "gw"]
+    chosen, decision = by_prefix(order, tables, follow_up)
+    assert [c.node for c in chosen] == ["b", "a", "gw"] and decision == "prefix_hit"
+    # The holder saturated while another node has room: the other node.
+    busy = Candidate("b", loaded=True, outstanding=NODE_SLOTS, peer=b.peer)
+    chosen, decision = by_prefix(rank([a, busy]), tables, follow_up)
+    assert chosen[0].node == "a" and decision == "override"
+    # A new conversation: the least busy; no keys, or one loaded node: the order as it was.
+    chosen, decision = by_prefix(order, tables, chat_keys([{"role": "user", "content": "x"}]))
+    assert chosen[0].node == "a" and decision == "miss"
+    assert by_prefix(order, tables, ()) == (order, None)
+    assert by_prefix([a, cold], tables, follow_up) == ([a, cold], None)

@@ -278,6 +278,59 @@ def test_shared_model_balanced_then_failover_and_back(
             assert chat(client, "gamma").status_code == 200
 
 
+def requests_served(router: RouterProcess, model: str) -> float:
+    """Chat completions ``router`` answered for ``model`` (its own metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with router.client() as client:
+        text = client.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "llamarouter_requests_total" and s.labels.get("model") == model
+               and s.labels.get("endpoint") == "/v1/chat/completions")
+
+
+def test_a_conversation_follows_its_prompt_cache_across_nodes(
+        cluster: tuple[RouterProcess, RouterProcess, RouterProcess]) -> None:
+    """A follow-up turn goes to the node that served the conversation's previous turn, even
+    when the other node is less busy: its prompt is cached there."""
+    a, b, gateway = cluster
+    with gateway.client() as client:
+        for name in ("node-a", "node-b"):
+            assert client.post("/models/load", json={"model": "shared",
+                                                     "node": name}).status_code == 200
+    assert wait_until(lambda: all(n["status"] == "loaded" for n in
+                                  listing(gateway)["shared"]["nodes"]),  # type: ignore[attr-defined]
+                      HANG_GUARD_S)
+    turn = [{"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "First question?"}]
+    with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD_S) as client:
+        first = client.post("/v1/chat/completions",
+                            json={"model": "shared", "messages": turn, "max_tokens": 4})
+        assert first.status_code == 200, first.text
+        served = [requests_served(n, "shared") for n in (a, b)]
+        assert sorted(served) == [0, 1]
+        home, other = (a, b) if served[0] == 1 else (b, a)
+        # Keep the conversation's node busier than the other one.
+        busy = {"model": "shared", "stream": True, "max_tokens": 1_000_000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "go on"}]}
+        with httpx.Client(base_url=home.url, timeout=HANG_GUARD_S) as direct, \
+                direct.stream("POST", "/v1/chat/completions", json=busy) as running:
+            lines = running.iter_lines()
+            first_token(lines)
+            follow_up = [*turn, first.json()["choices"][0]["message"],
+                         {"role": "user", "content": "And the second?"}]
+            second = client.post("/v1/chat/completions", json={
+                "model": "shared", "messages": follow_up, "max_tokens": 4})
+            assert second.status_code == 200, second.text
+            assert second.json()["timings"]["cache_n"] > 0  # its prefix was cached there
+        assert requests_served(home, "shared") == 3  # both turns and the stream
+        assert requests_served(other, "shared") == 0
+        metrics = client.get("/metrics").text
+    assert any(line.startswith("llamarouter_replica_routing_total{")
+               and 'decision="prefix_hit"' in line and 'model="shared"' in line
+               and 'node="gw"' in line for line in metrics.splitlines()), metrics
+
+
 def test_a_frozen_node_never_hangs_a_request(tmp_path: Path,
                                              tiny_models: dict[str, Path]) -> None:
     """A node that stops answering altogether (SIGSTOP: its connections stay open, nothing
