@@ -154,7 +154,7 @@ class Peer:
         self.timeout = timeout
         self.misses = misses
         self.up = False
-        self.is_self = False  # its /health names this router: never used
+        self.is_self = False  # its /props names this router (found by DNS): never used
         self.reason = "not reached yet"
         # This router's id of each model the peer lists -> the peer's entry (node set).
         self.models: dict[str, dict[str, Any]] = {}
