@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -100,6 +100,25 @@ GOALS = {
 
 class BenchError(RuntimeError):
     pass
+
+
+@contextlib.asynccontextmanager
+async def chat_events(client: httpx.AsyncClient, url: str, body: dict[str, Any], what: str
+                      ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    """POST ``body`` to ``url``'s ``/v1/chat/completions`` as a stream; the parsed JSON of
+    each of its ``data:`` events (BenchError, naming ``what``, for a status other than 200)."""
+    async with client.stream("POST", url + "/v1/chat/completions", content=json.dumps(body),
+                             headers=JSON_HEADERS) as response:
+        if response.status_code != 200:
+            raise BenchError(f"{what}: HTTP {response.status_code}: "
+                             f"{(await response.aread())[:300]!r}")
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield json.loads(line[6:])
+
+        yield events()
 
 
 @dataclass

@@ -30,7 +30,6 @@ the prefix run is reported as not run.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ import httpx
 from router.smollm2 import INSTALL_HINT, find_smollm2
 
 from .bench import (
-    JSON_HEADERS,
     BenchError,
     Managed,
+    chat_events,
     percentile,
     rotate,
     wait_healthy,
@@ -118,15 +117,8 @@ async def stream_turn(client: httpx.AsyncClient, url: str, messages: list[dict[s
     first: float | None = None
     parts: list[str] = []
     timings: dict[str, Any] = {}
-    async with client.stream("POST", url + "/v1/chat/completions", content=json.dumps(body),
-                             headers=JSON_HEADERS) as response:
-        if response.status_code != 200:
-            raise BenchError(f"{url}: HTTP {response.status_code}: "
-                             f"{(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+    async with chat_events(client, url, body, url) as events:
+        async for event in events:
             if isinstance(event.get("timings"), dict):
                 timings = event["timings"]
             choices = event.get("choices") or [{}]

@@ -47,6 +47,7 @@ from .bench import (
     Row,
     attempt,
     chat_body,
+    chat_events,
     percentile,
     render_table,
     rotate,
@@ -114,15 +115,8 @@ async def generate(client: httpx.AsyncClient, url: str, model: str, prompt: str,
     events = 0
     counted: int | None = None
     parts: list[str] = []
-    async with client.stream("POST", url + "/v1/chat/completions", content=json.dumps(body),
-                             headers=JSON_HEADERS) as response:
-        if response.status_code != 200:
-            raise BenchError(f"{url} {model}: HTTP {response.status_code}: "
-                             f"{(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+    async with chat_events(client, url, body, f"{url} {model}") as stream:
+        async for event in stream:
             timings = event.get("timings")
             if isinstance(timings, dict) and "predicted_n" in timings:
                 counted = int(timings["predicted_n"])
