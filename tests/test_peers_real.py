@@ -227,6 +227,10 @@ def first_token(stream: Iterator[str]) -> None:
             return
 
 
+def in_flight(router: RouterProcess, model: str) -> object:
+    return (listing(router)[model]["status"] or {}).get("in_flight")  # type: ignore[union-attr]
+
+
 def test_shared_model_balanced_then_failover_and_back(
         tmp_path: Path, tiny_models: dict[str, Path],
         cluster: tuple[RouterProcess, RouterProcess, RouterProcess]) -> None:
@@ -240,42 +244,48 @@ def test_shared_model_balanced_then_failover_and_back(
     assert wait_until(lambda: all(n["status"] == "loaded" for n in
                                   listing(gateway)["shared"]["nodes"]),  # type: ignore[attr-defined]
                       HANG_GUARD_S)
-    long_stream = {"model": "shared", "stream": True, "max_tokens": 1_000_000,
-                   "ignore_eos": True,
-                   "messages": [{"role": "user", "content": "go on"}]}
+
+    def long_stream(text: str) -> dict[str, object]:
+        return {"model": "shared", "stream": True, "max_tokens": 1_000_000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": text}]}
+
     with httpx.Client(base_url=gateway.url, timeout=HANG_GUARD_S) as one, \
             httpx.Client(base_url=gateway.url, timeout=HANG_GUARD_S) as two:
-        with one.stream("POST", "/v1/chat/completions", json=long_stream) as first:
+        with one.stream("POST", "/v1/chat/completions", json=long_stream("go on")) as first:
             running = first.iter_lines()  # kept: a dropped iterator closes the stream
             first_token(running)
-            with two.stream("POST", "/v1/chat/completions", json=long_stream) as second:
+            busy = [in_flight(n, "shared") for n in (a, b)]
+            assert sorted(busy) == [0, 1]  # type: ignore[type-var]
+            # Another conversation (the same prompt would go where its prefix is cached).
+            with two.stream("POST", "/v1/chat/completions",
+                            json=long_stream("tell me more")) as second:
                 lines = second.iter_lines()
                 first_token(lines)
                 # One stream on each node: the second went where nothing was outstanding.
-                busy = [(listing(n)["shared"]["status"] or {}).get("in_flight")  # type: ignore[union-attr]
-                        for n in (a, b)]
-                assert busy == [1, 1]
-                # Node b dies mid-stream: its stream ends with an error event, at once.
-                b.proc.send_signal(signal.SIGKILL)
+                assert [in_flight(n, "shared") for n in (a, b)] == [1, 1]
+                # That node dies mid-stream: its stream ends with an error event, at once.
+                victim, host, name, own = (b, NODE_B, "node-b", "gamma") if busy[0] \
+                    else (a, NODE_A, "node-a", "alpha")
+                victim.proc.send_signal(signal.SIGKILL)
                 tail = [line for line in lines if line.startswith("data: ")]
                 assert tail and '"error"' in tail[-1], tail[-3:]
-        b.proc.wait(HANG_GUARD_S)
+        victim.proc.wait(HANG_GUARD_S)
         # Its models become unavailable within a few seconds; nothing hangs.
-        assert wait_until(lambda: listing(gateway)["gamma"]["status"].get("unavailable"),  # type: ignore[attr-defined]
+        assert wait_until(lambda: listing(gateway)[own]["status"].get("unavailable"),  # type: ignore[attr-defined]
                           HANG_GUARD_S), gateway.log()
-        refused = chat(one, "gamma")
+        refused = chat(one, own)
         assert refused.status_code == 503, refused.text
-        assert "node-b" in refused.json()["error"]["message"]
-        # The model both nodes had is served by node a.
+        assert name in refused.json()["error"]["message"]
+        # The model both nodes had is served by the other one.
         for _ in range(3):
             answer = chat(one, "shared")
             assert answer.status_code == 200, answer.text
-    # Node b restarted on its address: back in the gateway without a restart.
-    with node(tmp_path, tiny_models, NODE_B, "node-b", "gamma", port=b.port):
-        assert wait_until(lambda: not listing(gateway)["gamma"]["status"].get("unavailable"),  # type: ignore[attr-defined]
+    # The node restarted on its address: back in the gateway without a restart.
+    with node(tmp_path, tiny_models, host, name, own, port=victim.port):
+        assert wait_until(lambda: not listing(gateway)[own]["status"].get("unavailable"),  # type: ignore[attr-defined]
                           HANG_GUARD_S), gateway.log()
         with gateway.client() as client:
-            assert chat(client, "gamma").status_code == 200
+            assert chat(client, own).status_code == 200
 
 
 def requests_served(router: RouterProcess, model: str) -> float:
