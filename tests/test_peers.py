@@ -235,7 +235,7 @@ async def wait_for(predicate: Any, timeout: float = HANG_GUARD_S) -> None:
 async def running_peer(stand_in: StandInPeer, events: EventBus, **options: Any) -> Any:
     async with httpx.AsyncClient() as client:
         peer = Peer(stand_in.url, client=client, events=events, own_node="gw",
-                    api_key="sk-peer", **{"interval": 0.05, "timeout": 1.0, "misses": 2,
+                    api_key="sk-peer", **{"interval": 0.05, "timeout": 2.0, "misses": 2,
                                           **options})
         peer.start()
         try:
@@ -265,8 +265,8 @@ async def test_a_peer_imports_relays_and_goes_down_when_silent() -> None:
         await stand_in.events.put({"model": "m", "event": "status_change",
                                    "data": {"status": "loaded"}})
         await wait_for(lambda: peer.status_of("m") == "loaded")
-        assert {"model": "m", "event": "status_change", "data": {"status": "loaded"},
-                "node": "node-a"} in seen
+        await wait_for(lambda: {"model": "m", "event": "status_change",
+                                "data": {"status": "loaded"}, "node": "node-a"} in seen)
         # A request in flight, then the peer goes silent: down, and the request ends.
         response = await peer.connections.send("GET", b"/stream", [], b"")
         await stand_in.chunks.put(b"data: 1\n\n")
@@ -278,12 +278,15 @@ async def test_a_peer_imports_relays_and_goes_down_when_silent() -> None:
             async with asyncio.timeout(HANG_GUARD_S):
                 await response.next_chunk()
         response.release()
-        down = [e for e in seen if e.get("data", {}).get("unavailable")]
-        assert down and down[0]["model"] == "m" and down[0]["node"] == "node-a"
+        def down() -> list[dict[str, Any]]:
+            return [e for e in seen if e.get("data", {}).get("unavailable")]
+
+        await wait_for(lambda: down())  # the collector has it once it runs
+        assert down()[0]["model"] == "m" and down()[0]["node"] == "node-a"
         # It answers again: back, its models imported again.
         stand_in.silent = False
         await wait_for(lambda: peer.up)
-        assert sum(e["event"] == "peer_up" for e in seen) >= 2
+        await wait_for(lambda: sum(e["event"] == "peer_up" for e in seen) >= 2)
     collector.cancel()
 
 
