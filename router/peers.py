@@ -44,6 +44,7 @@ import httpx
 
 from .affinity import Decision, PrefixTable, choose
 from .events import EventBus
+from .process import ask_health, no_answer
 from .upstream import ChildConnections
 
 log = logging.getLogger("router.peers")
@@ -235,14 +236,12 @@ class Peer:
     async def _probe(self) -> tuple[str | None, bool]:
         """None if ``GET /health`` answered 200 within the timeout, else what went wrong;
         and whether the peer was silent (a timeout: frozen, or the network is cut)."""
-        try:
-            response = await self.client.get(f"{self.url}/health", timeout=self.timeout,
-                                             headers=self.probe_headers)
-        except httpx.HTTPError as exc:
-            text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            return text, isinstance(exc, httpx.TimeoutException)
-        if response.status_code != 200:
-            return f"/health answered {response.status_code}", False
+        status, problem = await ask_health(self.client, f"{self.url}/health", self.timeout,
+                                           self.probe_headers)
+        if problem is not None:
+            return problem, problem == no_answer(self.timeout)
+        if status != 200:
+            return f"/health answered {status}", False
         return ("it is this router" if self.is_self else None), False
 
     async def _learn_node(self) -> None:

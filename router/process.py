@@ -157,14 +157,19 @@ def http_error_text(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def no_answer(timeout: float) -> str:
+    """What ``ask_health`` says when nothing answered within ``timeout`` s."""
+    return f"no answer within {timeout:g} s"
+
+
 async def ask_health(client: httpx.AsyncClient, url: str, timeout: float,
                      headers: dict[str, str]) -> tuple[int | None, str | None]:
     """One health request: ``(status, None)`` when answered in time, else ``(None, what
-    went wrong)``."""
+    went wrong)`` (``no_answer(timeout)`` when nothing answered at all)."""
     try:
         response = await client.get(url, timeout=timeout, headers=headers)
     except httpx.TimeoutException:
-        return None, f"no answer within {timeout:g} s"
+        return None, no_answer(timeout)
     except httpx.HTTPError as exc:
         return None, http_error_text(exc)
     return response.status_code, None
