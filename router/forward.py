@@ -161,12 +161,12 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     request_state = scope.setdefault("state", {})
     key_scope = request_state.get(KEY_SCOPE)  # set by ApiKeyMiddleware for a scoped key only
     peers = state.peers
-    if peers is not None and peers.peers and peers.holders(model) \
-            and not came_through(scope, state.node):  # on other nodes too (``nodes``)
+    holders = peers.holders(model) if peers is not None and peers.peers else None
+    if holders and not came_through(scope, state.node):  # on other nodes too (``nodes``)
         local = local_model(sup, key_scope, model)
         request_state["model"] = model if local is None else local.preset.id
-        if await serve_across_nodes(state, scope, receive, send, model, local, _target(scope),
-                                    body, parsed):
+        if await serve_across_nodes(state, scope, receive, send, model, holders, local,
+                                    _target(scope), body, parsed):
             return
     try:
         runtime = sup.resolve(model) if key_scope is None \

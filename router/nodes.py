@@ -79,10 +79,11 @@ def raise_if_elsewhere(peers: Peers, model: str) -> None:
                           headers={"Retry-After": "5"})
 
 
-def candidates(peers: Peers, model: str, local: ModelRuntime | None, node: str
+def candidates(holders: list[Peer], model: str, local: ModelRuntime | None, node: str
                ) -> list[Candidate]:
-    """Every node that can serve ``model``, in the order to try them."""
-    found = [peer.candidate(model) for peer in peers.holders(model)]
+    """Every node that can serve ``model`` (the peers ``holders``, and ``local``, this
+    router's own), in the order to try them."""
+    found = [peer.candidate(model) for peer in holders]
     if local is not None:
         found.append(Candidate(node, local.status is Status.LOADED,
                                local.in_flight + local.waiting))
@@ -90,13 +91,15 @@ def candidates(peers: Peers, model: str, local: ModelRuntime | None, node: str
 
 
 async def serve_across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
-                             model: str, local: ModelRuntime | None, target: bytes,
-                             body: bytes, parsed: dict[str, Any] | None) -> bool:
-    """Serve the request on the best node holding ``model``; False when that is this router
-    (the caller serves it). Raises like ``proxy.relay`` for the last node tried."""
+                             model: str, holders: list[Peer], local: ModelRuntime | None,
+                             target: bytes, body: bytes, parsed: dict[str, Any] | None
+                             ) -> bool:
+    """Serve the request on the best node holding ``model`` (the peers ``holders``, or
+    ``local``); False when that is this router (the caller serves it). Raises like
+    ``proxy.relay`` for the last node tried."""
     peers = state.peers
     assert peers is not None
-    order = candidates(peers, model, local, state.node)
+    order = candidates(holders, model, local, state.node)
     keys = request_keys(parsed) if parsed is not None else ()
     if keys:  # a conversation's next turn: where its prompt is cached (``affinity``)
         tables = peers.prefixes.setdefault(model, {})
@@ -225,14 +228,13 @@ async def scrape_peers(peers: Peers) -> list[tuple[dict[str, str], str]]:
     return [found for found in await asyncio.gather(*(scrape(p) for p in up)) if found]
 
 
-def admin_targets(peers: Peers, model: str, local: ModelRuntime | None, node: str,
+def admin_targets(holders: list[Peer], model: str, local: ModelRuntime | None, node: str,
                   asked: str | None, action: str) -> list[Peer | None]:
     """Where ``POST /models/load|unload`` goes (None: this router).
 
     ``"node"`` in the body names one node. Otherwise a load goes to this router if it has the
     model, else to the first node (``rank``) where it is not running, else to the first; an
     unload goes to every node where the model is running (this router included)."""
-    holders = peers.holders(model)
     if asked is not None:
         if asked == node and local is not None:
             return [None]
@@ -243,7 +245,7 @@ def admin_targets(peers: Peers, model: str, local: ModelRuntime | None, node: st
     if action == "load":
         if local is not None:
             return [None]
-        order = [c.peer for c in candidates(peers, model, None, node)]
+        order = [c.peer for c in candidates(holders, model, None, node)]
         idle = [p for p in order if p is not None and p.status_of(model) == "unloaded"]
         return [idle[0] if idle else order[0]]
     running = [p for p in holders if p.status_of(model) in ("loaded", LOADING)]

@@ -238,13 +238,16 @@ async def _on_peers(request: Request, action: str, name: str,
     state = _state(request)
     peers = state.peers
     asked = payload.get("node") if payload else None
-    if peers is None or not peers.peers or not (peers.holders(name) or asked):
+    if peers is None or not peers.peers:
+        return None
+    holders = peers.holders(name)
+    if not holders and not asked:
         return None
     if asked is not None and not isinstance(asked, str):
         raise BadRequest('"node" must be a node name (GET /models shows them)')
     key_scope = key_scope_of(request.scope)
     local = local_model(state.supervisor, key_scope, name)
-    targets = admin_targets(peers, name, local, state.node, asked, action)
+    targets = admin_targets(holders, name, local, state.node, asked, action)
     if targets == [None]:
         return None
     request.scope.setdefault("state", {})["model"] = name

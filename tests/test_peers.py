@@ -138,14 +138,14 @@ class StubPeers:
 def test_where_load_and_unload_go() -> None:
     a = StubPeer("node-a", {"m": "loaded"})
     b = StubPeer("node-b", {"m": "unloaded"})
-    peers: Any = StubPeers(a, b)
+    holders: Any = StubPeers(a, b).holders("m")
     local: Any = type("Local", (), {"status": None, "in_flight": 0, "waiting": 0})()
-    assert admin_targets(peers, "m", None, "gw", None, "load") == [b]  # not running there
-    assert admin_targets(peers, "m", local, "gw", None, "load") == [None]  # this router's
-    assert admin_targets(peers, "m", None, "gw", "node-a", "load") == [a]
-    assert admin_targets(peers, "m", None, "gw", None, "unload") == [a]  # where it runs
+    assert admin_targets(holders, "m", None, "gw", None, "load") == [b]  # not running there
+    assert admin_targets(holders, "m", local, "gw", None, "load") == [None]  # this router's
+    assert admin_targets(holders, "m", None, "gw", "node-a", "load") == [a]
+    assert admin_targets(holders, "m", None, "gw", None, "unload") == [a]  # where it runs
     with pytest.raises(BadRequest, match="no-such-node"):
-        admin_targets(peers, "m", None, "gw", "no-such-node", "load")
+        admin_targets(holders, "m", None, "gw", "no-such-node", "load")
 
 
 def test_request_renamed_for_a_prefixed_peer_and_via() -> None:
