@@ -717,6 +717,20 @@ class Bench:
 
     # ------------------------------------------------------------ start
 
+    def direct_cold_start(self, model: str, name: str, timeout: float) -> tuple[float, float]:
+        """A new direct llama-server for ``model``: seconds from its spawn to ``/health`` 200,
+        and to the first token of a streamed chat; then it is stopped."""
+        # The client exists before the spawn: creating one costs ~15 ms.
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            item, url = self._start_direct(model, name)
+            try:
+                healthy = wait_healthy(item, url, interval=0.002)
+                attempt(partial(timed_first_token, client, chat_body(model, stream=True),
+                                url + "/v1/chat/completions"), {})
+                return healthy, time.perf_counter() - item.started
+            finally:
+                self.procs.stop(item)
+
     def _start_direct(self, model: str, name: str,
                       flags: Sequence[str] = CHILD_FLAGS) -> tuple[Managed, str]:
         port = free_port()
@@ -910,17 +924,9 @@ class Bench:
         for rnd in range(self.cfg.cold_rounds):
             for column in rotate(COLUMNS, rnd):
                 if column == DIRECT:
-                    # The client exists before the spawn: creating one costs ~15 ms.
-                    with httpx.Client(timeout=60.0, trust_env=False) as client:
-                        item, url = self._start_direct(cold_model, "baseline")
-                        try:
-                            healthy.append(wait_healthy(item, url, interval=0.002))
-                            attempt(partial(timed_first_token, client,
-                                            chat_body(cold_model, stream=True),
-                                            url + "/v1/chat/completions"), {})
-                            direct_first.append(time.perf_counter() - item.started)
-                        finally:
-                            self.procs.stop(item)
+                    to_healthy, to_first = self.direct_cold_start(cold_model, "baseline", 60.0)
+                    healthy.append(to_healthy)
+                    direct_first.append(to_first)
                     continue
                 ep = self.eps[column]
                 unload_all(ep)

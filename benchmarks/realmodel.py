@@ -277,16 +277,10 @@ class RealModelBench:
         for rnd in range(s.swap_rounds):
             for column in rotate(COLUMNS, rnd):
                 if column == DIRECT:
-                    with httpx.Client(timeout=120.0, trust_env=False) as client:
-                        item, url = self.bench._start_direct(MODEL_A, "real-baseline")
-                        try:
-                            healthy.append(wait_healthy(item, url, interval=0.002))
-                            attempt(partial(timed_first_token, client,
-                                            chat_body(MODEL_A, stream=True),
-                                            url + "/v1/chat/completions"), {})
-                            first.append(time.perf_counter() - item.started)
-                        finally:
-                            self.bench.procs.stop(item)
+                    to_healthy, to_first = self.bench.direct_cold_start(MODEL_A,
+                                                                        "real-baseline", 120.0)
+                    healthy.append(to_healthy)
+                    first.append(to_first)
                     continue
                 ep = self.eps[column]
                 for target in (MODEL_B, MODEL_A):

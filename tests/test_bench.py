@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,17 +19,25 @@ pytestmark = pytest.mark.real
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
+def run_quick_bench(tmp_path: Path, timeout: float, *args: str
+                    ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """``python -m benchmarks.bench --quick ARGS``: it exited 0 and left no process behind;
+    its run and its JSON report."""
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", "--quick", "--phases", "main",
+        [sys.executable, "-m", "benchmarks.bench", "--quick", *args,
          "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        capture_output=True, text=True, timeout=150, cwd=ROOT)
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    report = json.loads(out.read_text())
+    report: dict[str, Any] = json.loads(out.read_text())
+    assert report["leftover_processes"] == []
+    return result, report
+
+
+def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
+    result, report = run_quick_bench(tmp_path, 150, "--phases", "main")
 
     assert set(report["columns"]) == set(COLUMNS)
-    assert report["leftover_processes"] == []
     measured = {k: m for k, m in report["metrics"].items() if m["unit"] != "count"}
     assert {"tokenize_p50_ms", "ttft_p50_ms", "ttft_ka_p50_ms", "chat_p50_ms", "tokenize_rps",
             "cold_vs_healthy_ms", "swap_ms", "rss_idle_mb", "models_p50_ms"} <= set(measured)
@@ -47,14 +56,7 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
 def test_real_model_and_multiturn_phases_report_their_targets(tmp_path: Path,
                                                               llama_server: Path) -> None:
     """The SmolLM2 phases at quick settings (``make test`` installs SmolLM2)."""
-    out = tmp_path / "real.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", "--quick", "--phases", "real,multiturn",
-         "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    report = json.loads(out.read_text())
-    assert report["leftover_processes"] == []
+    result, report = run_quick_bench(tmp_path, 400, "--phases", "real,multiturn")
     assert "metrics" not in report  # no main phase
 
     real = report["real_model"]
@@ -81,14 +83,7 @@ def test_real_model_and_multiturn_phases_report_their_targets(tmp_path: Path,
 
 
 def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
-    out = tmp_path / "sharing.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", "--quick", "--only-sharing",
-         "--stall-bound", "5", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    report = json.loads(out.read_text())
-    assert report["leftover_processes"] == []
+    result, report = run_quick_bench(tmp_path, 240, "--only-sharing", "--stall-bound", "5")
     sharing = report["sharing"]["results"]
     for column in COLUMNS:
         row = sharing["tiny"][column]
