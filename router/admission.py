@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable
 
+from . import clock
 from .accounting import Accounting
 from .changes import Changes
 from .errors import LoadFailed
@@ -68,7 +68,7 @@ class Admission:
         """Queue, and return once the planner admits the model; raises LoadFailed when it can
         never fit. Cancelling it leaves the queue."""
         target_memory = await self._accounting.estimate(runtime)
-        runtime.queued_since = time.monotonic()
+        runtime.queued_since = clock.now()
         self.queue.append(runtime)
         self._events.publish(runtime.id, "queued", {
             "position": len(self.queue) - 1, "expected_wait_s": self.expected_wait_s(runtime)})
@@ -91,7 +91,7 @@ class Admission:
         """One planning round at the head of the queue: None when admitted, else how long to
         wait at most before planning again (0: until the next change)."""
         accounting = self._accounting
-        waited = time.monotonic() - since
+        waited = clock.now() - since
         plan = plan_admission(
             [m.snapshot(accounting.memory_held(m), accounting.devices_held(m))
              if m.status.holds_process else m.snapshot(0) for m in self._models()

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 
+from . import clock
 from .process import ChildProcess
 
 log = logging.getLogger("router.cpugate")
@@ -81,7 +81,7 @@ class CpuGate:
             while True:
                 self._wake.clear()
                 try:
-                    wait = self._step(self._members(), time.monotonic())
+                    wait = self._step(self._members(), clock.now())
                 except Exception:  # a bug here must not leave children paused or stop turns
                     log.exception("CPU turns failed; every child continues")
                     self._resume_all()

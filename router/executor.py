@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
+from . import clock
 from .changes import Changes
 from .errors import LoadFailed
 from .events import EventBus
@@ -98,7 +98,7 @@ class Executor:
     def backoff_left(self, runtime: ModelRuntime) -> float:
         """Seconds until the model may start a child again after its recent failures."""
         return (self._last_failure_at.get(runtime.id, 0.0)
-                + backoff_s(runtime.state.failures_in_row) - time.monotonic())
+                + backoff_s(runtime.state.failures_in_row) - clock.now())
 
     # ----------------------------------------------------------------- effects out
 
@@ -129,7 +129,7 @@ class Executor:
             case Forget():
                 self._forget(runtime)
             case FailureCounted(crash_loop):
-                self._last_failure_at[runtime.id] = time.monotonic()
+                self._last_failure_at[runtime.id] = clock.now()
                 if crash_loop:
                     log.error("failed %d times in a row; not restarting until POST /models/load",
                               runtime.state.failures_in_row,
@@ -173,7 +173,7 @@ class Executor:
         if last:
             runtime.info = None
             runtime.loaded_at = None
-        ran_for = time.monotonic() - (replica.child.started_at or time.monotonic())
+        ran_for = clock.now() - (replica.child.started_at or clock.now())
         self.apply(runtime, ReplicaExited(code, ran_for, last))
 
     async def _replace_replicas(self, runtime: ModelRuntime) -> None:
@@ -191,7 +191,7 @@ class Executor:
         [share] = self._spawner.cpu_shares(runtime, 1)
         runtime.spawning = children  # its cores count as held while it starts
         try:
-            await self._spawner.spawn_ready(runtime, children, timeout, time.monotonic(), share)
+            await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share)
         except BaseException as exc:
             runtime.spawning = []
             await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable
 
+from . import clock
 from .runtime import ModelRuntime
 
 log = logging.getLogger("router.supervisor")
@@ -27,7 +27,7 @@ async def reap_idle(models: Callable[[], Iterable[ModelRuntime]], default_ttl: f
     cancelled."""
     while True:
         await asyncio.sleep(REAPER_INTERVAL_S)
-        now = time.monotonic()
+        now = clock.now()
         for runtime in list(models()):
             if idle_expired(runtime, default_ttl, now):
                 log.info("idle for %.0f s; unloading", now - runtime.last_used,

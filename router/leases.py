@@ -12,9 +12,9 @@ prefix is reported to ``on_routed`` (the metrics), when set.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
+from . import clock
 from .process import ChildProcess
 from .runtime import ModelRuntime, Replica
 
@@ -64,7 +64,7 @@ class Leases:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
         runtime.in_flight += 1
-        runtime.last_used = time.monotonic()
+        runtime.last_used = clock.now()
         if runtime.in_flight == 1:
             self._on_busy(runtime)
         return Lease(self, runtime, replica)
@@ -72,7 +72,7 @@ class Leases:
     def release(self, runtime: ModelRuntime, replica: Replica) -> None:
         replica.in_flight -= 1
         runtime.in_flight -= 1
-        runtime.last_used = time.monotonic()
+        runtime.last_used = clock.now()
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._on_replica_done(replica)
         if runtime.in_flight == 0:

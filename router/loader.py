@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import replace
 from types import MappingProxyType
 
+from . import clock
 from .accounting import Accounting
 from .admission import Admission
 from .changes import Changes
@@ -88,7 +88,7 @@ class Loader:
 
     async def _spawn(self, runtime: ModelRuntime) -> None:
         """Start every replica until healthy, fetch the model's info, and switch to loaded."""
-        started = time.monotonic()
+        started = clock.now()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
         children: list[ChildProcess] = []
@@ -103,7 +103,7 @@ class Loader:
         runtime.info = await self._spawner.model_info(children[0])
         runtime.spawning = []
         runtime.replicas = [Replica(child) for child in children]
-        runtime.loaded_at = runtime.last_used = time.monotonic()
+        runtime.loaded_at = runtime.last_used = clock.now()
         duration = round(runtime.loaded_at - started, 4)
         runtime.last_load_s = duration
         info = {**runtime.info, "id": runtime.id} if runtime.info else None
@@ -138,7 +138,7 @@ class Loader:
         def on_progress(name: str, done: int, total: int | None) -> None:  # event loop
             nonlocal last_event
             runtime.download[name] = {"done": done, "total": total}
-            now = time.monotonic()
+            now = clock.now()
             if now - last_event >= DOWNLOAD_EVENT_INTERVAL_S or done == total:
                 last_event = now
                 self._events.publish(runtime.id, "download_progress",

@@ -32,12 +32,12 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
+from . import clock
 from .cpus import CpuShare
 from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
@@ -239,7 +239,7 @@ class ChildProcess:
             *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=self._env, start_new_session=True,
             preexec_fn=_die_with_parent)
-        self.started_at = time.monotonic()
+        self.started_at = clock.now()
         log.info("spawned", extra={"event": "spawned", "model": self.model_id,
                                    "pid": self._proc.pid, "port": self.port})
         assert self._proc.stdout is not None and self._proc.stderr is not None

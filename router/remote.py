@@ -27,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from . import clock
 from .logs import LogRing
 from .process import ChildProcess, ChildTimeout, ask_health, http_error_text
 from .settings import HEALTH_POLL_INTERVAL_S
@@ -84,7 +84,7 @@ class RemoteUpstream(ChildProcess):
         return self._connections
 
     async def start(self) -> None:
-        self.started_at = time.monotonic()
+        self.started_at = clock.now()
         log.info("using upstream %s", self.url, extra={"event": "upstream",
                                                        "model": self.model_id})
 
@@ -105,10 +105,10 @@ class RemoteUpstream(ChildProcess):
 
     async def wait_ready(self, timeout: float, total: float | None = None) -> None:
         """Probe until 200 within ``timeout`` s (see the module docstring)."""
-        deadline = time.monotonic() + timeout
+        deadline = clock.now() + timeout
         last: str | None = None
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - clock.now()
             if left <= 0:
                 raise ChildTimeout(
                     f"upstream {self.url} did not answer {self.health_path} with 200 within "

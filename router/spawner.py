@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from . import clock
 from .accounting import TRANSIENT_ERRNOS
 from .cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
 from .errors import LoadFailed
@@ -130,9 +130,9 @@ class Spawner:
         healthy; raises ``ChildError`` (the caller stops what ``children`` holds)."""
         for attempt in range(PORT_RETRIES):
             child = await self._start(runtime, children, cpu,
-                                      timeout - (time.monotonic() - started))
+                                      timeout - (clock.now() - started))
             try:
-                await child.wait_ready(timeout - (time.monotonic() - started), timeout)
+                await child.wait_ready(timeout - (clock.now() - started), timeout)
                 return
             except ChildExited as exc:
                 if not exc.port_in_use or attempt == PORT_RETRIES - 1:
@@ -146,7 +146,7 @@ class Spawner:
         """Start a child on a free port into ``children``. A failure for a reason of the
         moment (out of file descriptors or memory: a flood of clients) is retried every
         ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
-        deadline = time.monotonic() + within
+        deadline = clock.now() + within
         while True:
             if runtime.preset.upstream is not None:  # served elsewhere: nothing to spawn
                 remote = RemoteUpstream(runtime.id, runtime.preset.upstream, runtime.logs,
@@ -166,7 +166,7 @@ class Spawner:
                 children.append(child)  # from now on the caller stops it if anything fails
                 await child.start()
             except OSError as exc:
-                if exc.errno not in TRANSIENT_ERRNOS or time.monotonic() >= deadline:
+                if exc.errno not in TRANSIENT_ERRNOS or clock.now() >= deadline:
                     raise
                 if children and children[-1].pid is None:
                     children.pop()  # never started: nothing to stop

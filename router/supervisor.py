@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from pathlib import Path
 
 import httpx
 
-from . import reconfig
+from . import clock, reconfig
 from .accounting import Accounting
 from .admission import Admission
 from .changes import Changes
@@ -55,7 +54,9 @@ class Supervisor:
                  binary: Path, client: httpx.AsyncClient, events: EventBus, *,
                  gpus: list[GpuDevice] | None = None,
                  gpu_budgets: dict[str, int] | None = None,
-                 cores: list[int] | None = None) -> None:
+                 cores: list[int] | None = None, spawner: Spawner | None = None) -> None:
+        """``spawner``: what starts the children (default: llama-server processes and remote
+        upstreams; the scheduler simulation passes one that starts fake children)."""
         self.settings = settings
         # Cores shared among CPU children (``cpus``); empty when CPU sharing is off.
         self.cores = (cores if cores is not None else machine_cores()) \
@@ -72,8 +73,9 @@ class Supervisor:
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._prober: asyncio.Task[None] | None = None
-        self.spawner = Spawner(binary, table, client, events, router_port=settings.port,
-                               cores=self.cores, gpus=self.gpus, models=self.models.values)
+        self.spawner = spawner or Spawner(binary, table, client, events,
+                                          router_port=settings.port, cores=self.cores,
+                                          gpus=self.gpus, models=self.models.values)
         self.executor = Executor(settings, self.spawner, events, self.changes,
                                  start_load=self._load_again, forget=self._forget)
         self.admission = Admission(
@@ -121,7 +123,7 @@ class Supervisor:
                             f"(limit {self.settings.max_queue}); try again later",
                             headers={"Retry-After": "1"})
         seconds = min(budget, self._budget_of(runtime)) if budget else self._budget_of(runtime)
-        deadline = time.monotonic() + seconds
+        deadline = clock.now() + seconds
         unloads = runtime.unloads
         runtime.waiting += 1
         try:
@@ -129,7 +131,7 @@ class Supervisor:
                 if runtime.removed:
                     raise ModelNotFound(runtime.id, [])
                 task = self._ensure_load_task(runtime, on_demand=True)
-                remaining = deadline - time.monotonic()
+                remaining = deadline - clock.now()
                 if remaining <= 0:
                     raise self._budget_exceeded(runtime, seconds)
                 try:
