@@ -1,0 +1,668 @@
+"""Deterministic simulation of the whole scheduling core, with its invariants.
+
+The real ``Supervisor`` (with its admission queue, planner, loader, executor, lifecycle,
+leases, liveness probes and idle reaper) runs in-process on a virtual-time event loop
+(``simloop``) against fake children (``FakeChild``, started by ``FakeSpawner``). A seeded
+random driver plays a schedule on it: requests for several models with random lengths, wait
+budgets and clients that leave; explicit loads and unloads; children that crash, freeze
+(stop answering their health checks and their requests), start slowly, fail to start or never
+become healthy; ``--models-max`` 1 to 3, replicas, memory budgets, reconfigurations. Requests go
+through the same wait as the proxy's (``forward._acquire_unless_disconnected``).
+
+Whenever the loop is quiescent (everything ran as far as it can at this instant, right before
+virtual time moves on), and on every lifecycle event, the invariants are checked:
+
+* capacity: never more models holding a process than ``--models-max``, nor more estimated
+  memory than the budget;
+* a model with requests in flight is never evicted (stopped other than by an explicit unload
+  or the shutdown);
+* no wedge: whenever a request waits, something runs, loads or stops on its behalf (see
+  ``_check_progress``), and the head of the admission queue has a drain under way once it has
+  waited the fairness bound;
+* every drain ends: a draining model with nothing in flight is stopping, and a drain made for
+  a swap is lifted when nobody waits for that swap any more;
+* ``in_flight`` and ``waiting`` equal the requests that really hold a replica or wait;
+* each model's published status sequence is a path through the lifecycle, and no event is one
+  the lifecycle refuses (``InvalidTransition``);
+* every request is answered within its wait budget plus a bound, and at the end no model is
+  left draining or waited for, and no fake child is left running.
+
+``run_schedule(seed)`` returns the violations found (empty: none); the seed alone reproduces the
+run exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, cast
+
+import httpx
+from simloop import Stalled, VirtualTimeLoop
+
+from router import clock
+from router.errors import ClientGone, RouterError
+from router.events import EventBus
+from router.flags import FlagTable
+from router.forward import _acquire_unless_disconnected
+from router.leases import Lease
+from router.lifecycle import Event, InvalidTransition, Stop
+from router.presets import ModelPreset
+from router.process import ChildExited, ChildTimeout
+from router.runtime import ModelRuntime
+from router.scheduler import Status
+from router.settings import Settings
+from router.sources import Catalogue
+from router.spawner import Spawner
+from router.state import Shutdown
+from router.supervisor import Supervisor
+
+MODEL_IDS = ("a", "b", "c", "d")
+MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget
+ANSWER_SLACK_S = 0.5  # a refused request is answered within its budget plus this
+SETTLE_S = 120.0  # after the last request, everything must be quiet within this
+
+# Public statuses a model's events may go through (``lifecycle``): the next status allowed.
+NEXT_STATUS = {
+    "unloaded": {"unloaded", "downloading", "loading"},
+    "downloading": {"unloaded"},
+    "loading": {"loaded", "unloaded"},
+    "loaded": {"loaded", "unloaded"},
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One simulated router: its settings and the behaviour of its children."""
+
+    models: tuple[str, ...]
+    models_max: int
+    memory_budget: int | None  # bytes; each model needs MEMORY_UNIT x its size
+    sizes: dict[str, int]
+    replicas: dict[str, int]
+    fairness: float
+    wait_budget: float
+    stop_timeout: float
+    load_timeout: float
+    liveness: bool
+    ttl: float  # --idle-timeout (0: never)
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Config:
+        models = MODEL_IDS[:rng.randint(2, 4)]
+        memory = rng.random() < 0.3
+        return cls(
+            models=models,
+            models_max=rng.choice((1, 1, 2, 2, 3)) if not memory else 0,
+            memory_budget=MEMORY_UNIT * rng.randint(2, 3) if memory else None,
+            sizes={m: rng.choice((1, 1, 2)) if memory else 1 for m in models},
+            replicas={m: (2 if rng.random() < 0.2 else 1) for m in models},
+            fairness=rng.choice((1.0, 3.0, 10.0)),
+            wait_budget=rng.choice((5.0, 20.0, 60.0)),
+            stop_timeout=rng.choice((0.5, 2.0, 10.0)),
+            load_timeout=rng.choice((5.0, 30.0)),
+            liveness=rng.random() < 0.5,
+            ttl=rng.choice((0.0, 0.0, 8.0)),
+        )
+
+
+@dataclass
+class Request:
+    id: int
+    model: str
+    at: float
+    duration: float
+    budget: float | None  # the client's x-wait-budget, if it sent one
+    leave_after: float | None  # the client disconnects after this long, if at all
+    started: float = 0.0
+    leased_at: float | None = None
+    ended: float | None = None
+    outcome: str = "pending"  # ok, left, <status> <error type>, crashed, unloaded
+    lease: Lease | None = None
+
+
+# ----------------------------------------------------------------------------- fake children
+
+class FakePool:
+    """What the proxy would use to reach the child: here only its abort."""
+
+    def __init__(self, child: FakeChild) -> None:
+        self._child = child
+        self.open_connections = 0
+
+    def abort_all(self, error: RouterError | None = None) -> None:
+        self._child.break_requests(error.message if error is not None else "aborted")
+
+    async def aclose(self) -> None:
+        pass
+
+
+class FakeChild:
+    """A llama-server child in virtual time: it starts, serves, stops, crashes or freezes as
+    the simulation says. Requests it serves wait on ``broken`` (it exited or its connections
+    were aborted) or their own length."""
+
+    pid: int | None = None
+    cpu = None
+    ready_info: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+
+    def __init__(self, sim: Simulation, model_id: str) -> None:
+        sim.children.append(self)
+        self.sim = sim
+        self.model_id = model_id
+        self.port = 0
+        self.base_url = "http://fake"
+        self.started_at: float | None = clock.now()
+        self.killed_because: str | None = None
+        self.unanswered_probes = 0
+        self.frozen = False
+        self.serving = 0  # requests it is answering
+        self.connections = FakePool(self)
+        loop = asyncio.get_running_loop()
+        self._exit: asyncio.Future[int] = loop.create_future()
+        self.broken: asyncio.Future[str] = loop.create_future()
+
+    def __repr__(self) -> str:
+        return f"<FakeChild {self.model_id} rc={self.returncode}>"
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exit.result() if self._exit.done() else None
+
+    def exit(self, code: int) -> None:
+        if not self._exit.done():
+            self._exit.set_result(code)
+        self.break_requests("crashed")
+
+    def break_requests(self, why: str) -> None:
+        if not self.broken.done():
+            self.broken.set_result(why)
+
+    async def wait_exit(self) -> int:
+        return await asyncio.shield(self._exit)
+
+    async def stop(self, timeout: float) -> int | None:
+        """SIGTERM: an idle child exits at once; one still answering requests (or frozen)
+        exits only once they are over, else is killed after ``timeout``."""
+        if self._exit.done():
+            return self._exit.result()
+        if (self.serving and not self.broken.done()) or self.frozen:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.broken), timeout)
+            if self.frozen or not self.broken.done():
+                self.exit(-9)
+                return -9
+        await asyncio.sleep(0.05)
+        self.exit(0)
+        return self._exit.result()
+
+    def kill_now(self) -> None:
+        self.exit(-9)
+
+    async def close_pool(self) -> None:
+        pass
+
+    async def probe(self, timeout: float) -> str | None:
+        if self.frozen:
+            await asyncio.sleep(timeout)
+            return f"no answer within {timeout:g} s"
+        return None
+
+    def pause(self) -> bool:
+        return False
+
+    def resume(self) -> None:
+        pass
+
+
+class FakeSpawner(Spawner):
+    """Starts ``FakeChild``ren: each start takes a random time and may fail or hang."""
+
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__(Path("/nonexistent/llama-server"), FlagTable([]),
+                         cast(httpx.AsyncClient, None), sim.events, router_port=0, cores=[],
+                         gpus=[], models=lambda: ())
+        self.sim = sim
+
+    def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[Any]:
+        return [None] * count
+
+    async def model_info(self, child: Any) -> dict[str, Any] | None:
+        return None
+
+    async def spawn_ready(self, runtime: ModelRuntime, children: list[Any], timeout: float,
+                          started: float, cpu: Any) -> None:
+        rng = self.sim.rng
+        child = FakeChild(self.sim, runtime.id)
+        children.append(child)
+        left = timeout - (clock.now() - started)
+        roll = rng.random()
+        delay = rng.choice((0.1, 0.3, 1.0, 3.0))
+        if roll < self.sim.spawn_failure:
+            await asyncio.sleep(min(delay, left))
+            child.exit(1)
+            raise ChildExited("llama-server exited with code 1 while loading", [], 1)
+        if roll < self.sim.spawn_failure + self.sim.spawn_hang or delay > left:
+            await asyncio.sleep(left)
+            raise ChildTimeout(f"llama-server did not become healthy within {timeout:g} s", [])
+        await asyncio.sleep(delay)
+
+
+# ----------------------------------------------------------------------------- the simulation
+
+class SimEvents(EventBus):
+    """Records every published event synchronously (the order of publication)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[float, str, str, dict[str, Any]]] = []
+
+    def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
+        self.log.append((clock.now(), model, event, dict(data or {})))
+        super().publish(model, event, data)
+
+
+@dataclass
+class Simulation:
+    seed: int
+    horizon: float = 60.0  # virtual seconds of traffic
+    actions: int = 40
+    spawn_failure: float = 0.05
+    spawn_hang: float = 0.02
+    config: Config | None = None  # default: drawn from the seed
+    script: list[tuple[float, str, dict[str, Any]]] | None = None  # default: drawn
+    rng: random.Random = field(init=False)
+    violations: list[str] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    children: list[FakeChild] = field(default_factory=list)
+    events: SimEvents = field(default_factory=SimEvents)
+    trace: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        if self.config is None:
+            self.config = Config.draw(self.rng)
+        self._status: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._drains: dict[str, float] = {}  # model -> since when it drains
+        self._seen: set[str] = set()
+
+    # -- building ------------------------------------------------------------------------
+
+    @property
+    def cfg(self) -> Config:
+        assert self.config is not None
+        return self.config
+
+    def build(self) -> Supervisor:
+        c = self.cfg
+        settings = Settings(
+            models_max=c.models_max, fairness=c.fairness, wait_budget=c.wait_budget,
+            stop_timeout=c.stop_timeout, load_timeout=c.load_timeout,
+            memory_budget=str(c.memory_budget) if c.memory_budget is not None else "off",
+            liveness_interval=2.0 if c.liveness else 0.0, liveness_timeout=1.0,
+            liveness_misses=2, idle_timeout=c.ttl, cpu_sharing=False, max_queue=1000,
+            crash_loop_limit=4, shutdown_grace=5.0)
+        presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf"}),
+                                  replicas=c.replicas[m]) for m in c.models}
+        sup = Supervisor(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
+                         cast(httpx.AsyncClient, None), self.events, cores=[],
+                         spawner=FakeSpawner(self))
+        for runtime in sup.models.values():  # what the GGUF header would say
+            runtime.estimate = MEMORY_UNIT * c.sizes[runtime.id] * c.replicas[runtime.id]
+            sup.accounting._estimated.add(runtime.id)  # no header to read: a fake file
+        self._watch(sup)
+        return sup
+
+    def _watch(self, sup: Supervisor) -> None:
+        """Check every lifecycle event as it is applied."""
+        apply = sup.executor.apply
+
+        def checked_apply(runtime: ModelRuntime, event: Event) -> None:
+            if (isinstance(event, Stop) and event.reason not in ("unloaded", "shutdown")
+                    and runtime.in_flight > 0):
+                self.violate(f"{runtime.id} stopped ({event.reason}) with "
+                             f"{runtime.in_flight} requests in flight")
+            try:
+                apply(runtime, event)
+            except InvalidTransition as exc:
+                self.violate(f"invalid transition: {exc}")
+                raise
+        sup.executor.apply = checked_apply  # type: ignore[method-assign]
+        self.sup = sup
+
+    def violate(self, what: str) -> None:
+        """Record a violation once (a broken state is seen again at every later check)."""
+        key = what.split(" (")[0].split(":")[0]
+        if key not in self._seen:
+            self._seen.add(key)
+            self.violations.append(f"t={clock.now():.3f}: {what}")
+
+    def log(self, what: str) -> None:
+        self.trace.append(f"t={clock.now():.3f} {what}")
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[float, Callable[[], Any]]]:
+        if self.script is not None:
+            return [(at, self._scripted(n, at, kind, args))
+                    for n, (at, kind, args) in enumerate(self.script)]
+        rng, c = self.rng, self.cfg
+        steps: list[tuple[float, Callable[[], Any]]] = []
+        for n in range(self.actions):
+            at = rng.uniform(0, self.horizon)
+            model = rng.choice(c.models)
+            kind = rng.random()
+            if kind < 0.7:
+                request = Request(
+                    n, model, at, duration=rng.choice((0.05, 0.5, 2.0, 8.0, 30.0)),
+                    budget=rng.choice((None, None, 2.0, 10.0)),
+                    leave_after=rng.choice((None, None, None, 0.5, 5.0)))
+                steps.append((at, lambda r=request: self.request(r)))  # type: ignore[misc]
+            elif kind < 0.78:
+                steps.append((at, lambda m=model: self.load(m)))  # type: ignore[misc]
+            elif kind < 0.86:
+                steps.append((at, lambda m=model: self.unload(m)))  # type: ignore[misc]
+            elif kind < 0.93:
+                steps.append((at, lambda m=model: self.crash(m)))  # type: ignore[misc]
+            else:
+                steps.append((at, lambda m=model: self.freeze(m)))  # type: ignore[misc]
+        steps.sort(key=lambda s: s[0])
+        return steps
+
+    def _scripted(self, n: int, at: float, kind: str, args: dict[str, Any]
+                  ) -> Callable[[], Any]:
+        if kind == "request":
+            request = Request(n, args["model"], at, duration=args.get("duration", 0.05),
+                              budget=args.get("budget"), leave_after=args.get("leave_after"))
+            return lambda: self.request(request)
+        action: Callable[[str], Any] = getattr(self, kind)
+        return lambda: action(args["model"])
+
+    async def run(self) -> list[str]:
+        sup = self.build()
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        loop.on_quiescent = self.check_quiescent
+        sup.start()
+        try:
+            for at, step in self.plan():
+                await asyncio.sleep(max(0.0, at - clock.now()))
+                result = step()
+                if asyncio.iscoroutine(result):
+                    self._spawn(result)
+            await self._settle()
+        finally:
+            loop.on_quiescent = None
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await sup.close()
+            alive = [c for c in self.children if c.returncode is None]
+            if alive:
+                self.violate(f"children left running after shutdown: {alive}")
+        return self.violations
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle(self) -> None:
+        """Every request ends within its bound; then nothing is left draining or waited for."""
+        deadline = clock.now() + SETTLE_S
+        while self._tasks and clock.now() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=deadline - clock.now())
+        pending = [r for r in self.requests if r.ended is None]
+        if pending:
+            self.violate(f"requests never answered: {[(r.id, r.model) for r in pending]}")
+        for runtime in self.sup.models.values():
+            if runtime.draining and not runtime.removed:
+                self.violate(f"{runtime.id} left draining after the traffic stopped "
+                             f"({runtime!r})")
+            if runtime.waiting:
+                self.violate(f"{runtime.id} has {runtime.waiting} waiting after the traffic "
+                             "stopped")
+
+    # -- actions -------------------------------------------------------------------------
+
+    async def request(self, r: Request) -> None:
+        self.requests.append(r)
+        sup = self.sup
+        r.started = clock.now()
+        budget = r.budget
+        shutdown = Shutdown(5.0)
+        leave_at = None if r.leave_after is None else r.started + r.leave_after
+
+        async def receive() -> dict[str, Any]:
+            if leave_at is None:
+                await asyncio.Event().wait()
+            else:
+                await asyncio.sleep(max(0.0, leave_at - clock.now()))
+            return {"type": "http.disconnect"}
+
+        try:
+            runtime = sup.resolve(r.model)
+            if runtime.serving:
+                lease = await sup.acquire(r.model, budget=budget)
+            else:
+                lease = await _acquire_unless_disconnected(
+                    sup.acquire(r.model, budget=budget), receive, shutdown)
+        except ClientGone:
+            return self._end(r, "left")
+        except RouterError as exc:
+            bound = min(budget or 1e9, sup._budget_of(runtime)) + ANSWER_SLACK_S
+            if clock.now() - r.started > bound:
+                self.violate(f"request {r.id} for {r.model} answered {exc.status} after "
+                             f"{clock.now() - r.started:.2f} s, past its budget ({bound:g} s)")
+            return self._end(r, f"{exc.status} {type(exc).__name__}")
+        r.leased_at = clock.now()
+        r.lease = lease
+        child = cast(FakeChild, lease.child)
+        child.serving += 1
+        try:
+            done = asyncio.ensure_future(asyncio.sleep(r.duration))
+            waits: set[asyncio.Future[Any]] = {child.broken}
+            if not child.frozen:
+                waits.add(done)
+            if leave_at is not None:
+                waits.add(asyncio.ensure_future(asyncio.sleep(max(0.0, leave_at - clock.now()))))
+            finished, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                if w is not child.broken:
+                    w.cancel()
+            if child.broken in finished:
+                self._end(r, child.broken.result())
+            elif done in finished:
+                self._end(r, "ok")
+            else:
+                self._end(r, "left")
+        finally:
+            child.serving -= 1
+            r.lease = None
+            lease.release()
+
+    def _end(self, r: Request, outcome: str) -> None:
+        r.ended = clock.now()
+        r.outcome = outcome
+        self.log(f"request {r.id} {r.model}: {outcome}")
+
+    async def load(self, model: str) -> None:
+        self.log(f"load {model}")
+        with contextlib.suppress(RouterError):
+            await self.sup.load(model)
+
+    async def unload(self, model: str) -> None:
+        self.log(f"unload {model}")
+        with contextlib.suppress(RouterError):
+            await self.sup.unload(model)
+
+    def crash(self, model: str) -> None:
+        runtime = self.sup.models.get(model)
+        if runtime is not None and runtime.replicas:
+            child = cast(FakeChild, self.rng.choice(runtime.replicas).child)
+            self.log(f"crash {model}")
+            child.exit(1)
+
+    def freeze(self, model: str) -> None:
+        runtime = self.sup.models.get(model)
+        if runtime is not None and runtime.replicas and self.cfg.liveness:
+            child = cast(FakeChild, self.rng.choice(runtime.replicas).child)
+            self.log(f"freeze {model}")
+            child.frozen = True
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check_quiescent(self, now: float) -> None:
+        sup = self.sup
+        c = self.cfg
+        models = list(sup.models.values())
+        holding = [m for m in models if m.status.holds_process]
+        if c.models_max > 0 and len(holding) > c.models_max:
+            self.violate(f"{len(holding)} models hold a process, --models-max {c.models_max}: "
+                         f"{holding}")
+        if c.memory_budget is not None:
+            used = sum(m.estimate for m in holding)
+            if used > c.memory_budget:
+                self.violate(f"{used} bytes held, budget {c.memory_budget}: {holding}")
+        live = [r for r in self.requests if r.ended is None]
+        for m in models:
+            leased = sum(1 for r in live if r.lease is not None and r.model == m.id)
+            waiting = sum(1 for r in live if r.lease is None and r.model == m.id)
+            if m.in_flight != leased or sum(x.in_flight for x in m.replicas) > m.in_flight:
+                self.violate(f"{m.id}: in_flight {m.in_flight}, requests holding it {leased}")
+            if m.waiting != waiting:
+                self.violate(f"{m.id}: waiting {m.waiting}, requests waiting {waiting}")
+            self._check_status_path(m)
+            self._check_drain(m, now)
+            if waiting:
+                self._check_progress(m, now)
+        self._check_head(now)
+
+    def _check_status_path(self, m: ModelRuntime) -> None:
+        pass  # checked over the event log at the end (``check_events``)
+
+    def _check_drain(self, m: ModelRuntime, now: float) -> None:
+        if not (m.draining and m.status is Status.LOADED):
+            self._drains.pop(m.id, None)
+            return
+        self._drains.setdefault(m.id, now)
+        if m.in_flight == 0:
+            self.violate(f"{m.id} drains with nothing in flight and is not stopping ({m!r})")
+        elif not m.state.stop_when_idle and not self.sup.admission.queue:
+            self.violate(f"{m.id} still drains for a swap nobody waits for ({m!r})")
+
+    def _check_progress(self, m: ModelRuntime, now: float) -> None:
+        """Something runs, loads or stops on behalf of the requests waiting for ``m``."""
+        if m.status in (Status.LOADING, Status.STOPPING, Status.DOWNLOADING):
+            return
+        if m.status is Status.LOADED:
+            if m.draining and m.in_flight > 0:
+                return  # it stops when its requests are done; then its waiters load it
+            self.violate(f"requests wait for {m.id}, loaded and nothing will change: {m!r}")
+            return
+        task = m.load_task
+        if task is None or task.done():
+            self.violate(f"requests wait for {m.id} but no load is under way: {m!r}")
+            return
+        if m.queued_since is None:
+            return  # sitting out a crash backoff, or about to queue
+        # Queued for admission: the head of the queue must be getting somewhere.
+        others = list(self.sup.models.values())
+        if any(o.status in (Status.LOADING, Status.STOPPING) for o in others):
+            return  # capacity is on its way
+        if any(o.status is Status.LOADED and o.in_flight > 0 for o in others):
+            return  # a busy model: the fairness bound drains it (``_check_head``)
+        self.violate(f"requests wait for {m.id} in the admission queue and nothing runs, "
+                     f"loads or stops: {others}")
+
+    def _check_head(self, now: float) -> None:
+        queue = self.sup.admission.queue
+        if not queue or queue[0].queued_since is None:
+            return
+        head = queue[0]
+        waited = now - head.queued_since
+        if waited <= self.cfg.fairness + 0.1:
+            return
+        models = list(self.sup.models.values())
+        if any(o.status in (Status.LOADING, Status.STOPPING) or o.draining for o in models):
+            return
+        busy = [o for o in models if o.status is Status.LOADED and o.in_flight > 0]
+        if busy:
+            self.violate(f"{head.id} waited {waited:.2f} s at the head of the queue, past the "
+                         f"fairness bound, and nothing drains: {models}")
+
+    def check_events(self) -> None:
+        """Each model's published statuses follow the lifecycle."""
+        last: dict[str, str] = {}
+        for at, model, kind, data in self.events.log:
+            status = data.get("status")
+            if kind not in ("status_change", "model_status", "stopping") or status is None:
+                continue
+            before = last.get(model, "unloaded")
+            if status not in NEXT_STATUS.get(before, set()):
+                self.violations.append(f"t={at:.3f}: {model} went {before} -> {status} "
+                                       f"({kind} {data})")
+            last[model] = status
+
+
+def run_schedule(seed: int, **options: Any) -> Simulation:
+    """Play the schedule of ``seed``; the simulation, with its ``violations``."""
+    sim = Simulation(seed, **options)
+    loop = VirtualTimeLoop()
+    try:
+        try:
+            loop.run_until_complete(sim.run())
+        except Stalled as exc:
+            sim.violations.append(f"stalled: {exc}")
+        sim.check_events()
+    finally:
+        loop.close()
+    return sim
+
+
+def describe(sim: Simulation, trace_lines: int = 40) -> str:
+    c = sim.cfg
+    head = (f"seed {sim.seed}: models {c.models}, --models-max {c.models_max}, memory budget "
+            f"{c.memory_budget} (sizes {c.sizes}), replicas {c.replicas}, fairness "
+            f"{c.fairness:g} s, wait budget {c.wait_budget:g} s, stop timeout "
+            f"{c.stop_timeout:g} s, liveness {c.liveness}, ttl {c.ttl:g}")
+    return "\n".join([head, *sim.violations[:10], "trace (last lines):",
+                      *sim.trace[-trace_lines:]])
+
+
+def main() -> None:
+    """``python tests/simulation.py --schedules N [--seed S]``: the long mode (``make
+    simulate``); prints the throughput and every failing seed with what it broke."""
+    import argparse
+    import logging
+    import time
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--schedules", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=random.SystemRandom().randrange(1 << 30),
+                        help="first seed (default: random, printed)")
+    args = parser.parse_args()
+    logging.disable(logging.CRITICAL)
+    print(f"schedules {args.schedules} from seed {args.seed}", flush=True)
+    started = time.perf_counter()
+    failed = 0
+    for seed in range(args.seed, args.seed + args.schedules):
+        sim = run_schedule(seed)
+        if sim.violations:
+            failed += 1
+            print(describe(sim, trace_lines=20), flush=True)
+    elapsed = time.perf_counter() - started
+    print(f"{args.schedules} schedules in {elapsed:.1f} s "
+          f"({args.schedules / elapsed:.0f}/s): {failed} failed")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
