@@ -54,9 +54,10 @@ format: venv
 test: lint llama-server smollm2
 	$(BIN)/python -m pytest --cov --cov-report=term-missing:skip-covered
 
-# Skip the tests that start the real llama-server.
+# The in-process tier only (under a minute on 2 cores): every test that starts no process at all.
+# Tests that start one are marked real, fake or process (docs/development.md#test-tiers).
 test-fast: venv
-	$(BIN)/python -m pytest -m 'not real'
+	$(BIN)/python -m pytest -m 'not real and not fake and not process'
 
 # Direct llama-server vs llama.cpp's router vs llama-router on this machine (docs/benchmarks.md).
 # Uses wrk for the throughput phase when installed (apt-get install wrk).

@@ -1,9 +1,14 @@
-"""Shared fixtures: the real llama-server binary and tiny generated models."""
+"""Shared fixtures (the real llama-server binary, tiny generated models) and the tier guard:
+a test that starts a process must carry a process marker."""
 
 from __future__ import annotations
 
+import _posixsubprocess
 import os
+import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +67,86 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+
+
+# The test tiers (docs/development.md#test-tiers): a test that starts any process carries one of
+# these markers, so that `make test-fast` (`-m 'not real and not fake and not process'`) runs no
+# process at all. Unmarked tests are refused every way of starting one.
+PROCESS_MARKERS = ("real", "fake", "process")
+
+
+class UnmarkedProcessError(RuntimeError):
+    """Raised where an unmarked test starts a process."""
+
+
+def _refusal(item: pytest.Item, what: str) -> str:
+    return (f"{item.nodeid} started a process ({what}) without a process marker: mark it "
+            "`@pytest.mark.process` (or `pytestmark = pytest.mark.process` for the whole file); "
+            "`real` if that process is the real llama-server, `fake` if it is "
+            "tests/fake_llama_server.py or tests/fake_hub.py (docs/development.md#test-tiers)")
+
+
+@contextmanager
+def _no_processes(item: pytest.Item) -> Iterator[None]:
+    """Within an unmarked test's setup, call or teardown, starting a process fails the test.
+
+    The attempt raises where it happens and is also recorded, so that the test fails even where
+    the code under test catches that exception (say, as an ``OSError`` from a missing tool)."""
+    if any(item.get_closest_marker(name) for name in PROCESS_MARKERS):
+        yield
+        return
+    attempts: list[str] = []
+
+    def refuse(what: str) -> UnmarkedProcessError:
+        attempts.append(what)
+        return UnmarkedProcessError(_refusal(item, what))
+
+    def execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        __tracebackhide__ = True
+        raise refuse(f"subprocess {args!r}")
+
+    def low_level(name: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            shown = f" {args[0]!r}" if args and name != "os.fork" else ""
+            raise refuse(f"{name}{shown}")
+        return refused
+
+    with pytest.MonkeyPatch.context() as patch:
+        # Popen covers subprocess.run/check_output/..., os.popen and asyncio's subprocesses.
+        patch.setattr(subprocess.Popen, "_execute_child", execute_child)
+        # What does not go through Popen: multiprocessing, os.system, fork and the os.spawn*
+        # family (built on os.fork), posix_spawn.
+        patch.setattr(_posixsubprocess, "fork_exec", low_level("_posixsubprocess.fork_exec"))
+        for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                patch.setattr(os, name, low_level(f"os.{name}"))
+        try:
+            yield
+        except (UnmarkedProcessError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            if attempts:
+                raise UnmarkedProcessError(_refusal(item, attempts[0])) from exc
+            raise
+    if attempts:
+        pytest.fail(_refusal(item, attempts[0]), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    # Setup too: a module- or session-scoped fixture that starts a router counts.
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _no_processes(item):
+        return (yield)

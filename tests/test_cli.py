@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 from support import start_router
 
+# Every test runs the CLI as a subprocess; those whose router starts the real llama-server are
+# also marked `real`.
+pytestmark = pytest.mark.process
+
 CLI = [sys.executable, "-m", "router.cli"]
 
 

@@ -111,6 +111,7 @@ async def test_the_loop_pauses_and_close_continues_everything() -> None:
     assert not a.stopped and not b.stopped and not gate.paused
 
 
+@pytest.mark.process
 async def test_a_paused_child_is_stopped_by_sigterm_not_sigkill() -> None:
     """``ChildProcess.stop`` continues a paused child, so its SIGTERM is acted on at once."""
     async with httpx.AsyncClient() as client:

@@ -221,12 +221,14 @@ def verify_problems(path: Path, tmp_path: Path, *, user: bool) -> list[str]:
     return problems
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("path", "user"), [(SYSTEM_UNIT, False), (USER_UNIT, True)],
                          ids=["system", "user"])
 def test_systemd_analyze_verify(path: Path, user: bool, tmp_path: Path) -> None:
     assert verify_problems(path, tmp_path, user=user) == []
 
 
+@pytest.mark.process
 def test_systemd_analyze_verify_reports_mistakes(tmp_path: Path) -> None:
     """The check above is not vacuous: a misspelt key and a missing executable are caught."""
     broken = tmp_path / "llama-router.service"
@@ -326,6 +328,7 @@ def compose_command() -> list[str]:
                 "(Debian: apt-get install docker-compose)")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GPU]], ids=["cpu", "gpu"])
 def test_compose_config_is_valid(files: list[Path]) -> None:
     argv = compose_command()
@@ -436,6 +439,7 @@ def hadolint() -> str:
     return found
 
 
+@pytest.mark.process
 def test_hadolint() -> None:
     result = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True,
                             text=True, timeout=120, check=False)

@@ -33,6 +33,7 @@ def test_no_nvidia_smi_means_no_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert usage_by_pid([]) == {}
 
 
+@pytest.mark.process
 def test_detect_and_usage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     install_fake(monkeypatch, tmp_path, {
         "gpus": [*TWO, [2, "GPU-c", "broken", "[N/A]"]],
@@ -46,6 +47,7 @@ def test_detect_and_usage(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
                                      456: {"gpu1": 5 * MiB}}
 
 
+@pytest.mark.process
 def test_failing_or_hanging_nvidia_smi_means_no_gpus(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path) -> None:
     install_fake(monkeypatch, tmp_path, {"gpus": TWO, "exit": 9})

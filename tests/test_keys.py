@@ -146,6 +146,7 @@ def test_a_flag_key_cannot_also_be_a_scoped_file_key(tmp_path: Path) -> None:
     assert "also given by --api-key" in str(caught.value) and SECRET not in str(caught.value)
 
 
+@pytest.mark.process
 def test_serve_refuses_a_bad_key_file(tmp_path: Path) -> None:
     key_file = tmp_path / "api-keys"
     key_file.write_text(f"{SECRET} models=chat-*  role=infer\n{SECRET}-2 rol=infer\n")

@@ -177,6 +177,7 @@ def test_kustomizations_set_the_image() -> None:
         assert [i["name"] for i in images] == [IMAGE], f"{path}: an images entry for {IMAGE}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target", TARGETS)
 def test_renders(target: str) -> None:
     objects = rendered(target)
@@ -277,6 +278,7 @@ def schema_problems(obj: Obj) -> list[str]:
     return problems
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target", TARGETS)
 def test_objects_validate_against_the_schemas(target: str) -> None:
     kubernetes_versions()
@@ -284,6 +286,7 @@ def test_objects_validate_against_the_schemas(target: str) -> None:
     assert [p for obj in objects for p in schema_problems(obj)] == []
 
 
+@pytest.mark.process
 def test_schema_checks_catch_mistakes() -> None:
     """The validation above is not vacuous: a misspelt field, a wrong type and a number where
     KEDA wants a string are all caught."""
@@ -442,6 +445,7 @@ def assert_file_provided(objects: list[Obj], workload: Obj, container: Obj, path
         assert items.get(relative) in SECRET_KEYS, f"{path}: not one of the Secret's keys"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target", TARGETS)
 def test_router_containers_agree_with_the_cli(target: str) -> None:
     objects = rendered(target)
@@ -497,6 +501,7 @@ def test_router_containers_agree_with_the_cli(target: str) -> None:
             assert budget is not None and budget < quantity(limit), f"{name}: budget {budget}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target", TARGETS)
 def test_tiers_are_wired_together(target: str) -> None:
     objects = rendered(target)
@@ -553,6 +558,7 @@ def test_tiers_are_wired_together(target: str) -> None:
         assert len(matched) == 1, budget["metadata"]["name"]
 
 
+@pytest.mark.process
 def test_monitoring_and_autoscaling_components() -> None:
     objects = rendered("cluster")
     namespace = only(objects, "Namespace")["metadata"]["name"]
@@ -584,6 +590,7 @@ def test_monitoring_and_autoscaling_components() -> None:
     assert float(trigger["metadata"]["threshold"]) > 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target", TARGETS)
 def test_presets_load(target: str, help_table: FlagTable, tmp_path: Path) -> None:
     """The presets ConfigMap, with each model file replaced by a placeholder."""

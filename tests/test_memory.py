@@ -326,6 +326,7 @@ def test_measure_rss_of_self() -> None:
     assert rss > 0
 
 
+@pytest.mark.process
 def test_measure_rss_includes_children() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -339,6 +340,7 @@ def test_measure_rss_includes_children() -> None:
         child.wait()
 
 
+@pytest.mark.process
 def test_measure_rss_of_dead_process() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -10,6 +10,7 @@ import pytest
 from router import smollm2
 
 
+@pytest.mark.process
 def test_module_prints_the_installed_gguf() -> None:
     found = smollm2.find_smollm2()
     assert found is not None, f"SmolLM2 is not installed: {smollm2.INSTALL_HINT}"

