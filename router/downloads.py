@@ -2,8 +2,15 @@
 
 Every Hub interaction goes through huggingface-hub (``HfApi.model_info``, ``hf_hub_download``,
 ``scan_cache_dir``), so ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_TOKEN``, ``HF_ENDPOINT`` and
-``HF_HUB_OFFLINE`` behave as everywhere else, partial files resume, and a file is only visible
-in the cache once complete (huggingface-hub writes ``*.incomplete`` and renames).
+``HF_HUB_OFFLINE`` behave as everywhere else, a dropped connection is resumed with a Range
+request, and a file is only visible in the cache once complete (huggingface-hub writes a
+``*.incomplete`` file, renames it when whole, and deletes it when the download fails).
+
+A download stops promptly when cancelled, whatever the Hub's speed (``download``): the library
+runs in a thread of its own that ``download`` waits for, so that ``download`` returns soon after
+the cancel whatever the library is doing, and the library's HTTP requests are watched so that
+its thread ends too: each request and each piece of body read checks the cancel, and a cancel
+shuts the download's connections down, which wakes a read blocked on a Hub that sends nothing.
 
 Resolution follows llama.cpp: the quant tag is matched case-insensitively at the end of the file
 name (before ``.gguf`` and any ``-0000k-of-0000N`` split suffix), default ``Q4_K_M``, else the
@@ -13,9 +20,13 @@ multimodal projector.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
 import shutil
-from collections.abc import Callable, Iterable
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +34,10 @@ from typing import Any
 from .memory import format_size
 
 DEFAULT_QUANT = "Q4_K_M"
+# How often a download checks its ``cancelled()`` while the library works, and how long it then
+# gives the library's thread to stop and delete its partial file before returning anyway.
+CANCEL_POLL_S = 0.05
+CANCEL_CLEANUP_S = 1.0
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
 _TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -229,30 +244,200 @@ class DownloadCancelled(Exception):
 
 
 def download(resolution: Resolution, progress: ProgressCallback,
-             cancelled: Callable[[], bool] = lambda: False) -> list[Path]:
+             cancelled: Callable[[], bool] = lambda: False, *, endpoint: str | None = None,
+             cache: Path | None = None) -> list[Path]:
     """Download every file of ``resolution`` into the HF cache (blocking; run it in a thread).
 
-    Checks free disk space first. ``progress(file, done, total)`` is called as bytes arrive;
-    when ``cancelled()`` turns true the download stops with DownloadCancelled (huggingface-hub
-    never exposes a partial file).
+    Checks free disk space first. ``progress(file, done, total)`` is called as bytes arrive.
+    ``cancelled()`` is polled every ``CANCEL_POLL_S``; once true, this raises DownloadCancelled.
+    A plain-HTTP download (reading a body, or blocked on a Hub that sends nothing) is
+    interrupted at once and its partial ``*.incomplete`` file deleted before this returns; what
+    cannot be interrupted (a sleep before a retry, a Xet download, another process's file lock)
+    is given ``CANCEL_CLEANUP_S`` and then left to end in its daemon thread, which deletes the
+    partial file when it does. A partial file is never renamed into place. ``endpoint`` and
+    ``cache`` default to ``HF_ENDPOINT`` and ``HF_HUB_CACHE``.
     """
-    from huggingface_hub import hf_hub_download
-
-    cache = hub_cache_dir()
+    cache = cache or hub_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     missing = sum(f.size or 0 for f in resolution.files
-                  if _cached_path(resolution.repo, f.name) is None)
+                  if _cached_path(resolution.repo, f.name, cache) is None)
     free = shutil.disk_usage(cache).free
     if missing > free:
         raise ResolveError(f"not enough disk space in {cache} for {resolution.id}: needs "
                            f"{format_size(missing)}, {format_size(free)} free")
+    transfer = _Transfer(cancelled, resolution.id)
+    outcome: list[Any] = []
+
+    def fetch_all() -> None:  # the library's thread
+        _local.transfer = transfer
+        try:
+            outcome.append(_fetch(resolution, progress, transfer, endpoint, cache))
+        except BaseException as exc:  # handed over to the waiting thread
+            outcome.append(exc)
+        finally:
+            _local.transfer = None
+
+    worker = threading.Thread(target=fetch_all, name=f"hf-download:{resolution.id}",
+                              daemon=True)  # never holds up the router's exit
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(CANCEL_POLL_S)
+            if worker.is_alive() and transfer.cancelled():
+                raise DownloadCancelled(f"download of {resolution.id} cancelled")
+    except BaseException:  # cancelled, or interrupted here (Ctrl-C in ``llama-router pull``)
+        transfer.abort()
+        worker.join(CANCEL_CLEANUP_S)  # usually at once: its reads were interrupted
+        raise
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    paths: list[Path] = result
+    return paths
+
+
+def _fetch(resolution: Resolution, progress: ProgressCallback, transfer: _Transfer,
+           endpoint: str | None, cache: Path) -> list[Path]:
+    from huggingface_hub import get_session, hf_hub_download
+
     paths: list[Path] = []
     for remote in resolution.files:
-        reporter = _progress_class(remote, progress, cancelled, resolution.id)
-        path = hf_hub_download(resolution.repo, remote.name, tqdm_class=reporter)
+        transfer.check()
+        _watch_requests(get_session())  # the shared client may be new (set_client_factory)
+        reporter = _progress_class(remote, progress, transfer.cancelled, resolution.id)
+        path = hf_hub_download(resolution.repo, remote.name, tqdm_class=reporter,
+                               endpoint=endpoint, cache_dir=cache)
         progress(remote.name, remote.size or Path(path).stat().st_size, remote.size)
         paths.append(Path(path))
     return paths
+
+
+# ----------------------------------------------------------------- interrupting a download
+#
+# huggingface-hub streams a file through its shared httpx2 client (``get_session``) in reads of
+# ``DOWNLOAD_CHUNK_SIZE`` (10 MiB), with a read timeout of ``HF_HUB_DOWNLOAD_TIMEOUT`` (10 s)
+# and up to 5 resumes after a timeout, each after a sleep: its progress bar alone is called too
+# rarely to stop a slow download, and not at all while a read is blocked. So the client gets
+# two event hooks (public httpx2 API), which act only in a thread that runs a download: a
+# request is refused once the download is cancelled, and a response body is wrapped so that each
+# piece read from the socket checks the cancel, its socket (httpcore's ``network_stream``
+# extension) being registered so that a cancel can shut it down from the waiting thread.
+
+_local = threading.local()
+_hooks_lock = threading.Lock()
+
+
+class _Transfer:
+    """The cancel state and open connections of one ``download``."""
+
+    def __init__(self, cancelled: Callable[[], bool], model_id: str) -> None:
+        self._cancelled = cancelled
+        self._model_id = model_id
+        self._aborted = False
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def cancelled(self) -> bool:
+        return self._aborted or self._cancelled()
+
+    def check(self) -> None:
+        if self.cancelled():
+            raise DownloadCancelled(f"download of {self._model_id} cancelled")
+
+    def abort(self) -> None:
+        """Cancel, and wake any read blocked on one of the download's connections."""
+        with self._lock:
+            self._aborted = True
+            for sock in self._sockets:
+                _shut_down(sock)
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(sock)
+            if self._aborted:
+                _shut_down(sock)
+
+    def detach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    # socket.socket's own shutdown, also for an SSLSocket (whose override would drop its SSL
+    # state under the reading thread): the blocked read returns, the connection is not reused.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def _watch_requests(session: Any) -> bool:
+    """Add the download hooks to huggingface-hub's shared client (once); False if it is not an
+    httpx2 client (an older huggingface-hub): downloads then stop at the progress bar's checks
+    and ``download`` still returns at once."""
+    try:
+        import httpx2
+    except ImportError:
+        return False
+    if not isinstance(session, httpx2.Client):
+        return False
+    with _hooks_lock:
+        hooks = session.event_hooks
+        if _on_response not in hooks["response"]:
+            session.event_hooks = {"request": [*hooks["request"], _on_request],
+                                   "response": [*hooks["response"], _on_response]}
+    return True
+
+
+def _on_request(request: Any) -> None:
+    transfer: _Transfer | None = getattr(_local, "transfer", None)
+    if transfer is not None:
+        transfer.check()
+
+
+def _on_response(response: Any) -> None:
+    transfer: _Transfer | None = getattr(_local, "transfer", None)
+    if transfer is None:
+        return
+    stream = response.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    response.stream = _checked_stream(response.stream, transfer,
+                                      sock if isinstance(sock, socket.socket) else None)
+
+
+def _checked_stream(inner: Any, transfer: _Transfer, sock: socket.socket | None) -> Any:
+    return _checked_stream_class()(inner, transfer, sock)
+
+
+@functools.cache
+def _checked_stream_class() -> type[Any]:
+    import httpx2
+
+    class CheckedStream(httpx2.SyncByteStream):
+        """A response body that stops at a cancel, even in the middle of a read."""
+
+        def __init__(self, inner: Any, transfer: _Transfer, sock: socket.socket | None) -> None:
+            self._inner = inner
+            self._transfer = transfer
+            self._sock = sock
+            if sock is not None:
+                transfer.attach(sock)
+
+        def __iter__(self) -> Iterator[bytes]:
+            try:
+                for piece in self._inner:
+                    self._transfer.check()
+                    yield piece
+            except DownloadCancelled:
+                raise
+            except Exception:  # the read a cancel interrupted, or a real error
+                self._transfer.check()
+                raise
+
+        def close(self) -> None:
+            if self._sock is not None:
+                self._transfer.detach(self._sock)
+            self._inner.close()
+
+    return CheckedStream
 
 
 def _progress_class(remote: RemoteFile, progress: ProgressCallback,
@@ -277,10 +462,10 @@ def _progress_class(remote: RemoteFile, progress: ProgressCallback,
     return Progress
 
 
-def _cached_path(repo: str, filename: str) -> str | None:
+def _cached_path(repo: str, filename: str, cache: Path | None = None) -> str | None:
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo, filename)
+    found = try_to_load_from_cache(repo, filename, cache_dir=cache)
     return found if isinstance(found, str) else None
 
 

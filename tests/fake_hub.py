@@ -33,8 +33,10 @@ a different origin for the client, as the real Hub redirects LFS files to its CD
 then comes from the redirect's headers and the GET goes to the CDN url.
 
 Fault knobs: ``drop_after(filename, nbytes)`` makes the next GET of the file send ``nbytes`` body
-bytes and then close the connection; ``delay_per_chunk(seconds)`` sleeps after every body chunk
-(``chunk_size``, 64 KiB). ``requests`` logs ``(method, path, range_header)`` of every request.
+bytes and then close the connection; ``stall_after(filename, nbytes)`` makes it send ``nbytes``
+and then nothing more, the connection left open, until the client goes away or the hub stops (a
+stalled Hub); ``delay_per_chunk(seconds)`` sleeps after every body chunk (``chunk_size``, 64 KiB:
+a slow Hub trickles bytes). ``requests`` logs ``(method, path, range_header)`` of every request.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class HubRepo:
 class _Fault:
     nbytes: int
     times: int
+    stall: bool = False  # after nbytes: keep the connection open and send nothing
 
 
 class _DropFilter(logging.Filter):
@@ -208,6 +211,13 @@ class FakeHub:
         body bytes, then close the connection. A body no longer than ``nbytes`` is sent whole."""
         with self._lock:
             self._faults[filename.strip("/")] = _Fault(nbytes=nbytes, times=times)
+
+    def stall_after(self, filename: str, nbytes: int, *, times: int = 1) -> None:
+        """The next ``times`` GETs of ``filename`` send ``nbytes`` body bytes, then nothing more:
+        the response stays open, unfinished, until the client closes its connection or the hub
+        stops (``active_downloads`` counts it meanwhile)."""
+        with self._lock:
+            self._faults[filename.strip("/")] = _Fault(nbytes=nbytes, times=times, stall=True)
 
     def delay_per_chunk(self, seconds: float) -> None:
         """Sleep ``seconds`` after every ``chunk_size`` bytes of file body (0 turns it off)."""
@@ -493,6 +503,13 @@ class FakeHub:
             return None
         return start, end
 
+    async def _until_gone(self, disconnected: asyncio.Event) -> None:
+        """Until the client has closed its connection, or the hub stops."""
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(disconnected.wait(), 0.05)
+                return
+
     async def _stream(self, send: Any, receive: Any, entry: HubFile, start: int, end: int,
                       fault: _Fault | None) -> None:
         disconnected = asyncio.Event()
@@ -514,6 +531,8 @@ class FakeHub:
                 if fault is not None:
                     n = min(n, start + fault.nbytes - pos)
                     if n <= 0:
+                        if fault.stall:
+                            await self._until_gone(disconnected)
                         return  # unfinished response: uvicorn closes the connection
                 await send({"type": "http.response.body", "body": entry.read(pos, n),
                             "more_body": True})

@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import huggingface_hub
 import pytest
-from fake_hub import FakeHub
+from fake_hub import FakeHub, local_only_hf_client
 from support import SSEClient, start_router, wait_until, write_presets
 
-from router.downloads import HfRef, ResolveError, choose_files, file_tag
+from router import downloads
+from router.downloads import (
+    DownloadCancelled,
+    HfRef,
+    Resolution,
+    ResolveError,
+    choose_files,
+    download,
+    file_tag,
+)
 
 # --------------------------------------------------------------------------- resolution (unit)
 
@@ -237,14 +250,12 @@ def test_pull_refuses_without_disk_space(tmp_path: Path, hub: FakeHub,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from router import downloads
-
     resolution = choose_files("test-org/tiny", [("tiny-Q8_0.gguf", 10**12)], "Q8_0")
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(downloads.shutil, "disk_usage",
                         lambda path: usage._replace(free=10**9))
     monkeypatch.setattr(downloads, "hub_cache_dir", lambda: tmp_path / "hub")
-    monkeypatch.setattr(downloads, "_cached_path", lambda repo, name: None)
+    monkeypatch.setattr(downloads, "_cached_path", lambda repo, name, cache=None: None)
     with pytest.raises(ResolveError, match=r"needs 931\.3 GiB, 953\.7 MiB free"):
         downloads.download(resolution, lambda *a: None)
 
@@ -262,3 +273,172 @@ def test_a_downloaded_mmproj_is_passed_to_the_child(tmp_path: Path, hub: FakeHub
         args = router.models()["test-org/vision:Q4_K_M"]["status"]["args"]
         assert Path(args[args.index("--model") + 1]).name == "vision-Q4_K_M.gguf"
         assert Path(args[args.index("--mmproj") + 1]).name == "mmproj-vision-f16.gguf"
+
+
+# --------------------------------------------------------------------------- cancelling
+#
+# huggingface-hub reads a body in 10 MiB pieces with a 10 s read timeout and retries after
+# sleeps: a cancel checked only by its progress bar took as long as the rest of the file, or the
+# timeout and a retry on a Hub sending nothing. ``download`` must return within a poll interval.
+
+BIG = "big-Q8_0.gguf"
+BIG_DATA = b"GGUF" + bytes(4 * 1024 * 1024 - 4)
+CANCEL_BOUND_S = 2.0
+
+
+@pytest.fixture
+def slow_hub(request: pytest.FixtureRequest) -> Iterator[FakeHub]:
+    """A hub with a 4 MiB file sent in 16 KiB chunks (the knobs then make it slow); with the
+    parameter True, it redirects the file to its "CDN" as the real Hub does."""
+    cdn = getattr(request, "param", False)
+    with FakeHub.running(chunk_size=16 * 1024, redirect_to_cdn=cdn) as hub, \
+            local_only_hf_client():
+        hub.add_file("test-org/big", BIG, BIG_DATA)
+        yield hub
+
+
+def big_resolution() -> Resolution:
+    return choose_files("test-org/big", [(BIG, len(BIG_DATA))], "Q8_0")
+
+
+class Download(threading.Thread):
+    """``download`` of ``test-org/big`` in a thread, as the loader runs it; ``cancel`` stops it."""
+
+    def __init__(self, hub: FakeHub, cache: Path) -> None:
+        super().__init__(daemon=True)
+        self.hub, self.cache = hub, cache
+        self.cancel = threading.Event()
+        self.result: list[Path] | BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = download(big_resolution(), lambda *a: None, self.cancel.is_set,
+                                   endpoint=self.hub.url, cache=self.cache)
+        except BaseException as exc:
+            self.result = exc
+
+    def cancel_and_wait(self) -> float:
+        """Cancel; the seconds until ``download`` returned."""
+        started = time.monotonic()
+        self.cancel.set()
+        self.join(30)
+        assert not self.is_alive(), "download did not return"
+        return time.monotonic() - started
+
+
+def library_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hf-download:")]
+
+
+def assert_nothing_left(hub: FakeHub, cache: Path) -> None:
+    """The connection is closed, the library's thread gone, no file (partial or not) kept."""
+    assert hub.wait_idle(CANCEL_BOUND_S), "the download still holds its connection"
+    assert not library_threads()
+    assert not [p for p in cache.rglob("*") if p.is_file() and p.parent.name == "blobs"]
+    assert not list(cache.rglob(BIG))
+
+
+@pytest.mark.fake
+@pytest.mark.parametrize("slow_hub", [False, True], indirect=True, ids=["hub", "cdn"])
+def test_cancel_stops_a_download_from_a_slow_hub(tmp_path: Path, slow_hub: FakeHub) -> None:
+    slow_hub.delay_per_chunk(0.05)  # 320 kB/s: the file would take 13 s
+    running = Download(slow_hub, tmp_path / "hub")
+    assert wait_until(lambda: slow_hub.active_downloads == 1, 10)
+    time.sleep(0.3)  # bytes are trickling in
+    took = running.cancel_and_wait()
+    assert isinstance(running.result, DownloadCancelled), running.result
+    assert took < CANCEL_BOUND_S
+    assert_nothing_left(slow_hub, tmp_path / "hub")
+
+
+@pytest.mark.fake
+@pytest.mark.parametrize("slow_hub", [False, True], indirect=True, ids=["hub", "cdn"])
+def test_cancel_stops_a_download_from_a_stalled_hub(tmp_path: Path, slow_hub: FakeHub) -> None:
+    slow_hub.stall_after(BIG, 100_000)  # then nothing, the connection open
+    running = Download(slow_hub, tmp_path / "hub")
+    assert wait_until(lambda: slow_hub.active_downloads == 1, 10)
+    time.sleep(0.3)  # the library's read is blocked
+    took = running.cancel_and_wait()
+    assert isinstance(running.result, DownloadCancelled), running.result
+    assert took < CANCEL_BOUND_S
+    assert_nothing_left(slow_hub, tmp_path / "hub")
+    assert len(slow_hub.file_requests(BIG)) == 1  # no resume attempt after the cancel
+
+
+@pytest.mark.fake
+def test_cancel_returns_even_while_the_library_cannot_be_interrupted(
+        tmp_path: Path, slow_hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sleep before a retry, a Xet download, a lock held by another process: ``download``
+    returns anyway, and the library's thread (a daemon) ends when the call does."""
+    release = threading.Event()
+
+    def stuck(*args: object, **kwargs: object) -> str:
+        release.wait(30)
+        raise OSError("released")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", stuck)
+    running = Download(slow_hub, tmp_path / "hub")
+    time.sleep(0.3)
+    try:
+        took = running.cancel_and_wait()
+        assert isinstance(running.result, DownloadCancelled), running.result
+        assert took < CANCEL_BOUND_S
+    finally:
+        release.set()
+    assert wait_until(lambda: not library_threads(), 5)
+
+
+@pytest.mark.fake
+def test_an_uncancelled_download_is_whole_and_watched(tmp_path: Path,
+                                                      slow_hub: FakeHub) -> None:
+    seen: list[int] = []
+    paths = download(big_resolution(), lambda name, done, total: seen.append(done),
+                     endpoint=slow_hub.url, cache=tmp_path / "hub")
+    assert paths[0].read_bytes() == BIG_DATA and paths[0].is_relative_to(tmp_path / "hub")
+    assert seen[0] == 0 and seen[-1] == len(BIG_DATA)
+    # What cancelling relies on in huggingface-hub: one shared httpx2 client (get_session) that
+    # keeps the hooks, bodies read through it, each response's socket at hand.
+    hooks = huggingface_hub.get_session().event_hooks
+    assert downloads._on_request in hooks["request"]
+    assert downloads._on_response in hooks["response"]
+    with huggingface_hub.get_session().stream("GET", slow_hub.url + "/test-org/big/resolve/"
+                                              "main/" + BIG) as response:
+        sock = response.extensions["network_stream"].get_extra_info("socket")
+        assert sock is not None and sock.fileno() >= 0
+    assert not library_threads()
+
+
+@pytest.mark.real
+def test_unload_and_shutdown_stop_a_stalled_download(tmp_path: Path, hub: FakeHub,
+                                                     llama_server: Path) -> None:
+    cache = tmp_path / "hf" / "hub"
+    model = "test-org/tiny:Q8_0"
+    hub.stall_after("tiny-Q8_0.gguf", 100_000, times=2)
+    with start_router(tmp_path, "--shutdown-grace", "5", env=hub_env(hub, cache)) as router, \
+            router.client() as client:
+        events = SSEClient(router.url)
+        events.start()
+        assert events.connected.wait(10)
+        assert client.post("/models", json={"model": model}).status_code == 200
+        assert wait_until(lambda: hub.active_downloads == 1, 10)
+        assert router.models()[model]["status"]["value"] == "downloading"
+        started = time.monotonic()
+        assert client.post("/models/unload", json={"model": model}).status_code == 200
+        assert time.monotonic() - started < 3
+        assert router.models()[model]["status"]["value"] == "unloaded"
+        assert hub.wait_idle(3)  # the router's download thread let go of the connection
+        assert wait_until(lambda: any(
+            e["model"] == model and e["event"] == "status_change"
+            and e["data"].get("reason") == "cancelled" for e in events.events), 5)
+        assert not [p for p in cache.rglob("*") if p.is_file() and p.parent.name == "blobs"]
+
+        # Stalled again, and the router is told to stop: it exits well within its grace.
+        assert client.post("/models/load", json={"model": model}).status_code == 200
+        assert wait_until(lambda: hub.active_downloads == 1, 10)
+        started = time.monotonic()
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(30) == 0
+        assert time.monotonic() - started < 4, router.log()
+    assert hub.wait_idle(3)
+    assert not list(cache.rglob("tiny-Q8_0.gguf"))

@@ -256,6 +256,20 @@ def test_cancelled_download_frees_the_server(hub: FakeHub) -> None:
     assert hub.wait_idle(2.0)
 
 
+def test_stall_after_sends_some_bytes_then_nothing(hub: FakeHub, cache: Path) -> None:
+    hub.stall_after(GGUF, 100_000)
+    with httpx.Client(timeout=httpx.Timeout(5.0, read=0.5)) as client, client.stream(
+            "GET", f"{hub.url}/{REPO}/resolve/main/{GGUF}") as response:
+        received = b""
+        with pytest.raises(httpx.ReadTimeout):
+            for piece in response.iter_raw():
+                received += piece
+        assert received == DATA[:100_000]
+        assert hub.active_downloads == 1  # still open, sending nothing
+    assert hub.wait_idle(2.0)  # the client went away: the stall ends
+    assert download(hub, cache).read_bytes() == DATA  # the next GET is whole
+
+
 def test_cdn_redirect_mode(monkeypatch: pytest.MonkeyPatch, cache: Path,
                            no_retry_sleep: None) -> None:
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
