@@ -27,26 +27,20 @@ from .errors import (
     RouterError,
     envelope_bytes,
 )
-from .keys import KEY_SCOPE, resolve_in_scope
+from .keys import resolve_in_scope
 from .leases import Lease
-from .nodes import came_through, local_model, raise_if_elsewhere, serve_across_nodes
+from .nodes import local_model, raise_if_elsewhere, serve_across_nodes
 from .paths import (
     API_ROOTS,
     CHILD_GET_PATHS,
     METHODS,
 )
 from .proxy import ResponseAborted, for_remote, relay, upstream_headers, wait_disconnect
-from .requests import header, model_from_body, read_body
-from .resumable import CONVERSATION_HEADER
+from .requests import WAIT_BUDGET_HEADER, RequestContext, context
 from .state import Shutdown, State
 from .webui import StaticUI
 
 log = logging.getLogger("router.forward")
-
-
-WAIT_BUDGET_HEADER = b"x-wait-budget"
-NO_PARAMS = QueryParams("")
-
 
 
 async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
@@ -85,8 +79,8 @@ def _autoload(params: QueryParams, default: bool) -> bool:
     return value.lower() in ("1", "true")
 
 
-def _budget(scope: Scope) -> float | None:
-    raw = header(scope, WAIT_BUDGET_HEADER)
+def _budget(request: RequestContext) -> float | None:
+    raw = request.headers.get(WAIT_BUDGET_HEADER)
     if raw is None:
         return None
     try:
@@ -141,14 +135,10 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         raise MethodNotAllowed(f"method {method} is not allowed")
     if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
         raise BadRequest("the request target must be an absolute path such as /v1/models")
-    body = await read_body(scope, receive, sup.settings.max_body_bytes)
-    model: str | None = None
-    parsed: dict[str, Any] | None = None
-    if method in ("POST", "PUT", "PATCH"):
-        content_type = header(scope, b"content-type") or b""
-        model, parsed = model_from_body(content_type.decode("latin-1"), body)
-    params = QueryParams(scope["query_string"]) if scope["query_string"] else NO_PARAMS
-    model = model or params.get("model")
+    request = context(scope)
+    body = await request.read(receive, sup.settings.max_body_bytes)
+    parsed = request.parsed
+    model = request.model  # the body's, else ?model=: what the key check saw too
     if not model:
         webui: StaticUI | None = scope["app"].state.webui
         if webui is not None and method in ("GET", "HEAD") and await webui.answer(
@@ -157,16 +147,15 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         if method == "GET" and scope["path"] not in CHILD_GET_PATHS:
             raise NotFound("File Not Found")
         raise ModelMissing()
-    budget = _budget(scope)  # the supervisor caps it by the model's own wait budget
-    request_state = scope.setdefault("state", {})
-    key_scope = request_state.get(KEY_SCOPE)  # set by ApiKeyMiddleware for a scoped key only
+    budget = _budget(request)  # the supervisor caps it by the model's own wait budget
+    key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
     peers = state.peers
     holders = peers.holders(model) if peers is not None and peers.peers else None
-    if holders and not came_through(scope, state.node):  # on other nodes too (``nodes``)
+    if holders:  # on other nodes too (``nodes``)
         local = local_model(sup, key_scope, model)
-        request_state["model"] = model if local is None else local.preset.id
-        if await serve_across_nodes(state, scope, receive, send, model, holders, local,
-                                    _target(scope), body, parsed):
+        request.model_id = model if local is None else local.preset.id
+        if await serve_across_nodes(state, scope, request, receive, send, holders, local,
+                                    _target(scope)):
             return
     try:
         runtime = sup.resolve(model) if key_scope is None \
@@ -175,14 +164,14 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         if peers is not None:
             raise_if_elsewhere(peers, model)
         raise
-    request_state["model"] = runtime.preset.id
-    autoload = _autoload(params, sup.settings.models_autoload)
+    request.model_id = runtime.preset.id
+    autoload = _autoload(request.params, sup.settings.models_autoload)
     keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)
     if parsed is not None and runtime.preset.prefix_routing:
         keys = request_keys(parsed) or None
-    conv_id = header(scope, CONVERSATION_HEADER) if body else None
+    conv_id = request.conv_id if body else None
     if conv_id:  # a resumable stream: remember whose it is, also while the model loads
-        state.conversations.remember(conv_id.decode("latin-1"), runtime.id)
+        state.conversations.remember(conv_id, runtime.id)
     if runtime.serving:  # hot path: no waiting, no tasks
         lease = await sup.acquire(model, autoload=autoload, budget=budget, keys=keys)
     else:
@@ -192,10 +181,10 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
                 sup.acquire(model, autoload=autoload, budget=budget, keys=keys), receive,
                 shutdown)
         finally:  # for the activity record, also when the wait failed
-            request_state["queue_s"] = queued = time.perf_counter() - waited
+            request.queue_s = queued = time.perf_counter() - waited
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
     if conv_id:
-        state.conversations.remember(conv_id.decode("latin-1"), runtime.id, lease.child)
+        state.conversations.remember(conv_id, runtime.id, lease.child)
     try:
         headers = upstream_headers(scope["headers"])
         preset = runtime.preset

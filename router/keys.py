@@ -15,9 +15,11 @@ aliases. ``role=`` ``admin`` (default: every endpoint), or a comma list of ``inf
 reaches is in ``paths.py`` (``INFER_PATHS`` and the rest), checked by ``needed_role``.
 
 Each key's scope is parsed once into an immutable ``KeyScope``; ``ApiKeyMiddleware`` finds it
-by comparing the presented key with every key in constant time, checks the role of the path
-and leaves the scope in the request's state (``KEY_SCOPE``) for the places that know the
-model: the proxy (``forward._forward``) and the routes naming a model or listing models.
+by comparing the presented key with every key in constant time, checks the role of the
+request and leaves the scope in the request's context (``requests.RequestContext.key_scope``)
+for the places that know the model: the proxy (``forward._forward``) and the routes naming a
+model or listing models. The role and the model are read from that same context, which the
+router routes by: the key check and the router never read a request differently.
 Whether a scope allows a model is cached per (scope, model). Keys are never logged: the
 messages here name the file line, never the key, and an ``ApiKey``'s repr hides it.
 """
@@ -27,9 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from starlette.datastructures import QueryParams
 from starlette.types import Scope
 
 from .errors import ModelNotFound, RouterError
@@ -40,8 +41,8 @@ from .paths import (
     LISTING_PATHS,
     METRICS_PATHS,
     READ_METHODS,
-    is_local,
 )
+from .requests import RequestContext, context
 
 if TYPE_CHECKING:
     from .runtime import ModelRuntime
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 ADMIN, INFER, METRICS = "admin", "infer", "metrics"
 ROLES = (ADMIN, INFER, METRICS)
 FIELDS = ("models", "role")
-KEY_SCOPE = "key_scope"  # the request state's entry: the presented key's KeyScope, if scoped
 _FIELD_NAME = re.compile(r"[a-z][a-z_-]{0,15}")
 
 
@@ -194,18 +194,18 @@ def parse_file(text: str) -> list[ApiKey]:
 
 # ---------------------------------------------------------------------------- enforcement
 
-def needed_role(scope: Scope) -> str:
-    """The role a request needs (``admin``, ``infer`` or ``metrics``), from the path tables."""
-    path: str = scope["path"]
-    method: str = scope["method"]
-    if is_local(scope):
+def needed_role(request: RequestContext) -> str:
+    """The role a request needs (``admin``, ``infer`` or ``metrics``), from the path tables
+    and the decoded query the router acts on."""
+    path = request.path
+    method = request.method
+    if request.local:
         if path in METRICS_PATHS:
             return METRICS if method in READ_METHODS else ADMIN
         methods = INFER_PATHS.get(path)
         if methods is None or method not in methods:
             return ADMIN
-        if path in LISTING_PATHS and b"reload" in scope["query_string"] \
-                and QueryParams(scope["query_string"]).get("reload"):
+        if path in LISTING_PATHS and request.params.get("reload"):
             return ADMIN  # GET /models?reload=1 re-reads the configuration
         return INFER
     if path in METRICS_PATHS:  # /metrics?model=: the child's own
@@ -216,18 +216,17 @@ def needed_role(scope: Scope) -> str:
     return INFER
 
 
-def check_path(key_scope: KeyScope, scope: Scope) -> None:
-    """Forbidden unless the key's roles reach this path."""
-    role = needed_role(scope)
+def check_path(key_scope: KeyScope, request: RequestContext) -> None:
+    """Forbidden unless the key's roles reach this request."""
+    role = needed_role(request)
     if role not in key_scope.grants:
-        raise Forbidden(f"this API key ({key_scope.describe()}) may not use {scope['method']} "
-                        f"{scope['path'][:200]}: that needs role={role}")
+        raise Forbidden(f"this API key ({key_scope.describe()}) may not use {request.method} "
+                        f"{request.path[:200]}: that needs role={role}")
 
 
 def key_scope_of(scope: Scope) -> KeyScope | None:
     """The scope the API key middleware left for this request; None: full access."""
-    state: dict[str, Any] = scope.get("state") or {}
-    return state.get(KEY_SCOPE)
+    return context(scope).key_scope
 
 
 def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str) -> ModelRuntime:

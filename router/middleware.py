@@ -23,9 +23,10 @@ from .errors import (
     envelope,
 )
 from .forward import proxy, send_error
-from .keys import KEY_SCOPE, Forbidden, KeyScope, check_path, scope_of
+from .keys import Forbidden, KeyScope, check_path, scope_of
 from .metrics import RouterMetrics
-from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS, is_local
+from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
+from .requests import CONTEXT, RequestContext, context
 from .state import Shutdown, error_response
 from .webui import StaticUI
 
@@ -35,10 +36,12 @@ log = logging.getLogger("router.middleware")
 class ApiKeyMiddleware:
     """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``.
 
-    A key with a scope (``keys.ApiKey``) gets 403 for a path its roles do not reach, and leaves
-    its scope in the request's state for the checks that know the model
-    (``keys.resolve_in_scope``); a full-access key (a plain string, or an ``ApiKey`` without a
-    scope) costs nothing more than the comparison."""
+    Every decision reads the request's context (``requests.RequestContext``), the one the
+    router acts on: whether the request is public, the role it needs. A key with a scope
+    (``keys.ApiKey``) gets 403 for a request its roles do not reach, and leaves its scope in
+    the context for the checks that know the model (``keys.resolve_in_scope``); a full-access
+    key (a plain string, or an ``ApiKey`` without a scope) costs nothing more than the
+    comparison."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], webui: StaticUI | None = None) -> None:
         self.app = app
@@ -51,23 +54,23 @@ class ApiKeyMiddleware:
         self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
         self.webui = webui
 
-    def _ui_file(self, scope: Scope) -> bool:
-        """``/`` and the web UI's files are public, as llama-server's UI files are (not with
-        anything naming a model in the query: that goes to a child)."""
-        return (self.webui is not None and scope["method"] in ("GET", "HEAD")
-                and self.webui.is_public(scope["path"]) and b"model" not in scope["query_string"])
+    def _public(self, request: RequestContext) -> bool:
+        """The health checks, the dashboard's files, CORS preflights, and ``/`` and the web
+        UI's files, as llama-server's UI files are (not with a model named: the router sends
+        that request to the model, as it reads the same ``request.model``)."""
+        return (request.path in PUBLIC_PATHS or request.method == "OPTIONS"
+                or (self.webui is not None and request.method in ("GET", "HEAD")
+                    and request.model is None and self.webui.is_public(request.path)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS
-                or scope["method"] == "OPTIONS" or self._ui_file(scope)):
+        if scope["type"] != "http" or not self.keys:
             await self.app(scope, receive, send)
             return
-        presented = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                presented = value[7:].strip() if value[:7].lower() == b"bearer " else value
-            elif name == b"x-api-key" and not presented:
-                presented = value.strip()
+        request = context(scope)
+        if self._public(request):
+            await self.app(scope, receive, send)
+            return
+        presented = request.credential()
         # Compare against every key so timing does not reveal which one matched (the keys are
         # distinct: at most one matches, and ``found`` is its position, 1-based).
         found = 0
@@ -79,11 +82,11 @@ class ApiKeyMiddleware:
         key_scope = self.scopes[found - 1]
         if key_scope is not None:
             try:
-                check_path(key_scope, scope)
+                check_path(key_scope, request)
             except Forbidden as exc:
                 await send_error(send, exc)
                 return
-            scope.setdefault("state", {})[KEY_SCOPE] = key_scope
+            request.key_scope = key_scope
         await self.app(scope, receive, send)
 
 
@@ -95,7 +98,8 @@ class RequestMetricsMiddleware:
     byte, and record it in ``activity``: requests to a model, and every other request that is
     not a GET/HEAD/OPTIONS (load, unload, pull, ...); reads without a model (model list,
     metrics, logs, event streams, the web UI's and the dashboard's files and polls) are only
-    counted."""
+    counted. It is the edge: the request's context (``requests.RequestContext``) is made
+    here, before anything else looks at the request."""
 
     def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
                  activity: Activity | None = None) -> None:
@@ -107,6 +111,7 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request = scope[CONTEXT] = RequestContext(scope)
         started = time.perf_counter()
         status = 0  # until the response starts
         first = 0.0  # when the first non-empty body chunk went out
@@ -147,26 +152,25 @@ class RequestMetricsMiddleware:
             status = status or CLIENT_CLOSED_REQUEST
             ended = time.perf_counter()
             tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
-            self._observe(scope, status, ended - started, first - started if first else None,
-                          tail)
+            self._observe(request, status, ended - started,
+                          first - started if first else None, tail)
 
-    def _observe(self, scope: Scope, status: int, total_s: float, ttft_s: float | None,
-                 tail: bytes) -> None:
-        request_state = scope.get("state", {})
-        model: str = request_state.get("model", "")
-        proxied = not is_local(scope)
+    def _observe(self, request: RequestContext, status: int, total_s: float,
+                 ttft_s: float | None, tail: bytes) -> None:
+        model = request.model_id
+        proxied = not request.local
         tokens = generated_tokens(tail) if proxied and model and tail else None
         metrics = self.metrics()
         if metrics is not None:
-            path = scope["path"]
+            path = request.path
             metrics.observe_request(model, path if path in KNOWN_ENDPOINTS else "other", status,
                                     total_s, ttft_s if proxied and model else None,
                                     tokens if proxied and model else None)
-        if self.activity is not None and (model or scope["method"] not in READ_METHODS):
+        if self.activity is not None and (model or request.method not in READ_METHODS):
             self.activity.add(
-                model=model, method=scope["method"], path=scope["path"], status=status,
+                model=model, method=request.method, path=request.path, status=status,
                 started=time.time() - total_s, total_s=total_s, ttft_s=ttft_s, tokens=tokens,
-                queue_s=request_state.get("queue_s", 0.0) if proxied and model else None,
+                queue_s=(request.queue_s or 0.0) if proxied and model else None,
                 proxied=proxied)
 
 
@@ -195,8 +199,6 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 
-
-
 class ProxyMiddleware:
     """Send every path the router does not answer itself to ``proxy`` before any routing."""
 
@@ -204,7 +206,7 @@ class ProxyMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not is_local(scope):
+        if scope["type"] == "http" and not context(scope).local:
             await proxy(scope, receive, send)
         else:
             await self.app(scope, receive, send)

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import urlencode
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -31,7 +31,6 @@ from .keys import Forbidden, KeyScope, resolve_in_scope
 from .peers import (
     FAIL_OVER_STATUSES,
     LOADING,
-    VIA_HEADER,
     Candidate,
     Peer,
     Peers,
@@ -40,8 +39,7 @@ from .peers import (
     rank,
 )
 from .proxy import FailOver, relay, upstream_headers
-from .requests import header
-from .resumable import CONVERSATION_HEADER
+from .requests import VIA_HEADER, RequestContext
 from .runtime import ModelRuntime
 from .scheduler import Status
 from .state import State
@@ -50,12 +48,9 @@ from .supervisor import Supervisor
 log = logging.getLogger("router.nodes")
 
 
-def came_through(scope: Scope, node: str) -> bool:
+def came_through(request: RequestContext, node: str) -> bool:
     """Whether the request passed through this node already (``x-llama-router-via``)."""
-    for key, value in scope["headers"]:
-        if key == VIA_HEADER:
-            return node in value.decode("latin-1").split(",")
-    return False
+    return node in request.via
 
 
 def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
@@ -90,15 +85,17 @@ def candidates(holders: list[Peer], model: str, local: ModelRuntime | None, node
     return rank(found)
 
 
-async def serve_across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
-                             model: str, holders: list[Peer], local: ModelRuntime | None,
-                             target: bytes, body: bytes, parsed: dict[str, Any] | None
-                             ) -> bool:
-    """Serve the request on the best node holding ``model`` (the peers ``holders``, or
+async def serve_across_nodes(state: State, scope: Scope, request: RequestContext,
+                             receive: Receive, send: Send, holders: list[Peer],
+                             local: ModelRuntime | None, target: bytes) -> bool:
+    """Serve the request on the best node holding its model (the peers ``holders``, or
     ``local``); False when that is this router (the caller serves it). Raises like
     ``proxy.relay`` for the last node tried."""
     peers = state.peers
-    assert peers is not None
+    assert peers is not None and request.model is not None and request.body is not None
+    if came_through(request, state.node):
+        return False  # it came back: served here, never sent round again
+    model, body, parsed = request.model, request.body, request.parsed
     order = candidates(holders, model, local, state.node)
     keys = request_keys(parsed) if parsed is not None else ()
     if keys:  # a conversation's next turn: where its prompt is cached (``affinity``)
@@ -113,7 +110,7 @@ async def serve_across_nodes(state: State, scope: Scope, receive: Receive, send:
             return False
         fail_over = FAIL_OVER_STATUSES if index < len(order) - 1 else frozenset()
         try:
-            await _relay_to_peer(state, peer, scope, receive, send, model,
+            await _relay_to_peer(state, peer, scope, request, receive, send, model,
                                  candidate.peer_model or model, target, body, parsed,
                                  fail_over)
             return True
@@ -128,24 +125,19 @@ async def serve_across_nodes(state: State, scope: Scope, receive: Receive, send:
     return False  # not reached: the last candidate's failure is raised
 
 
-async def _relay_to_peer(state: State, peer: Peer, scope: Scope, receive: Receive, send: Send,
-                         model: str, peer_model: str, target: bytes, body: bytes,
-                         parsed: dict[str, Any] | None, fail_over: frozenset[int]) -> None:
-    via = state.node
-    headers = []
-    for key, value in upstream_headers(scope["headers"]):
-        if key.lower() == VIA_HEADER:
-            via = f"{value.decode('latin-1')},{state.node}"
-        else:
-            headers.append((key, value))
+async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: RequestContext,
+                         receive: Receive, send: Send, model: str, peer_model: str,
+                         target: bytes, body: bytes, parsed: dict[str, Any] | None,
+                         fail_over: frozenset[int]) -> None:
+    headers = [(k, v) for k, v in upstream_headers(scope["headers"]) if k.lower() != VIA_HEADER]
     headers += peer.auth
-    headers.append((VIA_HEADER, via.encode("latin-1")))
+    headers.append(via_header(request, state.node))
     if peer_model != model:  # --peer-prefix: the peer knows the model by its own id
-        body, target = _renamed(body, parsed, target, peer_model)
-    scope.setdefault("state", {})["node"] = peer.node
-    conv_id = header(scope, CONVERSATION_HEADER) if body else None
+        body, target = _renamed(body, parsed, request, target, peer_model)
+    request.node = peer.node
+    conv_id = request.conv_id if body else None
     if conv_id:  # a resumable stream: resumed through the peer that has it (``resumable``)
-        state.conversations.remember(conv_id.decode("latin-1"), model, peer)
+        state.conversations.remember(conv_id, model, peer)
     peer.outstanding[model] = peer.outstanding.get(model, 0) + 1
     try:
         await relay(peer.connections, scope["method"], target, headers, body,
@@ -160,15 +152,22 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, receive: Receiv
         peer.outstanding[model] -= 1
 
 
-def _renamed(body: bytes, parsed: dict[str, Any] | None, target: bytes, model: str
-             ) -> tuple[bytes, bytes]:
-    """The body's ``model`` (JSON) or the target's ``?model=`` set to ``model``."""
+def via_header(request: RequestContext | None, node: str) -> tuple[bytes, bytes]:
+    """The ``x-llama-router-via`` header a request leaving this node carries: the chain it
+    came with, and this node."""
+    chain = (*request.via, node) if request is not None else (node,)
+    return VIA_HEADER, ",".join(chain).encode("latin-1")
+
+
+def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext,
+             target: bytes, model: str) -> tuple[bytes, bytes]:
+    """The body's ``model`` (JSON) or the query's ``model`` (as the request's context decoded
+    it) set to ``model``."""
     if parsed is not None and "model" in parsed:
         return json.dumps({**parsed, "model": model}, ensure_ascii=False).encode(), target
-    path, _, query = target.partition(b"?")
-    if query:
-        pairs = [(k, model if k == "model" else v)
-                 for k, v in parse_qsl(query.decode("latin-1"), keep_blank_values=True)]
+    if "model" in request.params:
+        path = target.partition(b"?")[0]
+        pairs = [(k, model if k == "model" else v) for k, v in request.params.multi_items()]
         target = path + b"?" + urlencode(pairs).encode("latin-1")
     return body, target
 

@@ -9,7 +9,6 @@ page fallback (API roots never get it).
 from __future__ import annotations
 
 from starlette.datastructures import QueryParams
-from starlette.types import Scope
 
 from . import dashboard
 
@@ -60,12 +59,12 @@ ADMIN_PROXIED_PREFIXES = ("/slots",)
 ADMIN_PROXIED_WRITES = frozenset({"/lora-adapters", "/props", "/v1/props"})
 
 
-def is_local(scope: Scope) -> bool:
+def is_local(path: str, params: QueryParams) -> bool:
     """Answered by the router itself (not proxied): a local path, except ``/props`` and
-    ``/metrics`` with ``?model=`` (the model's own)."""
-    path = scope["path"]
+    ``/metrics`` with ``?model=`` (the model's own). ``path`` and ``params`` are the decoded
+    ones of the request's context (``requests.RequestContext.local``)."""
     if path not in LOCAL_PATHS:
         return False
-    if path in MODEL_SCOPED_PATHS and scope["query_string"]:
-        return not QueryParams(scope["query_string"]).get("model")
+    if path in MODEL_SCOPED_PATHS:
+        return not params.get("model")
     return True

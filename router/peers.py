@@ -55,9 +55,6 @@ FAIL_OVER_STATUSES = frozenset({502, 503, 504})
 # default parallel slots): the router does not know a peer's.
 NODE_SLOTS = 4
 _EMPTY = PrefixTable(0)
-# Sent with every request to a peer: the nodes it passed through, so a request that comes
-# back (peers that front each other) is served where it is, never sent round again.
-VIA_HEADER = b"x-llama-router-via"
 LOADED, LOADING = "loaded", "loading"
 
 

@@ -1,4 +1,13 @@
-"""Read what routing needs from a request: its body bytes (bounded) and its ``model``.
+"""One request as every decision sees it (``RequestContext``), and what routing reads from
+it: its body bytes (bounded) and its ``model``.
+
+A request is parsed once, at the edge (``middleware.RequestMetricsMiddleware``): its decoded
+path and query, the headers decisions need, the key's scope once checked, the via chain and
+the conversation id; its body and ``model`` once it is read. Whether it is public, the role it
+needs, whether the key's scope allows its model, where it is routed and what the activity
+record says all read this one context: two parsers of one request disagree sooner or later,
+and the disagreement is an auth bypass (``?%6dodel=`` read as no model by one and as a model
+by the other). Nothing else looks at the raw query bytes or parses the body again.
 
 The body is never re-encoded: the router forwards the exact bytes it received.
 """
@@ -7,14 +16,112 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope
 
 from .errors import ClientGone, MalformedBody, PayloadTooLarge
+from .paths import is_local
+
+if TYPE_CHECKING:
+    from .keys import KeyScope
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 _MODEL_PART = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNORECASE)
+
+
+CONTEXT = "llama_router.request"  # the ASGI scope's entry holding its RequestContext
+NO_PARAMS = QueryParams("")
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # methods whose body may name the model
+# Sent with every request to a peer: the instance ids of the routers it passed through.
+VIA_HEADER = b"x-llama-router-via"
+CONVERSATION_HEADER = b"x-conversation-id"  # a resumable stream's id (``resumable``)
+WAIT_BUDGET_HEADER = b"x-wait-budget"
+# The headers decisions read (the first of each), kept by the one pass over the headers.
+_KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-length",
+                   WAIT_BUDGET_HEADER, CONVERSATION_HEADER})
+
+
+class RequestContext:
+    """What every decision about one request reads, parsed once (see the module docstring).
+
+    * ``path``: the decoded path (the ASGI server's), ``params``: the decoded query (one
+      ``QueryParams``; a repeated name's last value wins everywhere), ``local``: answered by
+      the router itself (``paths.is_local``);
+    * ``model``: the model the request names: the JSON body's ``model`` or the multipart
+      ``model`` field (POST, PUT, PATCH, once ``read``), else ``?model=``; None for none;
+    * ``via``: the instance ids of the routers it passed through (``x-llama-router-via``, every
+      such header), ``conv_id``: its ``X-Conversation-Id``;
+    * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
+      ``body`` and ``parsed`` (the JSON object) once read, ``model_id`` (the resolved id,
+      for metrics and the activity record), ``queue_s`` (its wait for the model), ``node``
+      (the peer that served it).
+    """
+
+    __slots__ = ("body", "headers", "key_scope", "local", "method", "model", "model_id",
+                 "node", "params", "parsed", "path", "queue_s", "via")
+
+    def __init__(self, scope: Scope) -> None:
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        query: bytes = scope["query_string"]
+        self.params = QueryParams(query) if query else NO_PARAMS
+        self.model: str | None = self.params.get("model") or None if query else None
+        self.local = is_local(self.path, self.params)
+        kept: dict[bytes, bytes] = {}
+        via: tuple[str, ...] = ()
+        for name, value in scope["headers"]:
+            if name in _KEPT:
+                if name not in kept:
+                    kept[name] = value
+            elif name == VIA_HEADER:
+                via += tuple(hop.strip() for hop in value.decode("latin-1").split(",")
+                             if hop.strip())
+        self.headers = kept
+        self.via = via
+        self.key_scope: KeyScope | None = None
+        self.body: bytes | None = None
+        self.parsed: dict[str, Any] | None = None
+        self.model_id = ""
+        self.queue_s: float | None = None
+        self.node = ""
+
+    def __repr__(self) -> str:  # never the credentials
+        return f"<RequestContext {self.method} {self.path[:80]} model={self.model!r}>"
+
+    def credential(self) -> bytes:
+        """The API key presented: ``Authorization: Bearer K`` (any other Authorization value
+        as it is, so that it matches no key), else ``X-Api-Key: K``; empty for none."""
+        value = self.headers.get(b"authorization")
+        if value:
+            return value[7:].strip() if value[:7].lower() == b"bearer " else value
+        return self.headers.get(b"x-api-key", b"").strip()
+
+    @property
+    def conv_id(self) -> str | None:
+        value = self.headers.get(CONVERSATION_HEADER)
+        return value.decode("latin-1") if value else None
+
+    async def read(self, receive: Receive, limit: int, *, parse: bool = True) -> bytes:
+        """The body (read once, refused with 413 past ``limit``); with ``parse``, for POST,
+        PUT and PATCH, the ``model`` it names (which wins over ``?model=``) and ``parsed``."""
+        if self.body is None:
+            self.body = await _read(self.headers.get(b"content-length"), receive, limit)
+            if parse and self.method in BODY_METHODS:
+                content_type = self.headers.get(b"content-type", b"").decode("latin-1")
+                model, self.parsed = model_from_body(content_type, self.body)
+                if model:
+                    self.model = model
+        return self.body
+
+
+def context(scope: Scope) -> RequestContext:
+    """The request's context: made once (at the edge), then the same object everywhere."""
+    found: RequestContext | None = scope.get(CONTEXT)
+    if found is None:
+        found = scope[CONTEXT] = RequestContext(scope)
+    return found
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -27,7 +134,10 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body, refused with 413 past ``limit`` bytes (declared or counted)."""
-    declared = header(scope, b"content-length")
+    return await _read(header(scope, b"content-length"), receive, limit)
+
+
+async def _read(declared: bytes | None, receive: Receive, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared.decode()} bytes exceeds the limit "
                               f"of {limit}")

@@ -35,9 +35,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from .errors import BadRequest, NotFound, Unavailable
-from .peers import VIA_HEADER, Peer
+from .peers import Peer
 from .process import ChildProcess
 from .proxy import relay, upstream_headers
+from .requests import VIA_HEADER, context
 from .scheduler import Status
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 Owner = ChildProcess | Peer  # the child that serves a conversation, or the peer it went to
 
-CONVERSATION_HEADER = b"x-conversation-id"
 DEFAULT_CAPACITY = 10_000
 CHILD_TIMEOUT_S = 5.0
 
@@ -95,7 +95,7 @@ def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
 
 
 def _conv_id(request: Request) -> str:
-    conv_id = request.query_params.get("conv_id", "")
+    conv_id = context(request.scope).params.get("conv_id", "")
     if not conv_id:
         raise BadRequest("Missing conversation id in path")
     return conv_id
@@ -122,8 +122,9 @@ class StreamResume:
                                          headers={"Retry-After": "1"})
             raise NotFound("Stream not found or expired")
         model, child = running
+        params = context(scope).params
         query = QueryParams({"conv_id": conv_id, **(
-            {"from": request.query_params["from"]} if "from" in request.query_params else {})})
+            {"from": params["from"]} if "from" in params else {})})
         if isinstance(child, Peer):  # the peer finds its child
             headers = [*upstream_headers(scope["headers"]), *child.auth,
                        (VIA_HEADER, child.own_node.encode("latin-1"))]

@@ -35,7 +35,7 @@ from .nodes import (
     scrape_peers,
 )
 from .presets import ModelPreset
-from .requests import model_from_body, read_body
+from .requests import context
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
@@ -83,7 +83,7 @@ def _conversation_in_scope(state: State, key_scope: KeyScope | None, conv_id: st
 
 
 def _check_conversation(request: Request, state: State) -> None:
-    conv_id = request.query_params.get("conv_id", "")
+    conv_id = context(request.scope).params.get("conv_id", "")
     if not _conversation_in_scope(state, key_scope_of(request.scope), conv_id):
         raise NotFound("Stream not found or expired")  # as for a stream that is not there
 
@@ -206,7 +206,7 @@ def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dic
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    if request.query_params.get("reload"):  # llama.cpp's trigger: any non-empty value
+    if context(request.scope).params.get("reload"):  # llama.cpp's: any non-empty value
         await state.reloader.reload("GET /models?reload")
     sup = state.supervisor
     key_scope = key_scope_of(request.scope)
@@ -224,11 +224,11 @@ async def _model_from_json(request: Request) -> str:
 
 async def _admin_request(request: Request) -> tuple[str, dict[str, Any] | None]:
     """The model a load/unload names, and the JSON body (None if it is not JSON)."""
-    body = await read_body(request.scope, request.receive, 1 << 20)
-    model, parsed = model_from_body(request.headers.get("content-type", ""), body)
-    if not model:
+    ctx = context(request.scope)
+    await ctx.read(request.receive, 1 << 20)
+    if not ctx.model:
         raise ModelMissing()
-    return model, parsed
+    return ctx.model, ctx.parsed
 
 
 async def _on_peers(request: Request, action: str, name: str,
@@ -250,7 +250,7 @@ async def _on_peers(request: Request, action: str, name: str,
     targets = admin_targets(holders, name, local, state.node, asked, action)
     if targets == [None]:
         return None
-    request.scope.setdefault("state", {})["model"] = name
+    context(request.scope).model_id = name
     results: dict[str, Any] = {}
     status = 200
     for peer in targets:
@@ -280,12 +280,12 @@ async def load_model(request: Request) -> Response:
     if (forwarded := await _on_peers(request, "load", name, payload)) is not None:
         return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
-    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
+    context(request.scope).model_id = runtime.preset.id  # metrics, activity
     if runtime.status is not Status.UNLOADED:
         raise BadRequest(f"model '{runtime.preset.id}' is already running "
                          f"(status: {runtime.status.value})")
     await sup.load(name)
-    if request.query_params.get("wait") in ("1", "true"):
+    if context(request.scope).params.get("wait") in ("1", "true"):
         lease = await sup.acquire(name)
         lease.release()
     return JSONResponse({"success": True})
@@ -316,7 +316,7 @@ async def pull_model(request: Request) -> Response:
 async def delete_model(request: Request) -> Response:
     """``DELETE /models?model=ID``: remove a Hugging Face cache model and its files."""
     sup = _state(request).supervisor
-    name = request.query_params.get("model")
+    name = context(request.scope).model
     if not name:
         raise ModelMissing()
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
@@ -336,12 +336,13 @@ _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
 async def _allow_empty(request: Request) -> bool:
     """The reload's ``allow_empty`` option: ``?allow_empty=true`` or a JSON body
     ``{"allow_empty": true}``; false when absent (a bodiless POST, as before)."""
-    query = request.query_params.get("allow_empty")
+    ctx = context(request.scope)
+    query = ctx.params.get("allow_empty")
     if query is not None:
         if query.lower() not in _TRUE + _FALSE:
             raise BadRequest(f"allow_empty must be true or false, not '{query}'")
         return query.lower() in _TRUE
-    body = await read_body(request.scope, request.receive, 1 << 16)
+    body = await ctx.read(request.receive, 1 << 16, parse=False)
     if not body.strip():
         return False
     try:
@@ -375,7 +376,7 @@ async def unload_model(request: Request) -> Response:
     if (forwarded := await _on_peers(request, "unload", name, payload)) is not None:
         return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
-    request.scope.setdefault("state", {})["model"] = runtime.preset.id  # metrics, activity
+    context(request.scope).model_id = runtime.preset.id  # metrics, activity
     if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
         raise BadRequest(f"model '{runtime.preset.id}' is not running "
                          f"(status: {runtime.status.value})")
@@ -443,7 +444,7 @@ async def metrics(request: Request) -> Response:
 
 def _log_source(request: Request) -> tuple[str, LogRing]:
     state = _state(request)
-    name = request.query_params.get("model")
+    name = context(request.scope).params.get("model")
     if not name:
         return "router", state.router_log
     runtime = resolve_in_scope(state.supervisor, key_scope_of(request.scope), name)
@@ -453,7 +454,7 @@ def _log_source(request: Request) -> tuple[str, LogRing]:
 async def logs(request: Request) -> Response:
     """Recent log lines: a model's llama-server output, or the router's own without model."""
     _, ring = _log_source(request)
-    raw = request.query_params.get("lines", "100")
+    raw = context(request.scope).params.get("lines", "100")
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):  # "²" is a digit, not ASCII
         raise BadRequest(f"lines must be a whole number from 0 to 999999999, got {raw[:20]!r}")
     lines = ring.tail(int(raw))

@@ -21,6 +21,7 @@ from router.app import create_app
 from router.dashboard import DASHBOARD_PATHS
 from router.metrics import RouterMetrics
 from router.middleware import RequestMetricsMiddleware
+from router.requests import context
 
 # The end of a real llama-server b11434 chat stream: the last event carries the timings.
 STREAM_END = (
@@ -134,10 +135,10 @@ def streaming_app(chunks: list[tuple[float, bytes]], model: str = "alpha",
     """A stand-in for the proxy: names its model and queue time like ``_forward`` does, then
     sends each chunk after advancing the clock by its delay."""
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        request_state = scope.setdefault("state", {})
-        request_state["model"] = model
+        request = context(scope)  # the one RequestMetricsMiddleware made at the edge
+        request.model_id = model
         if queue_s is not None:
-            request_state["queue_s"] = queue_s
+            request.queue_s = queue_s
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for delay, chunk in chunks:

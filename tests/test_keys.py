@@ -33,6 +33,7 @@ from router.keys import (
     parse_file,
     parse_line,
 )
+from router.requests import RequestContext
 from router.routes import EventStream, _conversation_in_scope
 from router.server import build_app, prepare
 from router.settings import ConfigurationError, Settings
@@ -224,7 +225,8 @@ def test_scopes_are_immutable() -> None:
 ])
 def test_needed_roles(method: str, target: str, role: str) -> None:
     path, _, query = target.partition("?")
-    assert needed_role({"method": method, "path": path, "query_string": query.encode()}) == role
+    assert needed_role(RequestContext({"method": method, "path": path, "headers": [],
+                                       "query_string": query.encode()})) == role
 
 
 # --------------------------------------------------------------------------- in process

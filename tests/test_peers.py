@@ -31,6 +31,7 @@ from router.peers import (
     read_peer_key,
 )
 from router.process import free_port
+from router.requests import RequestContext
 from router.server import _check_peers
 from router.settings import ConfigurationError, Settings
 
@@ -149,13 +150,22 @@ def test_where_load_and_unload_go() -> None:
 
 
 def test_request_renamed_for_a_prefixed_peer_and_via() -> None:
-    body, target = _renamed(b'{"model": "a/m", "x": 1}', {"model": "a/m", "x": 1},
+    def context(target: str, *headers: tuple[bytes, bytes]) -> RequestContext:
+        path, _, query = target.partition("?")
+        return RequestContext({"method": "POST", "path": path, "query_string": query.encode(),
+                               "headers": list(headers)})
+
+    chat = context("/v1/chat/completions")
+    body, target = _renamed(b'{"model": "a/m", "x": 1}', {"model": "a/m", "x": 1}, chat,
                             b"/v1/chat/completions", "m")
     assert json.loads(body) == {"model": "m", "x": 1} and target == b"/v1/chat/completions"
-    body, target = _renamed(b"", None, b"/slots?model=a%2Fm&id=1", "m")
+    slots = context("/slots?mod%65l=a%2Fm&id=1")  # the decoded name is the model's
+    body, target = _renamed(b"", None, slots, b"/slots?mod%65l=a%2Fm&id=1", "m")
     assert target == b"/slots?model=m&id=1"
-    scope = {"headers": [(b"x-llama-router-via", b"gw,node-a")]}
-    assert came_through(scope, "node-a") and not came_through(scope, "node")
+    request = context("/", (b"x-llama-router-via", b"gw, node-a"), (b"x-llama-router-via", b"c"))
+    assert request.via == ("gw", "node-a", "c")
+    assert came_through(request, "node-a") and came_through(request, "c")
+    assert not came_through(request, "node")
 
 
 # ----------------------------------------------------------------------------- one peer
