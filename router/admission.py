@@ -29,13 +29,15 @@ from .settings import Settings
 log = logging.getLogger("router.admission")
 
 NEVER_LOADED_S = 1.0  # what a model never loaded yet counts for in a wait estimate
+REPLAN_S = 1.0  # plan again at least this often while queued at the head
 
 
 class Admission:
     def __init__(self, settings: Settings, accounting: Accounting, events: EventBus,
                  changes: Changes, *, memory_budget: int | None, gpu_budgets: dict[str, int],
                  models: Callable[[], Iterable[ModelRuntime]],
-                 evict: Callable[[str], None], drain: Callable[[str, str], None]) -> None:
+                 evict: Callable[[str], None], drain: Callable[[str, str], None],
+                 undrain: Callable[[str], None]) -> None:
         self.settings = settings
         self.memory_budget = memory_budget
         self.gpu_budgets = gpu_budgets
@@ -45,6 +47,7 @@ class Admission:
         self._models = models
         self._evict = evict  # stop this idle model to make room
         self._drain = drain  # (busy model, for whom): take no new requests, stop when idle
+        self._undrain = undrain  # serve again: the load it was drained for left the queue
         self.queue: list[ModelRuntime] = []
 
     def position(self, runtime: ModelRuntime) -> int | None:
@@ -85,6 +88,11 @@ class Admission:
         finally:
             self.queue.remove(runtime)
             runtime.queued_since = None
+            # Admitted or gone (its requests left, an unload): a drain made for it is no
+            # longer needed; the next head drains again if it needs the room.
+            for model in self._models():
+                if model.state.drained_for == runtime.id:
+                    self._undrain(model.id)
             self._changes.notify()
 
     def _plan(self, runtime: ModelRuntime, target_memory: int, since: float) -> float | None:
@@ -108,9 +116,11 @@ class Admission:
             self._evict(victim)
         for busy in plan.drain:
             self._drain(busy, runtime.id)
-        if not plan.evict and not plan.drain:  # nothing to do but let the fairness bound pass
-            return max(self.settings.fairness - waited, 0.0) + 0.01
-        return 0.0
+        if not plan.evict and not plan.drain and waited < self.settings.fairness:
+            return self.settings.fairness - waited + 0.01  # then drain a busy model
+        # Waiting for a stop, a drain or a busy model's last request: each is a change.
+        # Measured memory moves without one, so plan again now and then all the same.
+        return REPLAN_S
 
     def never_fits_message(self, runtime: ModelRuntime) -> str:
         for pool, need in sorted(runtime.estimate_devices.items()):

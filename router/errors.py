@@ -131,6 +131,14 @@ class WaitBudgetExceeded(Unavailable):
     pass
 
 
+class ModelUnloaded(Unavailable):
+    """The model was unloaded (``POST /models/unload``) while the request ran."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model '{model}' was unloaded while this request was running",
+                         headers={"Retry-After": "1"})
+
+
 class ShuttingDown(Unavailable):
     """The router is shutting down: the request came after the first signal, or it was still
     running when the grace period ended (``state.Shutdown``)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import clock
 from .changes import Changes
-from .errors import LoadFailed
+from .errors import LoadFailed, ModelUnloaded
 from .events import EventBus
 from .lifecycle import (
     CancelDownload,
@@ -50,6 +50,7 @@ log = logging.getLogger("router.supervisor")
 
 FAILURE_LOG_LINES = 20
 BACKOFF_CAP_S = 30.0
+UNLOADED = "unloaded"  # the stop reason of POST /models/unload
 
 ModelCallback = Callable[[ModelRuntime], None]
 
@@ -95,6 +96,16 @@ class Executor:
             self.apply(runtime, Stop(reason))
         return runtime.stop_task
 
+    def cancel_download(self, runtime: ModelRuntime) -> asyncio.Task[None] | None:
+        """Stop the model's download (an unload, a reconfiguration, the shutdown): the worker
+        thread sees the flag, the task its cancellation. The task, if one runs."""
+        task = runtime.download_task
+        if task is None or task.done():
+            return None
+        runtime.download_cancel.set()
+        task.cancel()
+        return task
+
     def backoff_left(self, runtime: ModelRuntime) -> float:
         """Seconds until the model may start a child again after its recent failures."""
         return (self._last_failure_at.get(runtime.id, 0.0)
@@ -121,9 +132,7 @@ class Executor:
                 if runtime.load_task is not None:
                     runtime.load_task.cancel()  # waiters start over (``acquire``)
             case CancelDownload():
-                runtime.download_cancel.set()
-                if runtime.download_task is not None:
-                    runtime.download_task.cancel()
+                self.cancel_download(runtime)
             case StartLoad():
                 self._start_load(runtime)
             case Forget():
@@ -136,9 +145,17 @@ class Executor:
                               extra={"event": "crash_loop", "model": runtime.id})
 
     async def _stop_children(self, runtime: ModelRuntime, reason: str) -> None:
+        """Stop every replica. An unload ends the requests in flight first, each with the
+        unload's 503 (``proxy.relay``): the router's connections to the child close, so the
+        child stops generating and exits at once instead of after its stop timeout."""
         timeout = runtime.preset.stop_timeout
         seconds = self.settings.stop_timeout if timeout is None else timeout
         replicas, runtime.replicas = runtime.replicas, []
+        if reason == UNLOADED:
+            ended = ModelUnloaded(runtime.id)
+            for replica in replicas:
+                if replica.in_flight:
+                    replica.child.connections.abort_all(ended)
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.info = None
         runtime.loaded_at = None

@@ -24,7 +24,9 @@ loading     SpawnFailed          unloaded (exit, timeout; cancelled: not a failu
 loaded      Stop                 stopping (stop the children: unload, eviction, TTL,
                                  shutdown)
 loaded      Idle                 stopping if a stop waits for the last request
-loaded      Drain                loaded, draining (no new requests; evicted when idle)
+loaded      Drain                loaded, draining for another model's load: no new
+                                 requests; stopping once idle (at once if idle)
+loaded      Undrain              loaded, serving again: nobody waits for that load now
 loaded      Retire               loaded, draining, stop when idle (stopping if idle)
 loaded      ReplicaExited        loaded (replace it) or, the last one, unloaded
 loaded      ReplicaFailed        loaded (a replacement did not start; counted)
@@ -51,6 +53,7 @@ STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the fai
 class ModelState:
     status: Status = Status.UNLOADED
     draining: bool = False  # loaded, taking no new requests until it stops
+    drained_for: str | None = None  # the model whose load the drain makes room for
     stop_when_idle: str | None = None  # a reason: stop once in-flight requests finish
     removed: bool = False  # gone from the configuration; forgotten once nothing runs
     restart_after_stop: bool = False  # reconfigured while running: load the new one after
@@ -113,7 +116,18 @@ class Idle:
 
 @dataclass(frozen=True, slots=True)
 class Drain:
+    """Make room for another model's load: take no new requests, stop once the requests in
+    flight are done (``idle``: none are, stop now). Requests arriving meanwhile wait for the
+    model's next load, in the admission queue's order."""
+
     waiting_for: str  # the model that needs its room
+    idle: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Undrain:
+    """The load a drain made room for is no longer waited for (its requests left, or it was
+    admitted anyway): serve again. A drain for a reconfiguration is not lifted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +159,7 @@ class Reset:
 
 
 Event = (Download | Downloaded | DownloadFailed | Admitted | Ready | SpawnFailed | Stop
-         | Stopped | Idle | Drain | Retire | ReplicaExited | ReplicaFailed | Reset)
+         | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
 
 
@@ -264,8 +278,8 @@ def _after_run(state: ModelState) -> tuple[ModelState, tuple[Effect, ...]]:
 
 
 def _to_unloaded(state: ModelState, **changes: Any) -> ModelState:
-    return replace(state, status=Status.UNLOADED, draining=False, stop_when_idle=None,
-                   **changes)
+    return replace(state, status=Status.UNLOADED, draining=False, drained_for=None,
+                   stop_when_idle=None, **changes)
 
 
 def _download(s: ModelState, e: Download, limit: int) -> Result:
@@ -328,12 +342,25 @@ def _idle(s: ModelState, e: Idle, limit: int) -> Result:
     return (s, ()) if s.stop_when_idle is None else _stopping(s, s.stop_when_idle)
 
 
+DRAINED = "evicted"  # the reason a drained model stops with
+
+
 def _drain(s: ModelState, e: Drain, limit: int) -> Result:
     if s.draining:
         return s, ()
-    new = replace(s, draining=True)
+    new = replace(s, draining=True, drained_for=e.waiting_for, stop_when_idle=DRAINED)
+    if e.idle:
+        return _stopping(new, DRAINED)
     return new, (Publish("status_change", MappingProxyType({"status": new.status.public,
                                                             "draining": True})),)
+
+
+def _undrain(s: ModelState, e: Undrain, limit: int) -> Result:
+    if s.drained_for is None or s.stop_when_idle != DRAINED:
+        return s, ()  # not drained for a swap, or retiring: the stop stands
+    new = replace(s, draining=False, drained_for=None, stop_when_idle=None)
+    return new, (Publish("status_change", MappingProxyType({"status": new.status.public,
+                                                            "draining": False})),)
 
 
 def _stopped(s: ModelState, e: Stopped, limit: int) -> Result:
@@ -365,8 +392,8 @@ def _retire(s: ModelState, e: Retire, limit: int) -> Result:
     removed = s.removed or e.removed
     status = s.status
     if status is Status.LOADED:
-        new = replace(s, removed=removed, draining=True, stop_when_idle=e.reason,
-                      restart_after_stop=not removed)
+        new = replace(s, removed=removed, draining=True, drained_for=None,
+                      stop_when_idle=e.reason, restart_after_stop=not removed)
         return _stopping(new, e.reason) if e.idle else (new, ())
     if status is Status.UNLOADED:
         new = replace(s, removed=removed)
@@ -397,6 +424,7 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     (OK, Stop): _stop,
     (OK, Idle): _idle,
     (OK, Drain): _drain,
+    (OK, Undrain): _undrain,
     (OK, ReplicaExited): _replica_exited,
     (OK, ReplicaFailed): _replica_failed,
     (S, Stopped): _stopped,
@@ -408,4 +436,5 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
 IGNORED: frozenset[tuple[Status, type]] = frozenset({
     (U, Stop), (D, Stop), (L, Stop), (S, Stop),  # already stopped or stopping; loads cancel
     (U, Idle), (D, Idle), (L, Idle), (S, Idle),  # the last request of a stopped model ended
+    (U, Undrain), (D, Undrain), (L, Undrain), (S, Undrain),  # the drain ended with a stop
 })

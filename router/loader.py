@@ -62,6 +62,8 @@ class Loader:
         if runtime.preset.model_path is None and not remote:  # an hf-repo model to download
             await asyncio.shield(self.start_download(runtime))
         while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
+            if runtime.serving:
+                return  # its drain was lifted: the old child serves the waiters
             await self._changes.wait()
         delay = self._executor.backoff_left(runtime)
         if delay > 0:

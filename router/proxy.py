@@ -19,7 +19,8 @@
   truncated body, never a complete-looking one.
 * When the shutdown grace period ends (``state.Shutdown``), a relay still running is aborted
   the same way, with the shutdown's 503 instead: as the envelope if the response has not
-  started, as the last event of an event stream, or as an aborted body.
+  started, as the last event of an event stream, or as an aborted body. So is a relay to a
+  model being unloaded (``ChildConnections.abort_all(error)``), with the unload's 503.
 """
 
 from __future__ import annotations
@@ -155,13 +156,15 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
                 if shutdown is not None and shutdown.over.is_set():
                     raise shutdown.error() from None
                 return
+            if connections.ended is not None:  # ended on purpose (an unload)
+                raise connections.ended from None
             raise
         if response.status in fail_over:
             response.abort()
             response.release()
             raise FailOver(response.status)
         try:
-            await _relay_response(response, send, cancel, shutdown)
+            await _relay_response(response, send, cancel, shutdown, connections)
         finally:
             response.release()
     finally:
@@ -171,7 +174,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
 
 
 async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel,
-                          shutdown: Shutdown | None = None) -> None:
+                          shutdown: Shutdown | None, connections: ChildConnections) -> None:
     headers = strip_hop_by_hop(response.headers, RESPONSE_DROP)
     is_sse = response.event_stream
     length = response.header(b"content-length")
@@ -183,6 +186,8 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
                 if shutdown is not None and shutdown.over.is_set():
                     raise shutdown.error() from None
                 return
+            if connections.ended is not None:
+                raise connections.ended from None
             raise
         await send({"type": "http.response.start", "status": response.status,
                     "headers": headers})
@@ -202,6 +207,8 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
                 return  # the client went away
             error = shutdown.error()  # the grace period ended
             status, message = error.status, error.message
+        elif connections.ended is not None:  # ended on purpose (an unload)
+            status, message = connections.ended.status, connections.ended.message
         else:
             log.warning("%s", exc, extra={"event": "upstream_broken"})
             status, message = 502, f"the model's llama-server failed mid-stream: {exc}"

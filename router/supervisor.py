@@ -29,12 +29,12 @@ from .cpugate import CpuGate
 from .cpus import machine_cores
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
-from .executor import Executor, consume_exception
+from .executor import UNLOADED, Executor, consume_exception
 from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases
-from .lifecycle import Drain, Idle, Reset, Retire
+from .lifecycle import Drain, Idle, Reset, Retire, Undrain
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
@@ -83,7 +83,8 @@ class Supervisor:
             memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),
             models=self.models.values,
             evict=self._evict,
-            drain=self._drain)
+            drain=self._drain,
+            undrain=self._undrain)
         self.loader = Loader(settings, self.executor, self.spawner, self.admission,
                              self.accounting, events, self.changes)
         self.liveness = Liveness(interval=settings.liveness_interval,
@@ -202,10 +203,11 @@ class Supervisor:
 
     def _cancel_unwanted_load(self, runtime: ModelRuntime) -> None:
         """A load started by requests that nobody waits for any more, and that has not
-        spawned anything yet, is cancelled (it would only evict someone for nothing)."""
+        spawned anything yet (it waits for the model's old child to stop, sits out a backoff
+        or queues for admission), is cancelled: it would only evict someone for nothing."""
         task = runtime.load_task
         if (task is not None and not task.done() and runtime.load_on_demand
-                and runtime.status is Status.UNLOADED):
+                and runtime.status in (Status.UNLOADED, Status.LOADED, Status.STOPPING)):
             log.info("load cancelled: no request waits for it", extra={"model": runtime.id})
             task.cancel()
 
@@ -233,7 +235,14 @@ class Supervisor:
         if not runtime.draining:
             log.info("draining to make room for %s", waiting_for,
                      extra={"event": "drain", "model": runtime.id})
-        self.executor.apply(runtime, Drain(waiting_for))
+        self.executor.apply(runtime, Drain(waiting_for, idle=runtime.in_flight == 0))
+
+    def _undrain(self, model_id: str) -> None:
+        runtime = self.models.get(model_id)
+        if runtime is not None and runtime.state.drained_for is not None:
+            log.info("serving again: no load waits for its room",
+                     extra={"event": "undrain", "model": runtime.id})
+            self.executor.apply(runtime, Undrain())
 
     # ----------------------------------------------------------------- the catalogue
 
@@ -301,14 +310,13 @@ class Supervisor:
         unloaded (``POST /models/unload``)."""
         runtime = self.resolve(name)
         runtime.unloads += 1  # requests waiting for its load end (``acquire``)
-        for task in (runtime.download_task, runtime.load_task):
+        load = runtime.load_task
+        for task in (self.executor.cancel_download(runtime), load):
             if task is not None and not task.done():
-                if task is runtime.download_task:
-                    runtime.download_cancel.set()
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        stop = self.executor.stop(runtime, "unloaded")
+        stop = self.executor.stop(runtime, UNLOADED)
         if stop is not None:
             await asyncio.shield(stop)
         return runtime
@@ -334,8 +342,10 @@ class Supervisor:
             if task is not None:
                 task.cancel()
         await self.cpu_gate.close()  # continue every paused child before stopping them
+        downloads = [self.executor.cancel_download(r) for r in self.models.values()]
         loads = [r.load_task for r in self.models.values()
                  if r.load_task is not None and not r.load_task.done()]
+        loads += [task for task in downloads if task is not None]
         for task in loads:
             task.cancel()
         await asyncio.gather(*loads, return_exceptions=True)

@@ -45,7 +45,7 @@ from typing import cast
 
 import httptools
 
-from .errors import BadRequest, UpstreamError
+from .errors import BadRequest, RouterError, UpstreamError
 
 IDLE_EXPIRY_S = 4.0  # llama-server closes an idle keep-alive connection after 5 s
 DEFAULT_MAX_CONNECTIONS = 14  # per child; the supervisor sets it from --threads-http
@@ -377,6 +377,9 @@ class ChildConnections:
         self._waiters: collections.deque[asyncio.Future[_Connection | None]] = \
             collections.deque()
         self._closed = False
+        # Why every exchange was ended on purpose (``abort_all(error)``): what the requests
+        # that were using it answer instead of a 502.
+        self.ended: RouterError | None = None
         self._warming: set[asyncio.Task[None]] = set()
         self._made: set[_Connection] = set()  # connected and not yet lost, idle or in use
 
@@ -395,6 +398,8 @@ class ChildConnections:
         as itself (``encode_request``). Calling ``cancel`` aborts the exchange, here or later
         while the body is read.
         """
+        if self.ended is not None:
+            raise ConnectionClosed(received_any=False)  # the relay answers ``ended``
         request = encode_request(method, target, self._host_header, headers, body,
                                  close=not keep_alive or self._closed)
         head_only = method == "HEAD"
@@ -429,10 +434,16 @@ class ChildConnections:
         while self._idle:
             self._idle.pop().close()
 
-    def abort_all(self) -> None:
-        """Abort every connection, idle or in use: the server behind them is gone (a remote
-        upstream or peer that stopped answering). A request in flight on one sees its
-        exchange break (a 502, or a stream's error event); the pool stays usable."""
+    def abort_all(self, error: RouterError | None = None) -> None:
+        """Abort every connection, idle or in use. Without ``error``, the server behind them
+        is gone (a remote upstream or peer that stopped answering): a request in flight on
+        one sees its exchange break (a 502, or a stream's error event) and the pool stays
+        usable. With ``error``, the router ends them on purpose (the model was unloaded):
+        every request on it, in flight or still to send, answers ``error`` instead
+        (``proxy.relay``), and the pool is done."""
+        if error is not None:
+            self.ended = error
+            self._closed = True
         for conn in list(self._made):
             conn.abort()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,13 @@ NEXT_STATUS = {
     "loading": {"loaded", "unloaded"},
     "loaded": {"loaded", "unloaded"},
 }
+
+
+@functools.cache
+def base_settings() -> Settings:
+    """Validated once (reading the environment is most of a schedule's cost otherwise); each
+    schedule copies it with its own values, which are valid by construction."""
+    return Settings(cpu_sharing=False)
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,8 @@ class FakePool:
         self.open_connections = 0
 
     def abort_all(self, error: RouterError | None = None) -> None:
-        self._child.break_requests(error.message if error is not None else "aborted")
+        self._child.break_requests("crashed" if error is None
+                                   else f"{error.status} {type(error).__name__}")
 
     async def aclose(self) -> None:
         pass
@@ -192,6 +201,9 @@ class FakeChild:
         exits only once they are over, else is killed after ``timeout``."""
         if self._exit.done():
             return self._exit.result()
+        if self.serving and not self.broken.done():
+            self.sim.violate(f"a child of {self.model_id} was stopped under {self.serving} "
+                             "requests in flight that nobody ended")
         if (self.serving and not self.broken.done()) or self.frozen:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.broken), timeout)
@@ -302,13 +314,13 @@ class Simulation:
 
     def build(self) -> Supervisor:
         c = self.cfg
-        settings = Settings(
+        settings = base_settings().model_copy(update=dict(
             models_max=c.models_max, fairness=c.fairness, wait_budget=c.wait_budget,
             stop_timeout=c.stop_timeout, load_timeout=c.load_timeout,
             memory_budget=str(c.memory_budget) if c.memory_budget is not None else "off",
             liveness_interval=2.0 if c.liveness else 0.0, liveness_timeout=1.0,
             liveness_misses=2, idle_timeout=c.ttl, cpu_sharing=False, max_queue=1000,
-            crash_loop_limit=4, shutdown_grace=5.0)
+            crash_loop_limit=4, shutdown_grace=5.0))
         presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf"}),
                                   replicas=c.replicas[m]) for m in c.models}
         sup = Supervisor(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
@@ -369,8 +381,10 @@ class Simulation:
                 steps.append((at, lambda m=model: self.load(m)))  # type: ignore[misc]
             elif kind < 0.86:
                 steps.append((at, lambda m=model: self.unload(m)))  # type: ignore[misc]
-            elif kind < 0.93:
+            elif kind < 0.90:
                 steps.append((at, lambda m=model: self.crash(m)))  # type: ignore[misc]
+            elif kind < 0.95:
+                steps.append((at, lambda m=model: self.reconfigure(m)))  # type: ignore[misc]
             else:
                 steps.append((at, lambda m=model: self.freeze(m)))  # type: ignore[misc]
         steps.sort(key=lambda s: s[0])
@@ -419,6 +433,9 @@ class Simulation:
         deadline = clock.now() + SETTLE_S
         while self._tasks and clock.now() < deadline:
             await asyncio.wait(set(self._tasks), timeout=deadline - clock.now())
+        while clock.now() < deadline and any(
+                m.status in (Status.LOADING, Status.STOPPING) for m in self.sup.models.values()):
+            await self.sup.changes.wait(1.0)
         pending = [r for r in self.requests if r.ended is None]
         if pending:
             self.violate(f"requests never answered: {[(r.id, r.model) for r in pending]}")
@@ -509,6 +526,20 @@ class Simulation:
             child = cast(FakeChild, self.rng.choice(runtime.replicas).child)
             self.log(f"crash {model}")
             child.exit(1)
+
+    def reconfigure(self, model: str) -> None:
+        """A reload that changes the model's llama-server arguments: it restarts once idle."""
+        sup = self.sup
+        presets = dict(sup.catalogue.models)
+        old = presets[model]
+        context = str(self.rng.choice((1024, 2048, 4096)))
+        presets[model] = ModelPreset(model, MappingProxyType({**old.args, "ctx-size": context}),
+                                     replicas=old.replicas)
+        self.log(f"reconfigure {model} ctx-size {context}")
+        sup.reconfigure(Catalogue(presets))
+        runtime = sup.models[model]
+        runtime.estimate = MEMORY_UNIT * self.cfg.sizes[model] * old.replicas
+        sup.accounting._estimated.add(model)
 
     def freeze(self, model: str) -> None:
         runtime = self.sup.models.get(model)

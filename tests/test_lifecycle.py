@@ -39,6 +39,7 @@ from router.lifecycle import (
     Stop,
     StopChildren,
     Stopped,
+    Undrain,
     transition,
 )
 from router.scheduler import Status
@@ -51,7 +52,7 @@ LIMIT = 3
 SAMPLES: dict[type, Event] = {
     Download: Download(), Downloaded: Downloaded(), DownloadFailed: DownloadFailed(),
     Admitted: Admitted(), Ready: Ready(), SpawnFailed: SpawnFailed(1), Stop: Stop("unloaded"),
-    Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"),
+    Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"), Undrain: Undrain(),
     Retire: Retire("reconfigured", removed=False, idle=True),
     ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
     Reset: Reset(),
@@ -62,11 +63,12 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     (U, Download): D, (D, Downloaded): U, (D, DownloadFailed): U,
     (U, Admitted): L, (L, Ready): OK, (L, SpawnFailed): U,
     (OK, Stop): S, (S, Stopped): U, (OK, ReplicaExited): U, (OK, ReplicaFailed): OK,
-    (OK, Idle): OK, (OK, Drain): OK,
+    (OK, Idle): OK, (OK, Drain): OK, (OK, Undrain): OK,
     (U, Retire): U, (D, Retire): D, (L, Retire): L, (OK, Retire): S, (S, Retire): S,
     **{(status, Reset): status for status in Status},
     **{(status, Stop): None for status in (U, D, L, S)},
     **{(status, Idle): None for status in (U, D, L, S)},
+    **{(status, Undrain): None for status in (U, D, L, S)},
 }
 
 
@@ -225,6 +227,41 @@ def test_a_drain_publishes_once() -> None:
     assert state.draining
     assert published(effects) == [("status_change", {"status": "loaded", "draining": True})]
     assert run(state, Drain("third")) == (state, ())
+
+
+def test_a_drain_stops_the_model_once_idle() -> None:
+    state, _ = run(OK, Drain("other"))
+    assert state.drained_for == "other" and state.stop_when_idle == "evicted"
+    state, effects = run(state, Idle())
+    assert state.status is S and StopChildren("evicted") in effects
+
+
+def test_a_drain_of_an_idle_model_stops_it_at_once() -> None:
+    state, effects = run(OK, Drain("other", idle=True))
+    assert state.status is S and StopChildren("evicted") in effects
+
+
+def test_undrain_lifts_a_drain_for_a_swap() -> None:
+    drained, _ = run(OK, Drain("other"))
+    state, effects = run(drained, Undrain())
+    assert state == ModelState(OK)
+    assert published(effects) == [("status_change", {"status": "loaded", "draining": False})]
+    assert run(state, Idle()) == (state, ())  # serving again: the last request stops nothing
+
+
+def test_undrain_leaves_a_reconfiguration_alone() -> None:
+    drained, _ = run(OK, Drain("other"))
+    retiring, _ = run(drained, Retire("reconfigured", removed=False, idle=False))
+    assert run(retiring, Undrain()) == (retiring, ())
+    state, effects = run(retiring, Idle())
+    assert state.status is S and StopChildren("reconfigured") in effects
+
+
+def test_a_stop_ends_the_drain() -> None:
+    drained, _ = run(OK, Drain("other"))
+    stopping, _ = run(drained, Idle())
+    state, _ = run(stopping, Stopped(clean=True))
+    assert not state.draining and state.drained_for is None and state.stop_when_idle is None
 
 
 def test_idle_stops_a_model_that_waits_for_it() -> None:
