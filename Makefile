@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 MODELS := build/models
 
-.PHONY: all venv smollm2 llama-server demo-models run test test-fast lint format bench clean
+.PHONY: all venv smollm2 llama-server demo-models run test test-fast simulate lint format bench clean
 
 all: test
 
@@ -58,6 +58,12 @@ test: lint llama-server smollm2
 # Tests that start one are marked real, fake or process (docs/development.md#test-tiers).
 test-fast: venv
 	$(BIN)/python -m pytest -m 'not real and not fake and not process'
+
+# The scheduler simulation's long mode: SCHEDULES random schedules (from a random first seed,
+# printed; SEED=N to choose it), every failing seed printed with what it broke.
+SCHEDULES ?= 200000
+simulate: venv
+	$(BIN)/python tests/simulation.py --schedules $(SCHEDULES) $(if $(SEED),--seed $(SEED))
 
 # Direct llama-server vs llama.cpp's router vs llama-router on this machine (docs/benchmarks.md).
 # Uses wrk for the throughput phase when installed (apt-get install wrk).
