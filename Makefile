@@ -54,7 +54,7 @@ format: venv
 test: lint llama-server smollm2
 	$(BIN)/python -m pytest --cov --cov-report=term-missing:skip-covered
 
-# The in-process tier only (under a minute on 2 cores): every test that starts no process at all.
+# The in-process tier only (under two minutes on 2 cores): the tests that start no process.
 # Tests that start one are marked real, fake or process (docs/development.md#test-tiers).
 test-fast: venv
 	$(BIN)/python -m pytest -m 'not real and not fake and not process'

@@ -82,8 +82,8 @@ class UnmarkedProcessError(RuntimeError):
 def _refusal(item: pytest.Item, what: str) -> str:
     return (f"{item.nodeid} started a process ({what}) without a process marker: mark it "
             "`@pytest.mark.process` (or `pytestmark = pytest.mark.process` for the whole file); "
-            "`real` if that process is the real llama-server, `fake` if it is "
-            "tests/fake_llama_server.py or tests/fake_hub.py (docs/development.md#test-tiers)")
+            "`real` if that process is (or starts) the real llama-server, `fake` if it is (or "
+            "starts) tests/fake_llama_server.py (docs/development.md#test-tiers)")
 
 
 @contextmanager
