@@ -150,7 +150,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     budget = _budget(request)  # the supervisor caps it by the model's own wait budget
     key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
     peers = state.peers
-    holders = peers.holders(model) if peers is not None and peers.peers else None
+    # The peers holding the model, except those the request passed through (its via chain).
+    holders = peers.holders(model, request.via) if peers is not None and peers.peers else None
     if holders:  # on other nodes too (``nodes``)
         local = local_model(sup, key_scope, model)
         request.model_id = model if local is None else local.preset.id
@@ -162,7 +163,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
             else resolve_in_scope(sup, key_scope, model)
     except ModelNotFound:
         if peers is not None:
-            raise_if_elsewhere(peers, model)
+            raise_if_elsewhere(peers, model, request)
         raise
     request.model_id = runtime.preset.id
     autoload = _autoload(request.params, sup.settings.models_autoload)

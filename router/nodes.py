@@ -7,11 +7,12 @@ router when it has the model too) are tried in ``peers.rank`` order:
 * this router's turn: ``serve_across_nodes`` returns False and ``forward`` serves the request
   as any other (lease, child);
 * a peer's turn: the request goes to it as the client sent it, with the peer key and the
-  ``x-llama-router-via`` header (the nodes it passed through; a request that comes back to a
-  node it passed is served there, never sent round again). If the peer cannot be reached, it
-  is marked down at once; if it cannot be reached or answers 502, 503 or 504 and another node
-  is left, the request goes to the next node: nothing has been sent to the client yet. The
-  last node's answer is the client's, whatever it is.
+  ``x-llama-router-via`` header (the instance ids of the routers it passed through). A router
+  never sends a request to a router in its via chain, and one that finds itself there serves
+  it itself or refuses it (409 envelope): nothing goes round a loop. If the peer cannot be
+  reached, it is marked down at once; if it cannot be reached or answers 502, 503 or 504 and
+  another node is left, the request goes to the next node: nothing has been sent to the
+  client yet. The last node's answer is the client's, whatever it is.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ import logging
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
 from starlette.types import Receive, Scope, Send
 
 from .affinity import PrefixTable, request_keys
-from .errors import BadRequest, ModelNotFound, Unavailable, UpstreamError, envelope
+from .errors import (
+    BadRequest,
+    ModelNotFound,
+    RouterError,
+    Unavailable,
+    UpstreamError,
+    envelope,
+)
 from .keys import Forbidden, KeyScope, resolve_in_scope
 from .peers import (
+    ADMIN_DEADLINE_S,
     FAIL_OVER_STATUSES,
     LOADING,
+    MAX_ANSWER_BYTES,
     Candidate,
     Peer,
     Peers,
@@ -44,13 +53,41 @@ from .runtime import ModelRuntime
 from .scheduler import Status
 from .state import State
 from .supervisor import Supervisor
+from .upstream import Cancel
 
 log = logging.getLogger("router.nodes")
 
 
-def came_through(request: RequestContext, node: str) -> bool:
-    """Whether the request passed through this node already (``x-llama-router-via``)."""
-    return node in request.via
+class NoAnswer(UpstreamError):
+    """A peer took longer than the deadline of the router's own call to it."""
+
+
+class AlreadyRelayed(RouterError):
+    """The request passed through this router already (its via chain names it), or only
+    routers it passed through hold its model: it is never relayed again."""
+
+    status = 409
+    type = "invalid_request_error"
+
+
+def came_through(request: RequestContext, instance: str) -> bool:
+    """Whether the request passed through the router ``instance`` already
+    (``x-llama-router-via``)."""
+    return instance in request.via
+
+
+def loop_error(request: RequestContext, peers: Peers, what: str) -> AlreadyRelayed:
+    """The refusal of a request that came back, or whose model only routers it passed
+    through hold."""
+    if came_through(request, peers.instance):
+        return AlreadyRelayed(
+            f"{what} passed through this router ({peers.node}, instance {peers.instance}) "
+            "already (x-llama-router-via names it): a router relays a request at most once, "
+            "so that peers which front each other never send it round. A client must not "
+            "set x-llama-router-via")
+    return AlreadyRelayed(f"{what} is for nodes it passed through already "
+                          f"(x-llama-router-via: {', '.join(request.via)[:200]}); it is not "
+                          "sent back there")
 
 
 def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
@@ -65,9 +102,13 @@ def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
         return None
 
 
-def raise_if_elsewhere(peers: Peers, model: str) -> None:
-    """A 503 naming the nodes when only peers that are down list ``model``."""
+def raise_if_elsewhere(peers: Peers, model: str, request: RequestContext) -> None:
+    """A 503 naming the nodes when only peers that are down list ``model``; a 409 when
+    the request came back, or only nodes it passed through hold the model."""
     holders = peers.listing().get(model)
+    if came_through(request, peers.instance) or (
+            holders and any(p.up and p.via in request.via for p in holders)):
+        raise loop_error(request, peers, f"the request for model '{model}'")
     if holders:
         reasons = "; ".join(f"node {p.node}: {p.reason or 'not answering'}" for p in holders)
         raise Unavailable(f"model '{model}' is on nodes that are not answering ({reasons})",
@@ -93,8 +134,8 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
     ``proxy.relay`` for the last node tried."""
     peers = state.peers
     assert peers is not None and request.model is not None and request.body is not None
-    if came_through(request, state.node):
-        return False  # it came back: served here, never sent round again
+    if came_through(request, peers.instance):
+        return False  # it came back: served here or refused, never sent round again
     model, body, parsed = request.model, request.body, request.parsed
     order = candidates(holders, model, local, state.node)
     keys = request_keys(parsed) if parsed is not None else ()
@@ -131,7 +172,7 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
                          fail_over: frozenset[int]) -> None:
     headers = [(k, v) for k, v in upstream_headers(scope["headers"]) if k.lower() != VIA_HEADER]
     headers += peer.auth
-    headers.append(via_header(request, state.node))
+    headers.append(via_header(request, peers_of(state).instance))
     if peer_model != model:  # --peer-prefix: the peer knows the model by its own id
         body, target = _renamed(body, parsed, request, target, peer_model)
     request.node = peer.node
@@ -152,11 +193,55 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
         peer.outstanding[model] -= 1
 
 
-def via_header(request: RequestContext | None, node: str) -> tuple[bytes, bytes]:
-    """The ``x-llama-router-via`` header a request leaving this node carries: the chain it
-    came with, and this node."""
-    chain = (*request.via, node) if request is not None else (node,)
+def peers_of(state: State) -> Peers:
+    assert state.peers is not None
+    return state.peers
+
+
+def via_header(request: RequestContext | None, instance: str) -> tuple[bytes, bytes]:
+    """The ``x-llama-router-via`` header a request leaving this router carries: the chain
+    it came with, and this router's instance id."""
+    chain = (*request.via, instance) if request is not None else (instance,)
     return VIA_HEADER, ",".join(chain).encode("latin-1")
+
+
+async def ask_peer(peer: Peer, method: str, target: bytes, body: bytes,
+                   request: RequestContext | None, instance: str, deadline: float
+                   ) -> tuple[int, bytes]:
+    """The router's own call to a peer (admin fan-out, scrapes): the same hop as proxying
+    (the peer's pool, its key, the via chain, its connect deadline, the peer's abort when it
+    stops answering), with a deadline for the whole answer and a bounded read. Raises
+    ``UpstreamError`` when the peer cannot be reached or does not answer in time."""
+    headers = [(b"content-type", b"application/json"), *peer.auth,
+               via_header(request, instance)]
+    cancel = Cancel()
+    peer.calls.add(cancel)
+    try:
+        async with asyncio.timeout(deadline):
+            response = await peer.connections.send(method, target, headers, body,
+                                                   cancel=cancel)
+            try:
+                parts, size = [], 0
+                while (chunk := await response.next_chunk()) is not None:
+                    size += len(chunk)
+                    if size > MAX_ANSWER_BYTES:
+                        response.abort()
+                        raise UpstreamError(f"node {peer.node} answered more than "
+                                            f"{MAX_ANSWER_BYTES} bytes")
+                    parts.append(chunk)
+            finally:
+                response.release()
+    except TimeoutError:
+        raise NoAnswer(f"node {peer.node} ({peer.url}) did not answer within "
+                       f"{deadline:g} s") from None
+    except UpstreamError as exc:
+        if cancel.cancelled:
+            raise UpstreamError(f"node {peer.node} ({peer.url}) stopped answering: "
+                                f"{peer.reason}") from exc
+        raise
+    finally:
+        peer.calls.discard(cancel)
+    return response.status, b"".join(parts)
 
 
 def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext,
@@ -176,17 +261,18 @@ def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext
 
 def merged_listing(local: list[dict[str, Any]], peers: Peers, node: str,
                    key_scope: KeyScope | None) -> list[dict[str, Any]]:
-    """``/models`` with peers: this router's entries (with ``node``), merged with the same
-    models on peers, then the models only peers list (those the key may see)."""
+    """``/models`` with peers: this router's entries (with ``node`` and ``instance``), merged
+    with the same models on peers, then the models only peers list (those the key may
+    see)."""
     listing = peers.listing()
     merged = []
     for entry in local:
         holders = listing.pop(entry["id"], None)
-        merged.append(merge_entries(entry["id"], holders, entry, node) if holders
-                      else {**entry, "node": node})
+        merged.append(merge_entries(entry["id"], holders, entry, node, peers.instance)
+                      if holders else {**entry, "node": node, "instance": peers.instance})
     for model_id, holders in listing.items():
         if key_scope is None or key_scope.allows(model_id):
-            merged.append(merge_entries(model_id, holders, None, node))
+            merged.append(merge_entries(model_id, holders, None, node, peers.instance))
     return merged
 
 
@@ -213,22 +299,29 @@ def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
     return {**event, "data": {**data, "status": best, "node_status": data["status"]}}
 
 
-async def scrape_peers(peers: Peers) -> list[tuple[dict[str, str], str]]:
-    """Each peer's ``/metrics`` that answered, with its ``node`` label."""
+async def scrape_peers(peers: Peers, request: RequestContext
+                       ) -> list[tuple[dict[str, str], str]]:
+    """Each peer's ``/metrics`` that answered, with its ``node`` label; none of those the
+    scrape passed through (peers that front each other scrape each other once), and none at
+    all when it came back here."""
     async def scrape(peer: Peer) -> tuple[dict[str, str], str] | None:
         try:
-            response = await peer.client.get(f"{peer.url}/metrics", timeout=peer.timeout,
-                                             headers=peer.probe_headers)
-        except httpx.HTTPError:
+            status, text = await ask_peer(peer, "GET", b"/metrics", b"", request,
+                                          peers.instance, peer.timeout)
+        except UpstreamError:
             return None
-        return ({"node": peer.node}, response.text) if response.status_code == 200 else None
+        return ({"node": peer.node}, text.decode("utf-8", "replace")) if status == 200 \
+            else None
 
-    up = [peer for peer in peers.peers.values() if peer.up]
+    if came_through(request, peers.instance):
+        return []
+    up = [peer for peer in peers.peers.values() if peer.up and peer.via not in request.via]
     return [found for found in await asyncio.gather(*(scrape(p) for p in up)) if found]
 
 
 def admin_targets(holders: list[Peer], model: str, local: ModelRuntime | None, node: str,
                   asked: str | None, action: str) -> list[Peer | None]:
+    # ``holders``: the peers that list the model, less those the request passed through.
     """Where ``POST /models/load|unload`` goes (None: this router).
 
     ``"node"`` in the body names one node. Otherwise a load goes to this router if it has the
@@ -253,22 +346,24 @@ def admin_targets(holders: list[Peer], model: str, local: ModelRuntime | None, n
     return list(running) or [holders[0]]
 
 
-async def forward_admin(peer: Peer, path: str, payload: dict[str, Any], model: str
-                        ) -> tuple[int, dict[str, Any]]:
-    """``POST path`` with ``payload`` (its model renamed to the peer's id) to ``peer``; its
-    status and JSON answer, or a 502 envelope when it cannot be reached."""
+async def forward_admin(peer: Peer, path: str, payload: dict[str, Any], model: str,
+                        request: RequestContext, instance: str,
+                        deadline: float = ADMIN_DEADLINE_S) -> tuple[int, dict[str, Any]]:
+    """``POST path`` with ``payload`` (its model renamed to the peer's id) to ``peer``
+    (``ask_peer``: the via chain, deadlines); its status and JSON answer, or a 502 envelope
+    when it cannot be reached or does not answer in time."""
     body = {**payload, "model": peer.peer_ids.get(model, model)}
     body.pop("node", None)
     try:
-        response = await peer.client.post(f"{peer.url}{path}", json=body,
-                                          timeout=httpx.Timeout(None, connect=peer.timeout),
-                                          headers=peer.probe_headers)
-        answer = response.json()
-    except httpx.HTTPError as exc:
-        peer.unreachable(str(exc) or type(exc).__name__)
+        status, raw = await ask_peer(peer, "POST", path.encode(), json.dumps(body).encode(),
+                                     request, instance, deadline)
+    except UpstreamError as exc:
+        if not isinstance(exc, NoAnswer):  # a slow peer is the probes' to judge
+            peer.unreachable(exc.message)
         return 502, envelope(502, f"node {peer.node} ({peer.url}) could not be reached: "
-                                  f"{exc or type(exc).__name__}")
+                                  f"{exc.message}")
+    try:
+        answer = json.loads(raw)
     except ValueError:
-        return 502, envelope(502, f"node {peer.node} answered {response.status_code} without "
-                                  "JSON")
-    return response.status_code, answer if isinstance(answer, dict) else {"answer": answer}
+        return 502, envelope(502, f"node {peer.node} answered {status} without JSON")
+    return status, answer if isinstance(answer, dict) else {"answer": answer}

@@ -32,9 +32,10 @@ import contextlib
 import copy
 import json
 import logging
+import secrets
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,14 @@ FAIL_OVER_STATUSES = frozenset({502, 503, 504})
 NODE_SLOTS = 4
 _EMPTY = PrefixTable(0)
 LOADED, LOADING = "loaded", "loading"
+ADMIN_DEADLINE_S = 60.0  # a load or unload on a peer (an unload waits for its children to stop)
+MAX_ANSWER_BYTES = 64 << 20  # the most a peer's answer to the router itself may hold
+
+
+def new_instance_id() -> str:
+    """This router's instance id: random, made at start. It decides "is this peer myself"
+    and makes up the via chain; the node name is only a label."""
+    return secrets.token_hex(8)
 
 
 class PeerError(ValueError):
@@ -136,29 +145,37 @@ class Peer:
     """One peer router at ``url`` (``http://host:port``)."""
 
     def __init__(self, url: str, *, client: httpx.AsyncClient, events: EventBus,
-                 own_node: str, api_key: str | None = None, prefix: bool = False,
-                 interval: float = 2.0, timeout: float = 3.0, misses: int = 3) -> None:
+                 own_node: str, own_instance: str = "", api_key: str | None = None,
+                 prefix: bool = False, interval: float = 2.0, timeout: float = 3.0,
+                 misses: int = 3, label: Callable[[Peer, str], str] | None = None) -> None:
         parts = urlsplit(url)
         assert parts.hostname is not None
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or 80
-        self.node = f"{parts.hostname}:{self.port}"  # until its /health names it
+        self.node = f"{parts.hostname}:{self.port}"  # its label: until its /props names it
+        self.name = ""  # the node name its /props gives (a label may add its address)
+        self.instance = ""  # its instance id, from its /props (a llama.cpp router: none)
         self.client = client
         self.events = events
         self.own_node = own_node
+        self.own_instance = own_instance or new_instance_id()
+        self._label = label
         self.prefix = prefix
         self.interval = max(interval, 0.2)
         self.timeout = timeout
         self.misses = misses
         self.up = False
-        self.is_self = False  # its /props names this router (found by DNS): never used
+        self.is_self = False  # its /props gives this router's instance id: never used
         self.reason = "not reached yet"
         # This router's id of each model the peer lists -> the peer's entry (node set).
         self.models: dict[str, dict[str, Any]] = {}
         self.peer_ids: dict[str, str] = {}  # this router's id -> the peer's id
         self.outstanding: dict[str, int] = {}  # requests in flight to it, by model id
         self.connections = ChildConnections(self.host, self.port, PEER_MAX_CONNECTIONS)
+        # The router's own calls to it in progress (``nodes.ask_peer``): each ends when it is
+        # found frozen, even one the pool would retry on a fresh connection.
+        self.calls: set[Callable[[], None]] = set()
         self.auth: list[tuple[bytes, bytes]] = []
         # With the probes and the router's own requests to it (never logged).
         self.probe_headers = {"connection": "close"}
@@ -239,20 +256,37 @@ class Peer:
             return problem, problem == no_answer(self.timeout)
         if status != 200:
             return f"/health answered {status}", False
-        return ("it is this router" if self.is_self else None), False
+        return (self.reason if self.is_self else None), False
+
+    @property
+    def via(self) -> str:
+        """What stands for this peer in a via chain: its instance id (its address for a
+        llama.cpp router, which has none)."""
+        return self.instance or self.url
 
     async def _learn_node(self) -> None:
-        """The peer's node name, from its ``/props`` (a llama.cpp router has none: its
-        address stays its name)."""
+        """The peer's instance id and node name, from its ``/props`` (a llama.cpp router has
+        neither: its address stays its name). The instance id decides whether it is this
+        router; the name is a label, made distinct (``NAME@host:port``) when another node
+        has it too."""
         with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
             response = await self.client.get(f"{self.url}/props", timeout=self.timeout,
                                              headers=self.probe_headers)
-            node = response.json().get("llama_router", {}).get("node")
+            info = response.json().get("llama_router", {})
+            node, instance = info.get("node"), info.get("instance")
+            if isinstance(instance, str) and instance:
+                self.instance = instance
             if isinstance(node, str) and node:
-                self.node = node
-        if self.node == self.own_node:
-            self.is_self = True  # --peer-dns found this router itself
-            log.info("peer %s is this router; ignored", self.url)
+                self.name = node
+        if self.instance and self.instance == self.own_instance:
+            if not self.is_self:  # --peer-dns (or --peer) found this router itself
+                log.warning("peer %s is this router (instance %s); not used", self.url,
+                            self.instance, extra={"event": "peer_is_self"})
+            self.is_self = True
+            self.reason = f"it is this router (instance {self.instance})"
+            return
+        if self.name:
+            self.node = self._label(self, self.name) if self._label is not None else self.name
 
     async def _come_up(self) -> None:
         try:
@@ -286,6 +320,8 @@ class Peer:
         if self._follower is not None:
             self._follower.cancel()
         if abort:
+            for cancel in list(self.calls):
+                cancel()
             self.connections.abort_all()
         log.warning("peer %s is down: %s", self.node, reason, extra={"event": "peer_down"})
         self.events.publish_payload({"model": "*", "event": "peer_down", "node": self.node,
@@ -312,7 +348,9 @@ class Peer:
                 continue
             peer_id = entry["id"]
             local = self.local_id(peer_id)
-            entry = copy.deepcopy(entry)
+            entry = _foreign(copy.deepcopy(entry), self.own_instance)
+            if entry is None:
+                continue  # this router's own model, listed back by a peer that fronts it
             entry.setdefault("node", self.node)
             entry["id"] = local
             models[local] = entry
@@ -353,8 +391,14 @@ class Peer:
                             self._apply(json.loads(line[5:]))
 
     def _apply(self, event: Any) -> None:
-        """One of the peer's events: update the model table and relay it, with its node."""
+        """One of the peer's events: update the model table and relay it, with its node and
+        the via chain (``"via"``: the instance ids it came through). An event that came
+        through this router already (routers that front each other) is dropped."""
         if not isinstance(event, dict) or not isinstance(event.get("model"), str):
+            return
+        via = event.get("via")
+        via = [v for v in via if isinstance(v, str)] if isinstance(via, list) else []
+        if self.own_instance in via:
             return
         peer_id = event["model"]
         if peer_id == "*":
@@ -373,7 +417,8 @@ class Peer:
             else:
                 entry["status"] = {"value": data["status"]}
         self.events.publish_payload({**event, "model": model_id,
-                                     "node": event.get("node", self.node)})
+                                     "node": event.get("node", self.node),
+                                     "via": [*via, self.via]})
 
     def _import_soon(self) -> None:
         if self._resync is None or self._resync.done():
@@ -402,10 +447,12 @@ class Peers:
     def __init__(self, *, client: httpx.AsyncClient, events: EventBus, own_node: str,
                  static: Iterable[str] = (), dns: Iterable[str] = (),
                  dns_interval: float = 10.0, api_key: str | None = None, prefix: bool = False,
-                 interval: float = 2.0, timeout: float = 3.0, misses: int = 3) -> None:
+                 interval: float = 2.0, timeout: float = 3.0, misses: int = 3,
+                 instance: str | None = None) -> None:
         self.client = client
         self.events = events
-        self.node = own_node
+        self.node = own_node  # this router's label
+        self.instance = instance or new_instance_id()  # this router's identity
         self.static = [peer_url(url) for url in static]
         self.dns = [dns_target(spec) for spec in dns]
         self.dns_interval = dns_interval
@@ -445,6 +492,7 @@ class Peers:
             self._sources.setdefault(url, set()).add(source)
             if url not in self.peers:
                 peer = Peer(url, client=self.client, events=self.events, own_node=self.node,
+                            own_instance=self.instance, label=self._label,
                             **self._options)  # type: ignore[arg-type]
                 self.peers[url] = peer
                 log.info("peer %s added (%s)", url, source, extra={"event": "peer_added"})
@@ -492,11 +540,28 @@ class Peers:
                 self.sync(source, urls)
             await asyncio.sleep(self.dns_interval)
 
+    def _label(self, peer: Peer, name: str) -> str:
+        """The label of ``peer``, whose node name is ``name``: the name, or ``NAME@host:port``
+        when this router or another peer has that name too (two routers on one machine
+        both default to its host name): never two nodes with one label."""
+        taken = {self.node} | {p.node for p in self.peers.values() if p is not peer
+                               and not p.is_self}
+        if name not in taken:
+            return name
+        label = f"{name}@{peer.host}:{peer.port}"
+        if peer.node != label:
+            log.warning("peer %s has the node name %r of another node; labelled %r "
+                        "(set --node-name on each router)", peer.url, name, label,
+                        extra={"event": "peer_name_taken"})
+        return label
+
     # ----------------------------------------------------------------- lookups
 
-    def holders(self, model_id: str) -> list[Peer]:
-        """The peers that are up and list ``model_id``."""
-        return [p for p in self.peers.values() if p.up and model_id in p.models]
+    def holders(self, model_id: str, passed: tuple[str, ...] = ()) -> list[Peer]:
+        """The peers that are up and list ``model_id``, except those a request passed
+        through already (``passed``: its via chain)."""
+        return [p for p in self.peers.values() if p.up and model_id in p.models
+                and p.via not in passed]
 
     def listing(self) -> dict[str, list[Peer]]:
         """Every model id any peer lists (up or not) -> those peers."""
@@ -509,22 +574,53 @@ class Peers:
         return found
 
     def describe(self) -> list[dict[str, Any]]:
-        """The peers for ``/props`` and the dashboard."""
-        return [{"url": p.url, "node": p.node, "up": p.up, "models": len(p.models),
+        """The peers for ``/props`` and the dashboard (one that is this router too, with
+        ``"self": true`` and the reason it is not used)."""
+        return [{"url": p.url, "node": p.node, "instance": p.instance, "up": p.up,
+                 "models": len(p.models),
+                 **({"self": True} if p.is_self else {}),
                  **({"reason": p.reason} if not p.up and p.reason else {})}
-                for p in self.peers.values() if not p.is_self]
+                for p in self.peers.values()]
+
+    def skipped(self) -> list[dict[str, str]]:
+        """The peers that are this router itself, with the reason (``/models``)."""
+        return [{"url": p.url, "reason": p.reason} for p in self.peers.values() if p.is_self]
+
+
+def _foreign(entry: dict[str, Any], own_instance: str) -> dict[str, Any] | None:
+    """A peer's ``/models`` entry without this router's own node (a peer that fronts this
+    router lists its models back); None when nothing else is left. The status is then the
+    best of the nodes left."""
+    nodes = entry.get("nodes")
+    if isinstance(nodes, list):
+        kept = [n for n in nodes if not (isinstance(n, dict)
+                                          and n.get("instance") == own_instance)]
+        if not kept:
+            return None
+        if len(kept) < len(nodes):
+            entry["nodes"] = kept
+            values = [n.get("status") for n in kept
+                      if isinstance(n, dict) and not n.get("unavailable")]
+            status = entry.get("status")
+            if isinstance(status, dict):
+                status["value"] = LOADED if LOADED in values else LOADING if LOADING in values \
+                    else next((v for v in values if isinstance(v, str)), "unloaded")
+        return entry
+    return None if entry.get("instance") == own_instance else entry
 
 
 def merge_entries(model_id: str, peers: list[Peer], local: dict[str, Any] | None,
-                  own_node: str) -> dict[str, Any]:
+                  own_node: str, own_instance: str = "") -> dict[str, Any]:
     """The one ``/models`` entry for a model that ``peers`` (and maybe this router, whose
     entry is ``local``) list: the local entry or the first available peer's, with ``node``
     (where it is) or ``nodes`` (each node and its status) and the best status of all."""
     nodes: list[dict[str, Any]] = []
     if local is not None:
-        nodes.append({"node": own_node, "status": local["status"]["value"]})
+        nodes.append({"node": own_node, "instance": own_instance,
+                      "status": local["status"]["value"]})
     for peer in peers:
-        nodes.append({"node": peer.node, "status": peer.status_of(model_id),
+        nodes.append({"node": peer.node, "instance": peer.instance,
+                      "status": peer.status_of(model_id),
                       **({} if peer.up else {"unavailable": True, "message": peer.reason})})
     available = [n for n in nodes if not n.get("unavailable")]
     if local is not None:
@@ -544,8 +640,10 @@ def merge_entries(model_id: str, peers: list[Peer], local: dict[str, Any] | None
             LOADING if LOADING in values else values[0]
     if len(nodes) == 1:
         entry["node"] = nodes[0]["node"]
+        entry["instance"] = nodes[0]["instance"]
     else:
         entry.pop("node", None)
+        entry.pop("instance", None)
         entry["nodes"] = nodes
     return entry
 

@@ -126,8 +126,9 @@ class StreamResume:
         query = QueryParams({"conv_id": conv_id, **(
             {"from": params["from"]} if "from" in params else {})})
         if isinstance(child, Peer):  # the peer finds its child
-            headers = [*upstream_headers(scope["headers"]), *child.auth,
-                       (VIA_HEADER, child.own_node.encode("latin-1"))]
+            via = ",".join((*context(scope).via, child.own_instance))
+            headers = [*(h for h in upstream_headers(scope["headers"]) if h[0] != VIA_HEADER),
+                       *child.auth, (VIA_HEADER, via.encode("latin-1"))]
             await relay(child.connections, "GET", f"/v1/stream?{query}".encode(), headers, b"",
                         receive=receive, send=send, shutdown=self.shutdown)
             return

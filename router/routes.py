@@ -29,8 +29,10 @@ from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
 from .nodes import (
     across_nodes,
     admin_targets,
+    came_through,
     forward_admin,
     local_model,
+    loop_error,
     merged_listing,
     scrape_peers,
 )
@@ -59,6 +61,7 @@ async def props(request: Request) -> Response:
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error,
         "llama_router": {**budgets(state.supervisor), "node": state.node,
+                         "instance": state.peers.instance if state.peers is not None else "",
                          **({"peers": state.peers.describe()} if state.peers is not None
                             and state.peers.configured else {})},
     })
@@ -212,9 +215,12 @@ async def list_models(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed
             and (key_scope is None or key_scope.allows_runtime(r))]
+    skipped: list[dict[str, str]] = []
     if state.peers is not None and state.peers.peers:
         data = merged_listing(data, state.peers, state.node, key_scope)
-    return JSONResponse({"data": data, "object": "list"})
+        skipped = state.peers.skipped()
+    return JSONResponse({"data": data, "object": "list",
+                         **({"skipped_peers": skipped} if skipped else {})})
 
 
 async def _model_from_json(request: Request) -> str:
@@ -240,8 +246,13 @@ async def _on_peers(request: Request, action: str, name: str,
     asked = payload.get("node") if payload else None
     if peers is None or not peers.peers:
         return None
-    holders = peers.holders(name)
+    ctx = context(request.scope)
+    if came_through(ctx, peers.instance):  # it came back: never relayed again
+        raise loop_error(ctx, peers, f"this {action} of model '{name}'")
+    holders = peers.holders(name, ctx.via)  # never back to a router it passed through
     if not holders and not asked:
+        if ctx.via and peers.holders(name) and state.supervisor.catalogue.resolve(name) is None:
+            raise loop_error(ctx, peers, f"this {action} of model '{name}'")
         return None
     if asked is not None and not isinstance(asked, str):
         raise BadRequest('"node" must be a node name (GET /models shows them)')
@@ -250,7 +261,7 @@ async def _on_peers(request: Request, action: str, name: str,
     targets = admin_targets(holders, name, local, state.node, asked, action)
     if targets == [None]:
         return None
-    context(request.scope).model_id = name
+    ctx.model_id = name
     results: dict[str, Any] = {}
     status = 200
     for peer in targets:
@@ -263,7 +274,8 @@ async def _on_peers(request: Request, action: str, name: str,
                 results[state.node] = exc.envelope()
                 status = exc.status
             continue
-        code, answer = await forward_admin(peer, f"/models/{action}", payload or {}, name)
+        code, answer = await forward_admin(peer, f"/models/{action}", payload or {}, name,
+                                           ctx, peers.instance)
         results[peer.node] = answer
         if code >= 400:
             status = code
@@ -420,7 +432,8 @@ class EventStream:
                         if not peer.up:
                             data.update(unavailable=True, message=peer.reason)
                         subscription.offer({"model": model_id, "event": "model_status",
-                                            "data": data, "node": peer.node})
+                                            "data": data, "node": peer.node,
+                                            "via": [peer.via]})
 
             async def next_event() -> str:
                 while True:
@@ -437,7 +450,8 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     body = await state.metrics.exposition(state.supervisor, state.client)
     if state.peers is not None and state.peers.peers:  # every node's, with a node label
-        texts = [({"node": state.node}, body.decode()), *await scrape_peers(state.peers)]
+        texts = [({"node": state.node}, body.decode()),
+                 *await scrape_peers(state.peers, context(request.scope))]
         body = "".join(render_merged(merge_child_metrics(texts))).encode()
     return Response(body, media_type=CONTENT_TYPE)
 

@@ -93,6 +93,8 @@ def test_rank_loaded_then_least_outstanding_then_local() -> None:
 class StubPeer:
     def __init__(self, node: str, statuses: dict[str, str], up: bool = True) -> None:
         self.node = node
+        self.instance = f"id-{node}"
+        self.via = self.instance
         self.up = up
         self.reason = "" if up else "ConnectError"
         self.models = {m: {"id": m, "status": {"value": s}, "node": node}
@@ -113,8 +115,8 @@ def test_merged_entry_for_a_model_on_several_nodes() -> None:
     b = StubPeer("node-b", {"m": "loaded"})
     entry = merge_entries("m", [a, b], None, "gw")  # type: ignore[list-item]
     assert entry["status"]["value"] == "loaded"
-    assert entry["nodes"] == [{"node": "node-a", "status": "unloaded"},
-                              {"node": "node-b", "status": "loaded"}]
+    assert entry["nodes"] == [{"node": "node-a", "instance": "id-node-a", "status": "unloaded"},
+                              {"node": "node-b", "instance": "id-node-b", "status": "loaded"}]
     assert "node" not in entry
     local = {"id": "m", "status": {"value": "unloaded", "pid": None}}
     entry = merge_entries("m", [b], local, "gw")  # type: ignore[list-item]
@@ -132,8 +134,9 @@ class StubPeers:
     def __init__(self, *peers: StubPeer) -> None:
         self.peers = {p.node: p for p in peers}
 
-    def holders(self, model: str) -> list[StubPeer]:
-        return [p for p in self.peers.values() if p.up and model in p.models]
+    def holders(self, model: str, passed: tuple[str, ...] = ()) -> list[StubPeer]:
+        return [p for p in self.peers.values() if p.up and model in p.models
+                and p.via not in passed]
 
 
 def test_where_load_and_unload_go() -> None:
@@ -175,8 +178,9 @@ class StandInPeer:
     ``/models/sse`` (events put on ``events``), and ``/stream`` (an event stream that sends
     a chunk per item put on ``chunks``). ``silent``: /health never answers."""
 
-    def __init__(self, node: str, models: dict[str, str]) -> None:
+    def __init__(self, node: str, models: dict[str, str], instance: str = "") -> None:
         self.node = node
+        self.instance = instance
         self.models = models
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.chunks: asyncio.Queue[bytes] = asyncio.Queue()
@@ -207,7 +211,8 @@ class StandInPeer:
                     await writer.drain()
             answer: dict[str, Any] = {"status": "ok"}
             if path == "/props":
-                answer = {"role": "router", "llama_router": {"node": self.node}}
+                answer = {"role": "router", "llama_router": {"node": self.node, **(
+                    {"instance": self.instance} if self.instance else {})}}
             elif path == "/models":
                 answer = {"object": "list", "data": [
                     {"id": m, "object": "model", "status": {"value": s}}
@@ -245,8 +250,8 @@ async def wait_for(predicate: Any, timeout: float = HANG_GUARD_S) -> None:
 async def running_peer(stand_in: StandInPeer, events: EventBus, **options: Any) -> Any:
     async with httpx.AsyncClient() as client:
         peer = Peer(stand_in.url, client=client, events=events, own_node="gw",
-                    api_key="sk-peer", **{"interval": 0.05, "timeout": 2.0, "misses": 2,
-                                          **options})
+                    own_instance="gw-instance", api_key="sk-peer",
+                    **{"interval": 0.05, "timeout": 2.0, "misses": 2, **options})
         peer.start()
         try:
             yield peer
@@ -276,7 +281,13 @@ async def test_a_peer_imports_relays_and_goes_down_when_silent() -> None:
                                    "data": {"status": "loaded"}})
         await wait_for(lambda: peer.status_of("m") == "loaded")
         await wait_for(lambda: {"model": "m", "event": "status_change",
-                                "data": {"status": "loaded"}, "node": "node-a"} in seen)
+                                "data": {"status": "loaded"}, "node": "node-a",
+                                "via": [stand_in.url]} in seen)  # no instance id: its address
+        # An event that came through this router already is not relayed again.
+        await stand_in.events.put({"model": "m", "event": "marker", "via": ["gw-instance"]})
+        await stand_in.events.put({"model": "m", "event": "after"})
+        await wait_for(lambda: any(e["event"] == "after" for e in seen))
+        assert not any(e["event"] == "marker" for e in seen)
         # A request in flight, then the peer goes silent: down, and the request ends.
         response = await peer.connections.send("GET", b"/stream", [], b"")
         await stand_in.chunks.put(b"data: 1\n\n")
@@ -315,13 +326,31 @@ async def test_a_peer_refusing_connections_finishes_what_it_has() -> None:
         response.release()
 
 
-async def test_a_peer_that_is_this_router_is_ignored() -> None:
+async def test_a_peer_that_is_this_router_is_ignored_with_its_reason() -> None:
     events = EventBus()
-    async with StandInPeer("gw", {"m": "loaded"}) as stand_in, \
-            running_peer(stand_in, events) as peer:
-        await wait_for(lambda: peer.is_self)
+    async with StandInPeer("another-name", {"m": "loaded"}, instance="gw-instance") \
+            as stand_in, running_peer(stand_in, events) as peer:
+        await wait_for(lambda: peer.is_self)  # its instance id is this router's
         await asyncio.sleep(0.2)  # several checks: still not used
         assert not peer.up and not peer.models
+        assert peer.reason == "it is this router (instance gw-instance)"
+
+
+async def test_a_peer_with_this_routers_name_is_another_node() -> None:
+    events = EventBus()
+    async with StandInPeer("gw", {"m": "loaded"}, instance="other-instance") as stand_in, \
+            httpx.AsyncClient() as client:
+        peers = Peers(client=client, events=events, own_node="gw", instance="gw-instance",
+                      interval=0.05, timeout=2.0)
+        peers.sync("--peer", [stand_in.url])
+        peer = peers.peers[stand_in.url]
+        try:
+            await wait_for(lambda: peer.up)
+            assert not peer.is_self and peer.name == "gw"
+            assert peer.node == f"gw@127.0.0.1:{peer.port}"  # a distinct label
+            assert [p.node for p in peers.holders("m")] == [peer.node]
+        finally:
+            await peers.close()
 
 
 async def test_peer_set_follows_its_sources() -> None:
