@@ -14,7 +14,7 @@ never spin at a barrier, so they simply share cores with whoever runs.
 
 Contract: a child is paused only while its model has requests in flight and another member
 does too; the gate continues every child it paused as soon as that stops being true, when it
-closes, and ``ChildProcess.stop`` continues a child before it waits for it to exit.
+closes, and ``Backend.stop`` continues a child before it waits for it to exit.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import logging
 from collections.abc import Callable, Sequence
 
 from . import clock
-from .process import ChildProcess
+from .backend import Backend
 
 log = logging.getLogger("router.cpugate")
 
 TURN_S = 0.05  # long enough that switching costs nothing measurable, short for streams
 
-Members = Callable[[], dict[str, list[ChildProcess]]]
+Members = Callable[[], dict[str, list[Backend]]]
 
 
 def next_turn(active: Sequence[str], current: str | None) -> str:
@@ -50,7 +50,7 @@ class CpuGate:
         self._members = members
         self.turn_s = turn_s
         self._wake = asyncio.Event()
-        self._paused: set[ChildProcess] = set()
+        self._paused: set[Backend] = set()
         self._current: str | None = None
         self._turn_ends = 0.0
         self.turns = 0  # turns given while models took turns (``/metrics``)
@@ -70,10 +70,10 @@ class CpuGate:
         self._wake.set()
 
     @property
-    def paused(self) -> frozenset[ChildProcess]:
+    def paused(self) -> frozenset[Backend]:
         return frozenset(self._paused)
 
-    def is_paused(self, child: ChildProcess) -> bool:
+    def is_paused(self, child: Backend) -> bool:
         return child in self._paused
 
     async def _run(self) -> None:
@@ -92,7 +92,7 @@ class CpuGate:
         finally:
             self._resume_all()
 
-    def _step(self, active: dict[str, list[ChildProcess]], now: float) -> float | None:
+    def _step(self, active: dict[str, list[Backend]], now: float) -> float | None:
         """Pause and continue children for this moment; how long until the next turn
         (None: until something changes)."""
         if len(active) < 2:

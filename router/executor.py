@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import clock
+from .backend import Backend
 from .changes import Changes
 from .errors import LoadFailed, ModelUnloaded
 from .events import EventBus
@@ -40,7 +41,7 @@ from .lifecycle import (
     Stopped,
     transition,
 )
-from .process import ChildError, ChildExited, ChildProcess
+from .process import ChildError, ChildExited
 from .runtime import Failure, ModelRuntime, Replica
 from .scheduler import Status
 from .settings import Settings
@@ -170,13 +171,13 @@ class Executor:
 
     async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
         code = await replica.child.wait_exit()
-        killed = replica.child.killed_because is not None  # already out of ``replicas``
+        killed = replica.killed_because is not None  # already out of ``replicas``
         if ((replica not in runtime.replicas and not killed)
                 or runtime.status is not Status.LOADED):
             return  # an intended stop; _stop_children records it
         if replica in runtime.replicas:
             runtime.replicas.remove(replica)
-        message = (replica.child.killed_because
+        message = (replica.killed_because
                    or f"llama-server exited unexpectedly with code {code}")
         runtime.failure = Failure(message, code, runtime.logs.tail(FAILURE_LOG_LINES))
         log.error("%s", message, extra={"event": "crashed", "model": runtime.id,
@@ -204,7 +205,7 @@ class Executor:
                 or len(runtime.replicas) >= runtime.preset.replicas):
             return
         timeout = runtime.preset.load_timeout or self.settings.load_timeout
-        children: list[ChildProcess] = []
+        children: list[Backend] = []
         [share] = self._spawner.cpu_shares(runtime, 1)
         runtime.spawning = children  # its cores count as held while it starts
         try:
@@ -233,13 +234,14 @@ class Executor:
         if len(runtime.replicas) < runtime.preset.replicas:
             self._perform(runtime, ReplaceReplicas())
 
-    def kill_unresponsive(self, runtime: ModelRuntime, child: ChildProcess, why: str) -> None:
+    def kill_unresponsive(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
         """Kill a serving child that stopped answering (``liveness``) and take it out of
         service at once; its exit watcher then handles it as a crash, with ``why`` as the
         failure."""
-        if child.killed_because is not None:
+        replica = next((r for r in runtime.replicas if r.child is child), None)
+        if replica is None or replica.killed_because is not None:
             return
-        child.killed_because = why
+        replica.killed_because = why
         log.error("%s", why, extra={"event": "unresponsive", "model": runtime.id,
                                     "pid": child.pid})
         self._events.publish(runtime.id, "unresponsive", {"pid": child.pid, "reason": why})

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import clock
-from .process import ChildProcess
+from .backend import Backend
 from .runtime import ModelRuntime, Replica
 
 ModelCallback = Callable[[ModelRuntime], None]
@@ -34,7 +34,7 @@ class Lease:
         self._released = False
 
     @property
-    def child(self) -> ChildProcess:
+    def child(self) -> Backend:
         return self.replica.child
 
     def release(self) -> None:

@@ -2,7 +2,7 @@
 
 A child that became healthy can still freeze (SIGSTOP from outside, a deadlock, a GPU hang).
 Its requests would then wait for ever: nothing else notices, because the process is alive.
-So every ``interval`` seconds each serving child is probed (``ChildProcess.probe``: a
+So every ``interval`` seconds each serving child is probed (``Backend.probe``: a
 ``GET /health``) with a ``timeout``;
 llama-server answers it on an HTTP thread of its own (the router keeps two free of proxied
 connections, ``runtime.RESERVED_HTTP_THREADS``) without waiting for generation, so a slow
@@ -26,25 +26,31 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from .process import ChildProcess
+from .backend import Backend
 from .remote import RemoteUpstream
 from .runtime import ModelRuntime
 from .scheduler import Status
 
 log = logging.getLogger("router.liveness")
 
-Unresponsive = Callable[[ModelRuntime, ChildProcess, str], None]
+Unresponsive = Callable[[ModelRuntime, Backend, str], None]
 
 
 class Liveness:
     def __init__(self, *, interval: float, timeout: float,
-                 misses: int, is_paused: Callable[[ChildProcess], bool],
+                 misses: int, is_paused: Callable[[Backend], bool],
                  on_unresponsive: Unresponsive) -> None:
         self.interval = interval  # seconds between probe rounds; 0: no probes
         self.timeout = timeout
         self.misses = misses
         self._is_paused = is_paused
         self._on_unresponsive = on_unresponsive  # (model, child, why): kill it
+        # Health checks missed in a row by each serving child that is missing them.
+        self._missed: dict[Backend, int] = {}
+
+    def missed(self, child: Backend) -> int:
+        """Health checks ``child`` missed in a row (0: it answered the last one)."""
+        return self._missed.get(child, 0)
 
     async def run(self, models: Callable[[], Iterable[ModelRuntime]]) -> None:
         """Probe every serving child each ``interval``; runs until cancelled."""
@@ -57,29 +63,32 @@ class Liveness:
     async def probe_round(self, models: Iterable[ModelRuntime]) -> None:
         targets = [(runtime, replica.child) for runtime in models
                    if runtime.status is Status.LOADED for replica in runtime.replicas]
+        serving = {child for _, child in targets}
+        for child in [c for c in self._missed if c not in serving]:  # gone: forget it
+            del self._missed[child]
         await asyncio.gather(*(self._probe(runtime, child) for runtime, child in targets))
 
-    async def _probe(self, runtime: ModelRuntime, child: ChildProcess) -> None:
+    async def _probe(self, runtime: ModelRuntime, child: Backend) -> None:
         problem = await child.probe(self.timeout)
         if problem is None:
-            if child.unanswered_probes:
-                log.info("answers again after %d missed health checks", child.unanswered_probes,
+            missed = self._missed.pop(child, 0)
+            if missed:
+                log.info("answers again after %d missed health checks", missed,
                          extra={"model": runtime.id, "pid": child.pid})
-            child.unanswered_probes = 0
             return
         if self._is_paused(child) or child.returncode is not None:
             return  # its turn is elsewhere (cpugate), or it exited: the exit watcher has it
-        child.unanswered_probes += 1
-        log.warning("health check %d/%d failed: %s", child.unanswered_probes, self.misses,
+        missed = self._missed[child] = self._missed.get(child, 0) + 1
+        log.warning("health check %d/%d failed: %s", missed, self.misses,
                     problem, extra={"event": "health_missed", "model": runtime.id,
                                     "pid": child.pid})
-        if child.unanswered_probes >= self.misses and runtime.status is Status.LOADED:
+        if missed >= self.misses and runtime.status is Status.LOADED:
+            del self._missed[child]
             if isinstance(child, RemoteUpstream):
                 self._on_unresponsive(runtime, child, (
-                    f"upstream {child.url} stopped answering: {child.unanswered_probes} "
+                    f"upstream {child.url} stopped answering: {missed} "
                     f"health checks in a row failed (last: {problem})"))
                 return
             self._on_unresponsive(runtime, child, (
-                f"llama-server stopped answering: {child.unanswered_probes} health checks "
+                f"llama-server stopped answering: {missed} health checks "
                 f"in a row failed (last: {problem}); killed it"))
-

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from . import clock
 from .accounting import Accounting
 from .admission import Admission
+from .backend import Backend
 from .changes import Changes
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed
@@ -33,7 +34,6 @@ from .lifecycle import (
     Ready,
     SpawnFailed,
 )
-from .process import ChildProcess
 from .runtime import Failure, ModelRuntime, Replica
 from .scheduler import Status
 from .settings import Settings
@@ -93,7 +93,7 @@ class Loader:
         started = clock.now()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
-        children: list[ChildProcess] = []
+        children: list[Backend] = []
         runtime.spawning = children
         results = await asyncio.gather(
             *(self._spawner.spawn_ready(runtime, children, timeout, started, share)

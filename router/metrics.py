@@ -142,7 +142,7 @@ class RouterMetrics:
             if runtime.status is not Status.LOADED:
                 continue
             for index, replica in enumerate(runtime.replicas):
-                if replica.child.unanswered_probes:
+                if supervisor.liveness.missed(replica.child):
                     continue  # not answering now: a scrape would only wait for its timeout
                 labels = {"model": runtime.id}
                 if len(runtime.replicas) > 1:

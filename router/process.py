@@ -176,7 +176,7 @@ async def ask_health(client: httpx.AsyncClient, url: str, timeout: float,
 
 
 class ChildProcess:
-    """A llama-server process serving one model on 127.0.0.1:``port``."""
+    """A llama-server process serving one model on 127.0.0.1:``port``: a ``backend.Backend``."""
 
     def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
                  client: httpx.AsyncClient, env: dict[str, str] | None = None,
@@ -195,7 +195,6 @@ class ChildProcess:
         self.on_state = on_state
         # The child's own /v1/models entry, from its ``ready`` line (child mode only).
         self.ready_info: dict[str, Any] | None = None
-        self.progress: dict[str, Any] | None = None  # its last load progress (``load_progress``)
         self._proc: asyncio.subprocess.Process | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
         self._connections: ChildConnections | None = None
@@ -204,8 +203,6 @@ class ChildProcess:
         self._batch_output = False  # read output every OUTPUT_BATCH_S (once ready)
         self._wakers: set[asyncio.Future[None]] = set()  # readers waiting to read again
         self.started_at: float | None = None
-        self.unanswered_probes = 0  # health checks missed in a row while serving (``liveness``)
-        self.killed_because: str | None = None  # why the router killed it, for the crash report
 
     def __repr__(self) -> str:
         return (f"<ChildProcess {self.model_id} pid={self.pid} port={self.port} "

@@ -1,9 +1,9 @@
 """A remote upstream as a model: any OpenAI-compatible server at ``http://host:port``.
 
 A preset section with ``upstream = http://host:port`` is served by a server the router does
-not start (another llama-server, another llama-router, vLLM, ...). ``RemoteUpstream`` stands
-where a model's ``ChildProcess`` would, so the core (loader, executor, liveness, leases,
-proxy) handles it like a child without knowing the difference:
+not start (another llama-server, another llama-router, vLLM, ...). ``RemoteUpstream`` is a
+``backend.Backend`` as a model's ``ChildProcess`` is, so the core (loader, executor, liveness,
+leases, proxy) handles it like a child without knowing the difference:
 
 * ``start()`` spawns nothing; ``wait_ready(timeout)`` probes ``GET /health`` (or
   ``GET /v1/models`` when the upstream answers /health with 404) until it answers 200. An
@@ -33,8 +33,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from . import clock
+from .cpus import CpuShare
 from .logs import LogRing
-from .process import ChildProcess, ChildTimeout, ask_health, http_error_text
+from .process import ChildTimeout, ask_health, http_error_text
 from .settings import HEALTH_POLL_INTERVAL_S
 from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
 
@@ -49,8 +50,11 @@ class UpstreamUnreachable(ChildTimeout):
     """Nothing answers at the upstream's address: the load fails at once."""
 
 
-class RemoteUpstream(ChildProcess):
-    """The upstream at ``url`` (``http://host:port``) serving model ``model_id``."""
+class RemoteUpstream:
+    """The upstream at ``url`` (``http://host:port``) serving model ``model_id``: a
+    ``backend.Backend``."""
+
+    cpu: CpuShare | None = None  # no local cores
 
     def __init__(self, model_id: str, url: str, logs: LogRing, client: httpx.AsyncClient, *,
                  api_key: str | None = None,
@@ -58,12 +62,18 @@ class RemoteUpstream(ChildProcess):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"not an http:// upstream: {url!r}")
-        port = parts.port or 80
-        super().__init__(model_id, ["upstream", url], port, logs, client, env={},
-                         max_connections=max_connections)
+        self.model_id = model_id
         self.url = url
+        self.argv = ["upstream", url]
         self.host = parts.hostname
+        self.port = parts.port or 80
         self.base_url = f"http://{parts.netloc}"
+        self.logs = logs
+        self.started_at: float | None = None
+        self.ready_info: dict[str, Any] | None = None
+        self._client = client
+        self._max_connections = max_connections
+        self._connections: ChildConnections | None = None
         # Sent with the probes and (``forward``) with every proxied request; never logged.
         self.auth_header: tuple[bytes, bytes] | None = (
             (b"authorization", f"Bearer {api_key}".encode("latin-1")) if api_key else None)
@@ -76,6 +86,19 @@ class RemoteUpstream(ChildProcess):
 
     def __repr__(self) -> str:
         return f"<RemoteUpstream {self.model_id} {self.url} gone={self._marked_gone}>"
+
+    @property
+    def pid(self) -> int | None:
+        return None  # no local process
+
+    @property
+    def returncode(self) -> int | None:
+        """``GONE_CODE`` once marked gone or stopped, else None."""
+        return GONE_CODE if self._gone.is_set() else None
+
+    async def close_pool(self) -> None:
+        if self._connections is not None:
+            await self._connections.aclose()
 
     @property
     def connections(self) -> ChildConnections:

@@ -34,9 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from .backend import Backend
 from .errors import BadRequest, NotFound, Unavailable
 from .peers import Peer
-from .process import ChildProcess
 from .proxy import relay, upstream_headers
 from .requests import VIA_HEADER, context
 from .scheduler import Status
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .state import Shutdown
     from .supervisor import Supervisor
 
-Owner = ChildProcess | Peer  # the child that serves a conversation, or the peer it went to
+Owner = Backend | Peer  # the child that serves a conversation, or the peer it went to
 
 DEFAULT_CAPACITY = 10_000
 CHILD_TIMEOUT_S = 5.0

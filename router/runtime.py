@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .affinity import Decision, PrefixTable, choose
+from .backend import Backend
 from .lifecycle import ModelState
 from .logs import LogRing
 from .presets import ModelPreset
-from .process import ChildProcess
 from .scheduler import ModelSnapshot, Status
 
 DEFAULT_SLOTS = 4  # llama-server's -np auto
@@ -41,10 +41,11 @@ class Failure:
     at: float = field(default_factory=time.time)
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
-    child: ChildProcess
+    child: Backend
     in_flight: int = 0
+    killed_because: str | None = None  # why the router killed its child (liveness), if it did
     # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
     # as its KV cache does.
     prefixes: PrefixTable = field(default_factory=PrefixTable)
@@ -76,7 +77,7 @@ class ModelRuntime:
     n_layer: int | None = None  # from the GGUF header, once estimated
     state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
     replicas: list[Replica] = field(default_factory=list)
-    spawning: list[ChildProcess] = field(default_factory=list)  # children of a load under way
+    spawning: list[Backend] = field(default_factory=list)  # children of a load under way
     in_flight: int = 0
     waiting: int = 0  # requests waiting for this model to become ready
     last_used: float = 0.0
@@ -127,14 +128,14 @@ class ModelRuntime:
         return self.state.removed
 
     @property
-    def child(self) -> ChildProcess | None:
+    def child(self) -> Backend | None:
         """The first replica's child (the only one unless ``replicas`` > 1), or the first
         child still starting."""
         if self.replicas:
             return self.replicas[0].child
         return self.spawning[0] if self.spawning else None
 
-    def children(self) -> list[ChildProcess]:
+    def children(self) -> list[Backend]:
         """Every process it holds: serving replicas and children still starting."""
         return [r.child for r in self.replicas] + self.spawning
 
@@ -172,10 +173,10 @@ class ModelRuntime:
         return replica, decision
 
 
-def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[ChildProcess]]:
+def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]:
     """Models that compute on shared cores and have requests in flight: their children with
     more than one thread (``cpugate``)."""
-    members: dict[str, list[ChildProcess]] = {}
+    members: dict[str, list[Backend]] = {}
     for model in models:
         if model.in_flight and model.status is Status.LOADED:
             wide = [r.child for r in model.replicas if r.child.cpu and r.child.cpu.wide]

@@ -26,6 +26,7 @@ import httpx
 
 from . import clock
 from .accounting import TRANSIENT_ERRNOS
+from .backend import Backend
 from .cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
 from .errors import LoadFailed
 from .events import EventBus
@@ -64,6 +65,9 @@ class Spawner:
         self._router_port = router_port
         self._models = models
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
+        # Per model, the last load progress each of its children being started reported
+        # (``load_progress``).
+        self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
 
     # ----------------------------------------------------------------- argv
 
@@ -124,7 +128,7 @@ class Spawner:
 
     # ----------------------------------------------------------------- spawning
 
-    async def spawn_ready(self, runtime: ModelRuntime, children: list[ChildProcess],
+    async def spawn_ready(self, runtime: ModelRuntime, children: list[Backend],
                           timeout: float, started: float, cpu: CpuShare | None) -> None:
         """Spawn one child into ``children`` (retrying a taken port) and wait until it is
         healthy; raises ``ChildError`` (the caller stops what ``children`` holds)."""
@@ -141,8 +145,8 @@ class Spawner:
                 log.warning("port %d was taken; retrying", child.port,
                             extra={"model": runtime.id})
 
-    async def _start(self, runtime: ModelRuntime, children: list[ChildProcess],
-                     cpu: CpuShare | None, within: float) -> ChildProcess:
+    async def _start(self, runtime: ModelRuntime, children: list[Backend],
+                     cpu: CpuShare | None, within: float) -> Backend:
         """Start a child on a free port into ``children``. A failure for a reason of the
         moment (out of file descriptors or memory: a flood of clients) is retried every
         ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
@@ -176,25 +180,28 @@ class Spawner:
                 continue
             return child
 
-    def _child_state(self, runtime: ModelRuntime, child: ChildProcess, state: str,
+    def _child_state(self, runtime: ModelRuntime, child: Backend, state: str,
                      payload: dict[str, Any]) -> None:
         """A state line from a child: load progress is published while the model loads."""
         if state != "loading" or runtime.status is not Status.LOADING:
             return
-        progress = load_progress(child.progress, payload)
+        known = self._progress.setdefault(runtime.id, {})
+        progress = load_progress(known.get(child), payload)
         if progress is None:
             return
-        child.progress = progress
-        overall = min((c.progress for c in runtime.spawning if c.progress is not None),
-                      key=progress_rank, default=progress)
-        if len(runtime.spawning) > 1 and any(c.progress is None for c in runtime.spawning):
+        for started in [c for c in known if c not in runtime.spawning]:  # loaded or gone
+            del known[started]
+        known[child] = progress
+        reports = [known[c] for c in runtime.spawning if c in known]
+        overall = min(reports, key=progress_rank, default=progress)
+        if len(reports) < len(runtime.spawning) > 1:
             overall = {**overall, "value": 0.0}  # a replica has not reported yet
         if overall != runtime.progress:
             runtime.progress = overall
             self._events.publish(runtime.id, "status_change",
                                  {"status": Status.LOADING.value, "progress": overall})
 
-    async def model_info(self, child: ChildProcess) -> dict[str, Any] | None:
+    async def model_info(self, child: Backend) -> dict[str, Any] | None:
         """The child's own ``/v1/models`` entry: from its ``ready`` report, else asked."""
         if child.ready_info:
             return child.ready_info

@@ -24,6 +24,7 @@ import httpx
 from . import clock, reconfig
 from .accounting import Accounting
 from .admission import Admission
+from .backend import Backend
 from .changes import Changes
 from .cpugate import CpuGate
 from .cpus import machine_cores
@@ -39,7 +40,6 @@ from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
 from .presets import ModelPreset
-from .process import ChildProcess
 from .runtime import ModelRuntime, cpu_turn_members
 from .scheduler import Status
 from .settings import Settings
@@ -154,7 +154,7 @@ class Supervisor:
             if runtime.waiting == 0:
                 self._cancel_unwanted_load(runtime)
 
-    def lease_child(self, model: str, child: ChildProcess) -> Lease | None:
+    def lease_child(self, model: str, child: Backend) -> Lease | None:
         """A lease on the very replica running ``child`` while its model serves (resuming a
         stream that child keeps); None when it no longer does. Never loads anything."""
         runtime = self.models.get(model)

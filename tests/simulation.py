@@ -168,8 +168,6 @@ class FakeChild:
         self.port = 0
         self.base_url = "http://fake"
         self.started_at: float | None = clock.now()
-        self.killed_because: str | None = None
-        self.unanswered_probes = 0
         self.frozen = False
         self.serving = 0  # requests it is answering
         self.connections = FakePool(self)

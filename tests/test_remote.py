@@ -214,10 +214,10 @@ async def test_gone_after_missed_probes() -> None:
                             is_paused=lambda child: False, on_unresponsive=unresponsive)
         exit_task = asyncio.ensure_future(remote.wait_exit())
         await liveness.probe_round([runtime])
-        assert not exit_task.done() and remote.unanswered_probes == 0
+        assert not exit_task.done() and liveness.missed(remote) == 0
         server.statuses["/health"] = 500
         await liveness.probe_round([runtime])
-        assert remote.unanswered_probes == 1 and not reasons
+        assert liveness.missed(remote) == 1 and not reasons
         await liveness.probe_round([runtime])
         assert reasons and reasons[0].startswith(f"upstream {url} stopped answering: 2 ")
         assert await asyncio.wait_for(exit_task, HANG_GUARD_S) == GONE_CODE
