@@ -112,7 +112,7 @@ class RouterMetrics:
     def attach(self, supervisor: Supervisor) -> None:
         self.registry.register(_LiveGauges(supervisor))
         supervisor.events.listeners.append(self.on_event)
-        supervisor.leases.on_routed = self.observe_routing
+        supervisor.on_routed(self.observe_routing)
 
     def on_event(self, event: Event) -> None:
         """Count lifecycle transitions from the supervisor's status events (a peer's events,
@@ -138,16 +138,17 @@ class RouterMetrics:
 
     async def exposition(self, supervisor: Supervisor, client: httpx.AsyncClient) -> bytes:
         targets: list[tuple[dict[str, str], str]] = []
-        for runtime in supervisor.models.values():
-            if runtime.status is not Status.LOADED:
+        for model in supervisor.views():
+            if model.status is not Status.LOADED:
                 continue
-            for index, replica in enumerate(runtime.replicas):
-                if supervisor.liveness.missed(replica.child):
+            replicas = model.replicas()
+            for index, replica in enumerate(replicas):
+                if replica.missed_checks:
                     continue  # not answering now: a scrape would only wait for its timeout
-                labels = {"model": runtime.id}
-                if len(runtime.replicas) > 1:
+                labels = {"model": model.id}
+                if len(replicas) > 1:
                     labels["replica"] = str(index)
-                targets.append((labels, replica.child.base_url))
+                targets.append((labels, replica.base_url))
         texts = await asyncio.gather(*(self._scrape(client, labels, url)
                                        for labels, url in targets))
         own = generate_latest(self.registry)
@@ -188,25 +189,24 @@ class _LiveGauges(Collector):
                                 "GPU memory the model's llama-server uses (nvidia-smi)",
                                 labels=["model", "gpu"])
         alive = 0
-        for runtime in self.supervisor.models.values():
-            model = runtime.preset.id
-            status.add_metric([model, runtime.status.public], 1)
-            in_flight.add_metric([model], runtime.in_flight)
-            queued.add_metric([model], runtime.waiting)
-            rss = self.supervisor.accounting.measured(runtime)
-            if runtime.preset.upstream is None:  # a remote upstream runs no process here
-                alive += len(runtime.replicas) + len(runtime.spawning)
+        for view in self.supervisor.views():
+            model = view.id
+            status.add_metric([model, view.status.public], 1)
+            in_flight.add_metric([model], view.in_flight)
+            queued.add_metric([model], view.waiting)
+            alive += view.processes  # a remote upstream runs no process here
+            rss = view.measured()
             if rss is not None:
                 memory.add_metric([model], rss)
-            for pool, used in sorted(self.supervisor.accounting.measured_devices(runtime).items()):
+            for pool, used in sorted(view.measured_devices().items()):
                 gpu.add_metric([model, pool], used)
         running.add_metric([], alive)
         turns = CounterMetricFamily("llamarouter_cpu_turns", "Turns given while models that "
                                     "share CPU cores computed at the same time (cpugate)")
-        turns.add_metric([], self.supervisor.cpu_gate.turns)
+        turns.add_metric([], self.supervisor.cpu_turns)
         paused = GaugeMetricFamily("llamarouter_children_paused",
                                    "Children paused while another model has its CPU turn")
-        paused.add_metric([], len(self.supervisor.cpu_gate.paused))
+        paused.add_metric([], self.supervisor.children_paused)
         yield from (running, status, in_flight, queued, memory, gpu, turns, paused)
 
 

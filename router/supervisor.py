@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -34,17 +35,19 @@ from .executor import UNLOADED, Executor, consume_exception
 from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
-from .leases import Lease, Leases
+from .leases import Lease, Leases, RoutedCallback
 from .lifecycle import Drain, Idle, Reset, Retire, Undrain
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
+from .memory import total_ram_bytes
 from .presets import ModelPreset
 from .runtime import ModelRuntime, cpu_turn_members
 from .scheduler import Status
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner
+from .view import ModelView
 
 log = logging.getLogger("router.supervisor")
 
@@ -102,6 +105,42 @@ class Supervisor:
         if model_id is None:
             raise ModelNotFound(name, self.catalogue.close_matches(name))
         return self.models[model_id]
+
+    def view(self, model_id: str) -> ModelView | None:
+        """A read-only view of the model with this id (not an alias), or None."""
+        runtime = self.models.get(model_id)
+        return None if runtime is None else ModelView(runtime, self)
+
+    def views(self) -> list[ModelView]:
+        """A read-only view of every model, in catalogue order."""
+        return [ModelView(runtime, self) for runtime in self.models.values()]
+
+    def find(self, name: str) -> ModelView:
+        """The model a request names (id or alias); raises ModelNotFound."""
+        return ModelView(self.resolve(name), self)
+
+    def budgets(self) -> dict[str, Any]:
+        """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when
+        off."""
+        return {
+            "models_max": self.settings.models_max,
+            "memory_budget": self.admission.memory_budget, "memory_total": total_ram_bytes(),
+            "gpus": [{"pool": d.pool, "name": d.name, "total": d.total_bytes,
+                      "budget": self.admission.gpu_budgets.get(d.pool)} for d in self.gpus],
+        }
+
+    @property
+    def cpu_turns(self) -> int:
+        """Turns the CPU gate has given so far (``cpugate``)."""
+        return self.cpu_gate.turns
+
+    @property
+    def children_paused(self) -> int:
+        return len(self.cpu_gate.paused)
+
+    def on_routed(self, callback: RoutedCallback) -> None:
+        """Report each replica choice by prompt prefix to ``callback`` (the metrics)."""
+        self.leases.on_routed = callback
 
     @property
     def total_waiting(self) -> int:

@@ -1,0 +1,195 @@
+"""A read-only view of a model's run state: what everything outside the scheduling core reads.
+
+Routes (``/models``, ``/props``, streams), metrics, keys and nodes read a model through a
+``ModelView`` from ``Supervisor.view``/``views``/``find``: its status, counters, replicas,
+memory, queue place and failure, and its ``/models`` entry, computed where the state lives. A
+view has no setters and hands out no task, child or lifecycle state to change: the supervisor
+and its parts (loader, executor, leases) stay the only writers of a model's run state.
+
+A view is cheap (two references) and live: it reads the model's state when asked, so hold one
+only for the request at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import clock
+from .scheduler import Status
+
+if TYPE_CHECKING:
+    from .presets import ModelPreset
+    from .runtime import Failure, ModelRuntime
+    from .supervisor import Supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    pid: int | None
+    port: int
+    in_flight: int
+    base_url: str
+    missed_checks: int  # health checks missed in a row (``liveness``)
+    cpu: dict[str, Any] | None  # its CPU placement, when the router placed it
+
+
+class ModelView:
+    __slots__ = ("_runtime", "_sup")
+
+    def __init__(self, runtime: ModelRuntime, supervisor: Supervisor) -> None:
+        self._runtime = runtime
+        self._sup = supervisor
+
+    def __repr__(self) -> str:
+        return f"<ModelView {self._runtime!r}>"
+
+    # -- identity and configuration ----------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self._runtime.id
+
+    @property
+    def preset(self) -> ModelPreset:
+        return self._runtime.preset  # frozen
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return self._runtime.preset.aliases
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> Status:
+        return self._runtime.status
+
+    @property
+    def serving(self) -> bool:
+        """Loaded, not draining: a request gets a replica at once."""
+        return self._runtime.serving
+
+    @property
+    def loading(self) -> bool:
+        return self._runtime.status in (Status.LOADING, Status.DOWNLOADING)
+
+    @property
+    def draining(self) -> bool:
+        return self._runtime.draining
+
+    @property
+    def failed(self) -> bool:
+        return self._runtime.failed
+
+    @property
+    def crash_loop(self) -> bool:
+        return self._runtime.crash_loop
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._runtime.failure
+
+    @property
+    def in_flight(self) -> int:
+        return self._runtime.in_flight
+
+    @property
+    def waiting(self) -> int:
+        return self._runtime.waiting
+
+    @property
+    def processes(self) -> int:
+        """Local processes it holds (serving and starting); a remote upstream holds none."""
+        runtime = self._runtime
+        if runtime.preset.upstream is not None:
+            return 0
+        return len(runtime.replicas) + len(runtime.spawning)
+
+    def replicas(self) -> list[ReplicaView]:
+        missed = self._sup.liveness.missed
+        return [ReplicaView(r.child.pid, r.child.port, r.in_flight, r.child.base_url,
+                            missed(r.child), r.child.cpu.describe() if r.child.cpu else None)
+                for r in self._runtime.replicas]
+
+    def serves_through(self, child: object) -> bool:
+        """Whether ``child`` is one of its serving replicas' backends now."""
+        return any(r.child is child for r in self._runtime.replicas)
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def measured(self) -> int | None:
+        """Resident memory of its serving children (sampled), None when unknown."""
+        return self._sup.accounting.measured(self._runtime)
+
+    def measured_devices(self) -> dict[str, int]:
+        return self._sup.accounting.measured_devices(self._runtime)
+
+    # -- the /models entry -------------------------------------------------------------------
+
+    def entry(self, created: int) -> dict[str, Any]:
+        """Its ``/models`` entry, in llama.cpp's shape plus the router's status fields."""
+        runtime, sup = self._runtime, self._sup
+        preset = runtime.preset
+        child = runtime.child
+        status: dict[str, Any] = {
+            "value": runtime.status.public,
+            "args": child.argv if child else sup.spawner.display_argv(runtime),
+            "in_flight": runtime.in_flight,
+            "waiting": runtime.waiting,
+        }
+        if child is not None:
+            status.update(pid=child.pid, port=child.port)
+        if runtime.loaded_at is not None:
+            status["uptime_s"] = round(clock.now() - runtime.loaded_at, 1)
+        if child is not None and preset.upstream is None:
+            status["cpu"] = child.cpu.describe() if child.cpu is not None else {
+                "threads": preset.args.get("threads"), "cores": None,
+                "placed_by": "preset" if sup.cores else "llama-server"}
+            if sup.cpu_gate.is_paused(child):
+                status["cpu"]["paused"] = True  # waiting for its turn on the CPU
+        if preset.replicas > 1 or len(runtime.replicas) > 1:
+            status["replicas"] = [{"pid": r.pid, "port": r.port, "in_flight": r.in_flight,
+                                   **({"cpu": r.cpu} if r.cpu else {})}
+                                  for r in self.replicas()]
+        if runtime.status is Status.STOPPING:
+            status["stopping"] = True
+        if runtime.draining:
+            status["draining"] = True
+        if runtime.status is Status.LOADING and runtime.progress is not None:
+            status["progress"] = runtime.progress
+        position = sup.admission.position(runtime)
+        if position is not None:
+            status["queue_position"] = position
+            status["expected_wait_s"] = sup.admission.expected_wait_s(runtime)
+        memory: dict[str, Any] = {"estimate": runtime.estimate or None}
+        if runtime.replicas:
+            memory["measured"] = self.measured()
+        if sup.gpus:
+            measured = self.measured_devices() if runtime.replicas else {}
+            memory["gpus"] = {
+                pool: {"estimate": runtime.estimate_devices.get(pool),
+                       **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
+                for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
+        status["memory"] = memory
+        if preset.model_path is None and preset.hf_repo:
+            status.update(downloaded=False,
+                          message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
+        if runtime.download and runtime.status is Status.DOWNLOADING:
+            status["download"] = dict(runtime.download)
+        if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
+            status.update(failed=True, exit_code=runtime.failure.exit_code,
+                          message=runtime.failure.message,
+                          last_lines=list(runtime.failure.last_lines))
+        if runtime.crash_loop:
+            status["crash_loop"] = True
+        entry: dict[str, Any] = {
+            "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
+            "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
+            "source": preset.source, "can_remove": preset.source == "cache",
+        }
+        if preset.upstream is not None:  # a remote upstream (its key is never shown)
+            entry["upstream"] = preset.upstream
+        if runtime.info and runtime.status is not Status.UNLOADED:
+            for key, value in runtime.info.items():
+                entry.setdefault(key, value)
+        return entry
