@@ -24,6 +24,7 @@ from .changes import Changes
 from .errors import LoadFailed, ModelUnloaded
 from .events import EventBus
 from .lifecycle import (
+    UNLOADED,
     CancelDownload,
     CancelLoad,
     CancelReplacement,
@@ -51,7 +52,6 @@ log = logging.getLogger("router.supervisor")
 
 FAILURE_LOG_LINES = 20
 BACKOFF_CAP_S = 30.0
-UNLOADED = "unloaded"  # the stop reason of POST /models/unload
 
 ModelCallback = Callable[[ModelRuntime], None]
 
@@ -129,9 +129,10 @@ class Executor:
                 if runtime.replace_task is None or runtime.replace_task.done():
                     runtime.replace_task = _task(self._replace_replicas(runtime),
                                                  f"replace:{runtime.id}")
-            case CancelLoad():
-                if runtime.load_task is not None:
-                    runtime.load_task.cancel()  # waiters start over (``acquire``)
+            case CancelLoad(reason):
+                task = runtime.load_task
+                if task is not None and not task.done():
+                    task.cancel(reason)  # its waiters learn why (``Loader.load``, ``acquire``)
             case CancelDownload():
                 self.cancel_download(runtime)
             case StartLoad():

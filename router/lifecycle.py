@@ -21,8 +21,11 @@ downloading DownloadFailed       unloaded (failure counted unless cancelled)
 unloaded    Admitted             loading (the planner made room: spawn)
 loading     Ready                loaded (every replica healthy)
 loading     SpawnFailed          unloaded (exit, timeout; cancelled: not a failure)
-loaded      Stop                 stopping (stop the children: unload, eviction, TTL,
-                                 shutdown)
+loaded      Stop                 stopping (stop the children: eviction, TTL, shutdown)
+any         Unload               POST /models/unload: cancels a download or load (its
+                                 waiters get the reason), stops a loaded model (loaded:
+                                 stopping; its requests in flight end with a 503), and
+                                 drops a restart a reconfiguration had planned
 loaded      Idle                 stopping if a stop waits for the last request
 loaded      Drain                loaded, draining for another model's load: no new
                                  requests; stopping once idle (at once if idle)
@@ -105,6 +108,11 @@ class Stop:
 
 
 @dataclass(frozen=True, slots=True)
+class Unload:
+    """An explicit unload (``POST /models/unload``), whatever the model is doing."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stopped:
     clean: bool  # every child exited with code 0 when asked
 
@@ -159,7 +167,8 @@ class Reset:
 
 
 Event = (Download | Downloaded | DownloadFailed | Admitted | Ready | SpawnFailed | Stop
-         | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset)
+         | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset
+         | Unload)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
 
 
@@ -183,9 +192,17 @@ class StartLoad:
     """Load the model (a reconfigured model that was running)."""
 
 
+UNLOADED = "unloaded"  # the reason of an explicit unload: its stop, its cancelled load
+RECONFIGURED = "reconfigured"
+
+
 @dataclass(frozen=True, slots=True)
 class CancelLoad:
-    """Cancel the load under way; requests waiting for it start over with the new preset."""
+    """Cancel the load under way, if any. Requests waiting for it get the reason: after an
+    unload they end with a 503 saying so; after a reconfiguration they start over with the
+    new preset (a removed model: 404)."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,14 +414,25 @@ def _retire(s: ModelState, e: Retire, limit: int) -> Result:
         return _stopping(new, e.reason) if e.idle else (new, ())
     if status is Status.UNLOADED:
         new = replace(s, removed=removed)
-        return new, (CancelLoad(), Forget()) if removed else ()
+        return new, (CancelLoad(e.reason), Forget()) if removed else ()
     if status is Status.STOPPING:  # the stop goes on; a removed model is forgotten after it
         return replace(s, removed=removed), ()
     # downloading or loading: start over with the new preset, or not at all
     new = replace(s, removed=removed, restart_after_stop=not removed)
-    cancel = (CancelDownload(), CancelLoad()) if status is Status.DOWNLOADING \
-        else (CancelLoad(),)
+    cancel = (CancelDownload(), CancelLoad(e.reason)) if status is Status.DOWNLOADING \
+        else (CancelLoad(e.reason),)
     return new, cancel
+
+
+def _unload(s: ModelState, e: Unload, limit: int) -> Result:
+    new = replace(s, restart_after_stop=False)
+    cancel = CancelLoad(UNLOADED)
+    if s.status is Status.LOADED:
+        stopping, effects = _stopping(new, UNLOADED)
+        return stopping, (cancel, *effects)  # also a load waiting for the old child to stop
+    if s.status is Status.DOWNLOADING:
+        return new, (CancelDownload(), cancel)
+    return new, (cancel,)  # loading, queued, or stopping (a load may wait for the stop)
 
 
 def _reset(s: ModelState, e: Reset, limit: int) -> Result:
@@ -429,6 +457,7 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     (OK, ReplicaFailed): _replica_failed,
     (S, Stopped): _stopped,
     **{(status, Retire): _retire for status in Status},
+    **{(status, Unload): _unload for status in Status},
     **{(status, Reset): _reset for status in Status},
 }
 

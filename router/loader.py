@@ -27,6 +27,7 @@ from .errors import LoadFailed
 from .events import EventBus
 from .executor import Executor, consume_exception, failure_from
 from .lifecycle import (
+    UNLOADED,
     Admitted,
     Download,
     Downloaded,
@@ -57,7 +58,19 @@ class Loader:
         self._changes = changes
 
     async def load(self, runtime: ModelRuntime) -> None:
-        """Load the model; raises LoadFailed (the reason is also in ``runtime.failure``)."""
+        """Load the model; raises LoadFailed (the reason is also in ``runtime.failure``).
+        Cancelled by an unload (``CancelLoad(UNLOADED)``), it ends with LoadFailed saying so,
+        which is what the requests waiting for it answer; cancelled for any other reason (a
+        reconfiguration, the shutdown, nobody waiting) it ends cancelled."""
+        try:
+            await self._load(runtime)
+        except asyncio.CancelledError as exc:
+            if exc.args and exc.args[0] == UNLOADED:
+                raise LoadFailed(f"model '{runtime.id}' was unloaded while this request "
+                                 "waited for it") from None
+            raise
+
+    async def _load(self, runtime: ModelRuntime) -> None:
         remote = runtime.preset.upstream is not None  # served elsewhere (``remote``)
         if runtime.preset.model_path is None and not remote:  # an hf-repo model to download
             await asyncio.shield(self.start_download(runtime))

@@ -96,7 +96,6 @@ class ModelRuntime:
     loaded_at: float | None = None  # monotonic
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took
-    unloads: int = 0  # POST /models/unload calls so far
 
     def __repr__(self) -> str:
         pids = [r.child.pid for r in self.replicas]

@@ -31,12 +31,12 @@ from .cpugate import CpuGate
 from .cpus import machine_cores
 from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
 from .events import EventBus
-from .executor import UNLOADED, Executor, consume_exception
+from .executor import Executor, consume_exception
 from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
-from .lifecycle import Drain, Idle, Reset, Retire, Undrain
+from .lifecycle import Drain, Idle, Reset, Retire, Undrain, Unload
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
@@ -164,7 +164,6 @@ class Supervisor:
                             headers={"Retry-After": "1"})
         seconds = min(budget, self._budget_of(runtime)) if budget else self._budget_of(runtime)
         deadline = clock.now() + seconds
-        unloads = runtime.unloads
         runtime.waiting += 1
         try:
             while not runtime.serving:
@@ -182,11 +181,8 @@ class Supervisor:
                     current = asyncio.current_task()
                     if not task.cancelled() or (current is not None and current.cancelling()):
                         raise  # this request itself was cancelled (its client went away)
-                    # The load was cancelled by someone else: an unload ends the wait; a
-                    # reconfiguration starts it over with the new configuration.
-                    if runtime.unloads != unloads:
-                        raise LoadFailed(f"model '{runtime.id}' was unloaded while this "
-                                         "request waited for it") from None
+                    # The load was cancelled for a reconfiguration: start over with the new
+                    # configuration (an unload ends the load with LoadFailed instead).
             return self.leases.take(runtime, keys=keys)
         finally:
             runtime.waiting -= 1
@@ -345,19 +341,17 @@ class Supervisor:
     # ----------------------------------------------------------------- stopping
 
     async def unload(self, name: str) -> ModelRuntime:
-        """Cancel a download or load of the model, or stop its children; returns once it is
-        unloaded (``POST /models/unload``)."""
+        """Cancel a download or load of the model, or stop its children (``lifecycle.Unload``);
+        returns once it is unloaded (``POST /models/unload``)."""
         runtime = self.resolve(name)
-        runtime.unloads += 1  # requests waiting for its load end (``acquire``)
-        load = runtime.load_task
-        for task in (self.executor.cancel_download(runtime), load):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        stop = self.executor.stop(runtime, UNLOADED)
-        if stop is not None:
-            await asyncio.shield(stop)
+        busy = [t for t in (runtime.download_task, runtime.load_task)
+                if t is not None and not t.done()]
+        self.executor.apply(runtime, Unload())
+        for task in busy:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.shield(task)
+        if runtime.stop_task is not None:
+            await asyncio.shield(runtime.stop_task)
         return runtime
 
     def start(self) -> None:

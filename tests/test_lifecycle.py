@@ -40,6 +40,7 @@ from router.lifecycle import (
     StopChildren,
     Stopped,
     Undrain,
+    Unload,
     transition,
 )
 from router.scheduler import Status
@@ -53,6 +54,7 @@ SAMPLES: dict[type, Event] = {
     Download: Download(), Downloaded: Downloaded(), DownloadFailed: DownloadFailed(),
     Admitted: Admitted(), Ready: Ready(), SpawnFailed: SpawnFailed(1), Stop: Stop("unloaded"),
     Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"), Undrain: Undrain(),
+    Unload: Unload(),
     Retire: Retire("reconfigured", removed=False, idle=True),
     ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
     Reset: Reset(),
@@ -69,6 +71,7 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     **{(status, Stop): None for status in (U, D, L, S)},
     **{(status, Idle): None for status in (U, D, L, S)},
     **{(status, Undrain): None for status in (U, D, L, S)},
+    (U, Unload): U, (D, Unload): D, (L, Unload): L, (OK, Unload): S, (S, Unload): S,
 }
 
 
@@ -285,12 +288,12 @@ def test_retire_a_loaded_model() -> None:
 def test_retire_when_nothing_runs() -> None:
     assert run(U, Retire("reconfigured", removed=False, idle=True)) == (ModelState(U), ())
     state, effects = run(U, Retire("removed", removed=True, idle=True))
-    assert state.removed and effects == (CancelLoad(), Forget())
+    assert state.removed and effects == (CancelLoad("removed"), Forget())
 
 
 def test_reload_while_downloading_starts_over() -> None:
     state, effects = run(D, Retire("reconfigured", removed=False, idle=True))
-    assert effects == (CancelDownload(), CancelLoad()) and state.restart_after_stop
+    assert effects == (CancelDownload(), CancelLoad("reconfigured")) and state.restart_after_stop
     state, effects = run(state, DownloadFailed(cancelled=True))
     assert state.status is U and effects[-1] == StartLoad()
     state, _ = run(D, Retire("removed", removed=True, idle=True))
@@ -300,9 +303,32 @@ def test_reload_while_downloading_starts_over() -> None:
 
 def test_reload_while_loading_cancels_and_loads_again() -> None:
     state, effects = run(L, Retire("reconfigured", removed=False, idle=True))
-    assert effects == (CancelLoad(),)
+    assert effects == (CancelLoad("reconfigured"),)
     state, effects = run(state, SpawnFailed(cancelled=True))
     assert state == ModelState(U) and effects[-1] == StartLoad()
+
+
+def test_unload_stops_a_loaded_model_and_cancels_a_load_waiting_for_it() -> None:
+    state, effects = run(OK, Unload())
+    assert state.status is S
+    assert effects[0] == CancelLoad("unloaded") and StopChildren("unloaded") in effects
+    assert published(effects) == [("stopping", {"status": "loaded", "reason": "unloaded"})]
+
+
+def test_unload_cancels_a_download_or_load() -> None:
+    assert run(D, Unload()) == (ModelState(D), (CancelDownload(), CancelLoad("unloaded")))
+    assert run(L, Unload()) == (ModelState(L), (CancelLoad("unloaded"),))
+    assert run(U, Unload()) == (ModelState(U), (CancelLoad("unloaded"),))  # a queued load
+
+
+def test_unload_drops_the_restart_of_a_reconfiguration() -> None:
+    retiring, _ = run(OK, Retire("reconfigured", removed=False, idle=False))
+    state, _ = run(retiring, Unload())
+    assert state.status is S and not state.restart_after_stop
+    state, effects = run(state, Stopped(clean=True))
+    assert state.status is U and StartLoad() not in effects
+    state, _ = run(L, Retire("reconfigured", removed=False, idle=True))
+    assert not run(state, Unload())[0].restart_after_stop
 
 
 def test_unload_while_stopping_or_queued_changes_nothing() -> None:
