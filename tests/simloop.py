@@ -36,10 +36,13 @@ class _VirtualSelector(selectors.SelectSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None) -> list[Any]:
-        ready = super().select(0)
-        if ready or timeout == 0:
-            return ready
         loop = self._loop
+        if loop.threads:  # a thread may wake the loop through its self-pipe
+            ready = super().select(0)
+            if ready:
+                return ready
+        if timeout == 0:
+            return []
         if loop.on_quiescent is not None:
             loop.on_quiescent(loop.now)
         if timeout is None:
@@ -52,6 +55,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self.now = 0.0
         self.on_quiescent: Callable[[float], None] | None = None
+        # Set while code under test may call back from a thread (``call_soon_threadsafe``):
+        # then the self-pipe is polled before time moves. The simulation starts none.
+        self.threads = False
         super().__init__(_VirtualSelector(self))
         # Timers due within this of now run now: exact virtual times need no tolerance.
         self._clock_resolution = 1e-9
