@@ -37,6 +37,7 @@ from .lifecycle import (
     ReplicaExited,
     ReplicaFailed,
     StartLoad,
+    Status,
     Stop,
     StopChildren,
     Stopped,
@@ -44,7 +45,6 @@ from .lifecycle import (
 )
 from .process import ChildError, ChildExited
 from .runtime import Failure, ModelRuntime, Replica
-from .scheduler import Status
 from .settings import Settings
 from .spawner import Spawner
 

@@ -44,12 +44,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from .scheduler import Status
-
 STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the failure count
+
+
+class Status(StrEnum):
+    """A model's lifecycle state. Clients see ``public`` (``/models`` ``status.value``, the
+    ``status`` of ``/models/sse`` events): only llama.cpp's values, so a stopping model shows
+    ``loaded`` (its process still holds memory, as in llama.cpp) with ``stopping: true``."""
+
+    UNLOADED = "unloaded"
+    DOWNLOADING = "downloading"
+    LOADING = "loading"
+    LOADED = "loaded"
+    STOPPING = "stopping"
+
+    @property
+    def holds_process(self) -> bool:
+        return self not in (Status.UNLOADED, Status.DOWNLOADING)
+
+    @property
+    def public(self) -> str:
+        return "loaded" if self is Status.STOPPING else self.value
 
 
 @dataclass(frozen=True, slots=True)

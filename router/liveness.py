@@ -27,9 +27,9 @@ import logging
 from collections.abc import Callable, Iterable
 
 from .backend import Backend
+from .lifecycle import Status
 from .remote import RemoteUpstream
 from .runtime import ModelRuntime
-from .scheduler import Status
 
 log = logging.getLogger("router.liveness")
 

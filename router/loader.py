@@ -34,9 +34,9 @@ from .lifecycle import (
     DownloadFailed,
     Ready,
     SpawnFailed,
+    Status,
 )
 from .runtime import Failure, ModelRuntime, Replica
-from .scheduler import Status
 from .settings import Settings
 from .spawner import Spawner
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from .affinity import Decision, PrefixTable, choose
 from .backend import Backend
-from .lifecycle import ModelState
+from .lifecycle import ModelState, Status
 from .logs import LogRing
 from .presets import ModelPreset
-from .scheduler import ModelSnapshot, Status
+from .scheduler import ModelSnapshot
 
 DEFAULT_SLOTS = 4  # llama-server's -np auto
 # HTTP threads each child gets unless its preset sets threads-http: llama-server's own

@@ -27,29 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from .lifecycle import Status as Status  # its home; re-exported for older imports
 
 RAM = "ram"  # the host-memory pool; GPUs are "gpu0", "gpu1", ...
-
-
-class Status(StrEnum):
-    """A model's lifecycle state. Clients see ``public`` (``/models`` ``status.value``, the
-    ``status`` of ``/models/sse`` events): only llama.cpp's values, so a stopping model shows
-    ``loaded`` (its process still holds memory, as in llama.cpp) with ``stopping: true``."""
-
-    UNLOADED = "unloaded"
-    DOWNLOADING = "downloading"
-    LOADING = "loading"
-    LOADED = "loaded"
-    STOPPING = "stopping"
-
-    @property
-    def holds_process(self) -> bool:
-        return self not in (Status.UNLOADED, Status.DOWNLOADING)
-
-    @property
-    def public(self) -> str:
-        return "loaded" if self is Status.STOPPING else self.value
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .errors import LoadFailed
 from .events import EventBus
 from .flags import FlagTable
 from .gpus import GpuDevice, devices_used
+from .lifecycle import Status
 from .presets import ModelPreset
 from .process import (
     ChildExited,
@@ -43,7 +44,6 @@ from .process import (
 )
 from .remote import RemoteUpstream
 from .runtime import ModelRuntime, http_threads
-from .scheduler import Status
 
 log = logging.getLogger("router.spawner")
 

@@ -36,14 +36,13 @@ from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
-from .lifecycle import Drain, Idle, Reset, Retire, Undrain, Unload
+from .lifecycle import Drain, Idle, Reset, Retire, Status, Undrain, Unload
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
 from .memory import total_ram_bytes
 from .presets import ModelPreset
 from .runtime import ModelRuntime, cpu_turn_members
-from .scheduler import Status
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner

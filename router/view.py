@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import clock
-from .scheduler import Status
+from .lifecycle import Status
 
 if TYPE_CHECKING:
     from .presets import ModelPreset

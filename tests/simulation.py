@@ -52,11 +52,10 @@ from router.events import EventBus
 from router.flags import FlagTable
 from router.forward import _acquire_unless_disconnected
 from router.leases import Lease
-from router.lifecycle import Event, InvalidTransition, Stop
+from router.lifecycle import Event, InvalidTransition, Status, Stop
 from router.presets import ModelPreset
 from router.process import ChildExited, ChildTimeout
 from router.runtime import ModelRuntime
-from router.scheduler import Status
 from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner

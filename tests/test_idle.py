@@ -5,12 +5,11 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from router.idle import idle_expired
-from router.lifecycle import ModelState
+from router.lifecycle import ModelState, Status
 from router.logs import LogRing
 from router.presets import ModelPreset
 from router.process import ChildProcess
 from router.runtime import ModelRuntime, Replica
-from router.scheduler import Status
 
 
 def serving(ttl: float | None = None, **state: object) -> ModelRuntime:

@@ -36,6 +36,7 @@ from router.lifecycle import (
     Retire,
     SpawnFailed,
     StartLoad,
+    Status,
     Stop,
     StopChildren,
     Stopped,
@@ -43,7 +44,6 @@ from router.lifecycle import (
     Unload,
     transition,
 )
-from router.scheduler import Status
 
 U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LOADED,
                   Status.STOPPING)

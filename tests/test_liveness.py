@@ -15,13 +15,12 @@ import httpx
 import pytest
 from support import SSEClient, start_router, wait_until, write_presets
 
-from router.lifecycle import ModelState
+from router.lifecycle import ModelState, Status
 from router.liveness import Liveness
 from router.logs import LogRing
 from router.presets import ModelPreset
 from router.process import ChildProcess
 from router.runtime import ModelRuntime, Replica
-from router.scheduler import Status
 
 real = pytest.mark.real
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}

@@ -18,7 +18,7 @@ from support import llama_server_process, start_router, wait_until, write_preset
 
 from router.errors import UpstreamError
 from router.flags import FlagTable
-from router.lifecycle import ModelState
+from router.lifecycle import ModelState, Status
 from router.liveness import Liveness
 from router.logs import LogRing
 from router.presets import ModelPreset, PresetsInvalid, load_preset_file
@@ -27,7 +27,6 @@ from router.proxy import for_remote
 from router.reconfig import needs_restart
 from router.remote import GONE_CODE, RemoteUpstream, UpstreamUnreachable
 from router.runtime import ModelRuntime, Replica
-from router.scheduler import Status
 from router.sources import build_catalogue
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
