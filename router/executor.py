@@ -77,15 +77,12 @@ class Executor:
     def apply(self, runtime: ModelRuntime, event: Event) -> None:
         """Move the model through ``event`` and start its effects (an event that cannot happen
         now raises InvalidTransition)."""
-        before = runtime.state.status
         # A remote upstream never enters a crash loop: its failures are another machine's
         # outages, retried under the backoff, not a configuration to fix.
         limit = self.settings.crash_loop_limit if runtime.preset.upstream is None \
             else sys.maxsize
         runtime.state, effects = transition(runtime.id, runtime.state, event,
                                             crash_loop_limit=limit)
-        if runtime.state.status is not before:
-            runtime.progress = None
         for effect in effects:
             self._perform(runtime, effect)
         self._changes.notify()

@@ -19,6 +19,7 @@ unloaded    Download             downloading (an hf-repo model not in the cache)
 downloading Downloaded           unloaded (the file is there; the load goes on)
 downloading DownloadFailed       unloaded (failure counted unless cancelled)
 unloaded    Admitted             loading (the planner made room: spawn)
+loading     LoadProgress         loading (the children's load progress, published)
 loading     Ready                loaded (every replica healthy)
 loading     SpawnFailed          unloaded (exit, timeout; cancelled: not a failure)
 loaded      Stop                 stopping (stop the children: eviction, TTL, shutdown)
@@ -82,6 +83,8 @@ class ModelState:
     failed: bool = False  # the last run ended in a failure (shown while unloaded)
     failures_in_row: int = 0
     crash_loop: bool = False  # failed crash_loop_limit times in a row: no automatic restart
+    # While loading: llama.cpp's {stages, current, value} of the least advanced child.
+    progress: Mapping[str, Any] | None = None
 
 
 # ----------------------------------------------------------------------------- events
@@ -104,6 +107,13 @@ class DownloadFailed:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """The planner made room: spawn the children."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """The children being started report how far their load got (``spawner``)."""
+
+    progress: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +195,8 @@ class Reset:
     """An explicit load or a new preset: forget the failure count and the crash loop."""
 
 
-Event = (Download | Downloaded | DownloadFailed | Admitted | Ready | SpawnFailed | Stop
+Event = (Download | Downloaded | DownloadFailed | Admitted | LoadProgress | Ready | SpawnFailed
+         | Stop
          | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset
          | Unload)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
@@ -315,7 +326,7 @@ def _after_run(state: ModelState) -> tuple[ModelState, tuple[Effect, ...]]:
 
 def _to_unloaded(state: ModelState, **changes: Any) -> ModelState:
     return replace(state, status=Status.UNLOADED, draining=False, drained_for=None,
-                   stop_when_idle=None, **changes)
+                   stop_when_idle=None, progress=None, **changes)
 
 
 def _download(s: ModelState, e: Download, limit: int) -> Result:
@@ -345,8 +356,16 @@ def _admitted(s: ModelState, e: Admitted, limit: int) -> Result:
     return new, (Publish("model_status", MappingProxyType({"status": new.status.public})),)
 
 
+def _load_progress(s: ModelState, e: LoadProgress, limit: int) -> Result:
+    if e.progress == s.progress:
+        return s, ()
+    new = replace(s, progress=MappingProxyType(dict(e.progress)))
+    return new, (Publish("status_change", MappingProxyType({"status": s.status.public,
+                                                            "progress": dict(e.progress)})),)
+
+
 def _ready(s: ModelState, e: Ready, limit: int) -> Result:
-    new = replace(s, status=Status.LOADED, failed=False)
+    new = replace(s, status=Status.LOADED, failed=False, progress=None)
     return new, (_status_change(s, new, **e.data),)
 
 
@@ -466,6 +485,7 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     (D, Downloaded): _downloaded,
     (D, DownloadFailed): _download_failed,
     (U, Admitted): _admitted,
+    (L, LoadProgress): _load_progress,
     (L, Ready): _ready,
     (L, SpawnFailed): _spawn_failed,
     (OK, Stop): _stop,
@@ -485,4 +505,5 @@ IGNORED: frozenset[tuple[Status, type]] = frozenset({
     (U, Stop), (D, Stop), (L, Stop), (S, Stop),  # already stopped or stopping; loads cancel
     (U, Idle), (D, Idle), (L, Idle), (S, Idle),  # the last request of a stopped model ended
     (U, Undrain), (D, Undrain), (L, Undrain), (S, Undrain),  # the drain ended with a stop
+    (U, LoadProgress), (D, LoadProgress), (OK, LoadProgress), (S, LoadProgress),  # late report
 })

@@ -90,9 +90,6 @@ class ModelRuntime:
     replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
     failure: Failure | None = None  # the last failure, kept for messages
     info: dict[str, Any] | None = None
-    # Load progress while loading, in llama.cpp's shape {stages, current, value}: the least
-    # advanced of the children being started (their own reports, see ``process``).
-    progress: dict[str, Any] | None = None
     loaded_at: float | None = None  # monotonic
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took
@@ -109,6 +106,12 @@ class ModelRuntime:
     @property
     def status(self) -> Status:
         return self.state.status
+
+    @property
+    def progress(self) -> Mapping[str, Any] | None:
+        """Load progress while loading, in llama.cpp's shape {stages, current, value}: the
+        least advanced of the children being started (their own reports, see ``process``)."""
+        return self.state.progress
 
     @property
     def draining(self) -> bool:

@@ -7,8 +7,9 @@
   core; nothing when CPU sharing is off or the preset places its children itself.
 * ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
   waited for until healthy. While it loads, its own progress reports (child mode, see
-  ``process``) are published as llama.cpp's router does: ``status_change`` with
-  ``progress``, the least advanced of the model's children being started.
+  ``process``) go to ``on_progress`` (the lifecycle's ``LoadProgress``, published as
+  llama.cpp's router does: ``status_change`` with ``progress``), the least advanced of the
+  model's children being started.
 * A model with ``upstream`` (``remote``) gets a ``RemoteUpstream`` instead of a child: no
   process, no port of its own, no CPU placement.
 """
@@ -65,6 +66,8 @@ class Spawner:
         self._router_port = router_port
         self._models = models
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
+        # Told each model's overall load progress (the supervisor: a ``LoadProgress`` event).
+        self.on_progress: Callable[[ModelRuntime, dict[str, Any]], None] | None = None
         # Per model, the last load progress each of its children being started reported
         # (``load_progress``).
         self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
@@ -196,10 +199,8 @@ class Spawner:
         overall = min(reports, key=progress_rank, default=progress)
         if len(reports) < len(runtime.spawning) > 1:
             overall = {**overall, "value": 0.0}  # a replica has not reported yet
-        if overall != runtime.progress:
-            runtime.progress = overall
-            self._events.publish(runtime.id, "status_change",
-                                 {"status": Status.LOADING.value, "progress": overall})
+        if self.on_progress is not None:
+            self.on_progress(runtime, overall)
 
     async def model_info(self, child: Backend) -> dict[str, Any] | None:
         """The child's own ``/v1/models`` entry: from its ``ready`` report, else asked."""

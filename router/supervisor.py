@@ -36,7 +36,7 @@ from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
-from .lifecycle import Drain, Idle, Reset, Retire, Status, Undrain, Unload
+from .lifecycle import Drain, Idle, LoadProgress, Reset, Retire, Status, Undrain, Unload
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
@@ -80,6 +80,8 @@ class Supervisor:
                                           gpus=self.gpus, models=self.models.values)
         self.executor = Executor(settings, self.spawner, events, self.changes,
                                  start_load=self._load_again, forget=self._forget)
+        self.spawner.on_progress = lambda runtime, progress: self.executor.apply(
+            runtime, LoadProgress(progress))
         self.admission = Admission(
             settings, self.accounting, events, self.changes,
             memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),

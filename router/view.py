@@ -156,7 +156,7 @@ class ModelView:
         if runtime.draining:
             status["draining"] = True
         if runtime.status is Status.LOADING and runtime.progress is not None:
-            status["progress"] = runtime.progress
+            status["progress"] = dict(runtime.progress)
         position = sup.admission.position(runtime)
         if position is not None:
             status["queue_position"] = position

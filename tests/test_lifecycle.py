@@ -26,6 +26,7 @@ from router.lifecycle import (
     Forget,
     Idle,
     InvalidTransition,
+    LoadProgress,
     ModelState,
     Publish,
     Ready,
@@ -54,7 +55,7 @@ SAMPLES: dict[type, Event] = {
     Download: Download(), Downloaded: Downloaded(), DownloadFailed: DownloadFailed(),
     Admitted: Admitted(), Ready: Ready(), SpawnFailed: SpawnFailed(1), Stop: Stop("unloaded"),
     Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"), Undrain: Undrain(),
-    Unload: Unload(),
+    Unload: Unload(), LoadProgress: LoadProgress({"stages": 1, "current": 0, "value": 0.5}),
     Retire: Retire("reconfigured", removed=False, idle=True),
     ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
     Reset: Reset(),
@@ -72,6 +73,7 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     **{(status, Idle): None for status in (U, D, L, S)},
     **{(status, Undrain): None for status in (U, D, L, S)},
     (U, Unload): U, (D, Unload): D, (L, Unload): L, (OK, Unload): S, (S, Unload): S,
+    (L, LoadProgress): L, **{(status, LoadProgress): None for status in (U, D, OK, S)},
 }
 
 
@@ -306,6 +308,17 @@ def test_reload_while_loading_cancels_and_loads_again() -> None:
     assert effects == (CancelLoad("reconfigured"),)
     state, effects = run(state, SpawnFailed(cancelled=True))
     assert state == ModelState(U) and effects[-1] == StartLoad()
+
+
+def test_load_progress_is_published_once_per_change_and_cleared_after_the_load() -> None:
+    progress = {"stages": 2, "current": 1, "value": 0.25}
+    state, effects = run(L, LoadProgress(progress))
+    assert state.progress == progress
+    assert published(effects) == [("status_change", {"status": "loading",
+                                                      "progress": progress})]
+    assert run(state, LoadProgress(dict(progress))) == (state, ())
+    assert run(state, Ready())[0].progress is None
+    assert run(state, SpawnFailed(1))[0].progress is None
 
 
 def test_unload_stops_a_loaded_model_and_cancels_a_load_waiting_for_it() -> None:
