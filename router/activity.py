@@ -170,7 +170,7 @@ def _model_id(request: Request, name: str) -> str:
     state = getattr(request.app.state, "router", None)
     if state is None:
         return name
-    resolved: str | None = state.supervisor.catalogue.resolve(name)
+    resolved: str | None = state.supervisor.model_id(name)
     return resolved or name
 
 

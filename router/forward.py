@@ -159,8 +159,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
                                     _target(scope)):
             return
     try:
-        runtime = sup.resolve(model) if key_scope is None \
-            else resolve_in_scope(sup, key_scope, model)
+        runtime = resolve_in_scope(sup, key_scope, model)  # a read-only view
     except ModelNotFound:
         if peers is not None:
             raise_if_elsewhere(peers, model, request)

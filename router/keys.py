@@ -45,8 +45,8 @@ from .paths import (
 from .requests import RequestContext, context
 
 if TYPE_CHECKING:
-    from .runtime import ModelRuntime
     from .supervisor import Supervisor
+    from .view import ModelView
 
 ADMIN, INFER, METRICS = "admin", "infer", "metrics"
 ROLES = (ADMIN, INFER, METRICS)
@@ -85,8 +85,8 @@ class KeyScope:
         """Whether the model with this id and these aliases is in scope."""
         return self.pattern is None or _allows(self, model_id, aliases)
 
-    def allows_runtime(self, runtime: ModelRuntime) -> bool:
-        return self.pattern is None or _allows(self, runtime.preset.id, runtime.preset.aliases)
+    def allows_model(self, model: ModelView) -> bool:
+        return self.pattern is None or _allows(self, model.id, model.aliases)
 
     def describe(self) -> str:
         """``role=infer models=chat-*`` (never the key)."""
@@ -229,21 +229,22 @@ def key_scope_of(scope: Scope) -> KeyScope | None:
     return context(scope).key_scope
 
 
-def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str) -> ModelRuntime:
-    """``supervisor.resolve(name)``, then Forbidden if the model is outside the key's scope.
+def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str
+                     ) -> ModelView:
+    """``supervisor.find(name)``, then Forbidden if the model is outside the key's scope.
     A not-found model's close matches name only models in scope."""
     if key_scope is None or key_scope.pattern is None:
-        return supervisor.resolve(name)
+        return supervisor.find(name)
     try:
-        runtime = supervisor.resolve(name)
+        model = supervisor.find(name)
     except ModelNotFound:
         close = []
-        for candidate in supervisor.catalogue.close_matches(name):
-            model_id = supervisor.catalogue.resolve(candidate)
-            found = supervisor.models.get(model_id) if model_id is not None else None
-            if found is not None and key_scope.allows_runtime(found):
+        for candidate in supervisor.close_matches(name):
+            model_id = supervisor.model_id(candidate)
+            found = supervisor.view(model_id) if model_id is not None else None
+            if found is not None and key_scope.allows_model(found):
                 close.append(candidate)
         raise ModelNotFound(name, close) from None
-    if not key_scope.allows_runtime(runtime):
+    if not key_scope.allows_model(model):
         raise Forbidden(f"model '{name}' is not allowed for this API key")
-    return runtime
+    return model

@@ -49,11 +49,11 @@ from .peers import (
 )
 from .proxy import FailOver, relay, upstream_headers
 from .requests import VIA_HEADER, RequestContext
-from .runtime import ModelRuntime
 from .scheduler import Status
 from .state import State
 from .supervisor import Supervisor
 from .upstream import Cancel
+from .view import ModelView
 
 log = logging.getLogger("router.nodes")
 
@@ -91,7 +91,7 @@ def loop_error(request: RequestContext, peers: Peers, what: str) -> AlreadyRelay
 
 
 def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
-                ) -> ModelRuntime | None:
+                ) -> ModelView | None:
     """This router's own model named ``model``, or None; Forbidden when a scoped key may not
     use the model (here or on any node)."""
     try:
@@ -115,7 +115,7 @@ def raise_if_elsewhere(peers: Peers, model: str, request: RequestContext) -> Non
                           headers={"Retry-After": "5"})
 
 
-def candidates(holders: list[Peer], model: str, local: ModelRuntime | None, node: str
+def candidates(holders: list[Peer], model: str, local: ModelView | None, node: str
                ) -> list[Candidate]:
     """Every node that can serve ``model`` (the peers ``holders``, and ``local``, this
     router's own), in the order to try them."""
@@ -128,7 +128,7 @@ def candidates(holders: list[Peer], model: str, local: ModelRuntime | None, node
 
 async def serve_across_nodes(state: State, scope: Scope, request: RequestContext,
                              receive: Receive, send: Send, holders: list[Peer],
-                             local: ModelRuntime | None, target: bytes) -> bool:
+                             local: ModelView | None, target: bytes) -> bool:
     """Serve the request on the best node holding its model (the peers ``holders``, or
     ``local``); False when that is this router (the caller serves it). Raises like
     ``proxy.relay`` for the last node tried."""
@@ -286,7 +286,7 @@ def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
         return event
     model = event["model"]
     holders = [p for p in peers.peers.values() if p.up and model in p.models]
-    local = supervisor.models.get(model)
+    local = supervisor.view(model)
     if len(holders) + (local is not None) < 2:
         return event
     statuses = [p.status_of(model) for p in holders]
@@ -319,7 +319,7 @@ async def scrape_peers(peers: Peers, request: RequestContext
     return [found for found in await asyncio.gather(*(scrape(p) for p in up)) if found]
 
 
-def admin_targets(holders: list[Peer], model: str, local: ModelRuntime | None, node: str,
+def admin_targets(holders: list[Peer], model: str, local: ModelView | None, node: str,
                   asked: str | None, action: str) -> list[Peer | None]:
     # ``holders``: the peers that list the model, less those the request passed through.
     """Where ``POST /models/load|unload`` goes (None: this router).

@@ -39,7 +39,6 @@ from .errors import BadRequest, NotFound, Unavailable
 from .peers import Peer
 from .proxy import relay, upstream_headers
 from .requests import VIA_HEADER, context
-from .scheduler import Status
 
 if TYPE_CHECKING:
     from .state import Shutdown
@@ -88,8 +87,8 @@ def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
         return None
     if isinstance(child, Peer):
         return (model, child) if child.up else None
-    runtime = supervisor.models.get(model)
-    if runtime is None or not any(r.child is child for r in runtime.replicas):
+    view = supervisor.view(model)
+    if view is None or not view.serves_through(child):
         return None
     return model, child
 
@@ -116,8 +115,8 @@ class StreamResume:
         running = _running_owner(self.owners, self.supervisor, conv_id)
         if running is None:
             found = self.owners.owner(conv_id)
-            runtime = self.supervisor.models.get(found[0]) if found else None
-            if runtime is not None and runtime.status in (Status.LOADING, Status.DOWNLOADING):
+            view = self.supervisor.view(found[0]) if found else None
+            if view is not None and view.loading:
                 raise Unavailable("Stream owner model is loading, retry later",
                                          headers={"Retry-After": "1"})
             raise NotFound("Stream not found or expired")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -24,7 +23,6 @@ from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resol
 from .errors import BadRequest, ModelMissing, NotFound, RouterError, UpstreamError, envelope
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
-from .memory import total_ram_bytes
 from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
 from .nodes import (
     across_nodes,
@@ -41,10 +39,8 @@ from .requests import context
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
-from .runtime import ModelRuntime
 from .scheduler import Status
 from .state import State, _state
-from .supervisor import Supervisor
 
 
 async def health(request: Request) -> Response:
@@ -60,7 +56,7 @@ async def props(request: Request) -> Response:
         "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error,
-        "llama_router": {**budgets(state.supervisor), "node": state.node,
+        "llama_router": {**state.supervisor.budgets(), "node": state.node,
                          "instance": state.peers.instance if state.peers is not None else "",
                          **({"peers": state.peers.describe()} if state.peers is not None
                             and state.peers.configured else {})},
@@ -81,8 +77,8 @@ def _conversation_in_scope(state: State, key_scope: KeyScope | None, conv_id: st
     found = state.conversations.owner(conv_id)
     if found is None:
         return True
-    runtime = state.supervisor.models.get(found[0])
-    return key_scope.allows(found[0], runtime.preset.aliases if runtime is not None else ())
+    model = state.supervisor.view(found[0])
+    return key_scope.allows(found[0], model.aliases if model is not None else ())
 
 
 def _check_conversation(request: Request, state: State) -> None:
@@ -128,93 +124,14 @@ async def stream_stop(request: Request) -> Response:
     return await stop_stream(request, state.supervisor, state.conversations, state.client)
 
 
-def budgets(supervisor: Supervisor) -> dict[str, Any]:
-    """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when off."""
-    return {
-        "models_max": supervisor.settings.models_max,
-        "memory_budget": supervisor.admission.memory_budget, "memory_total": total_ram_bytes(),
-        "gpus": [{"pool": d.pool, "name": d.name, "total": d.total_bytes,
-                  "budget": supervisor.admission.gpu_budgets.get(d.pool)}
-                 for d in supervisor.gpus],
-    }
-
-
-def describe(runtime: ModelRuntime, supervisor: Supervisor, created: int) -> dict[str, Any]:
-    """One ``/models`` entry, in llama.cpp's shape plus the router's extra status fields."""
-    preset = runtime.preset
-    child = runtime.child
-    status: dict[str, Any] = {
-        "value": runtime.status.public,
-        "args": child.argv if child else supervisor.spawner.display_argv(runtime),
-        "in_flight": runtime.in_flight,
-        "waiting": runtime.waiting,
-    }
-    if child is not None:
-        status.update(pid=child.pid, port=child.port)
-    if runtime.loaded_at is not None:
-        status["uptime_s"] = round(time.monotonic() - runtime.loaded_at, 1)
-    if child is not None and preset.upstream is None:
-        status["cpu"] = child.cpu.describe() if child.cpu is not None else {
-            "threads": preset.args.get("threads"), "cores": None,
-            "placed_by": "preset" if supervisor.cores else "llama-server"}
-        if supervisor.cpu_gate.is_paused(child):
-            status["cpu"]["paused"] = True  # waiting for its turn on the CPU
-    if preset.replicas > 1 or len(runtime.replicas) > 1:
-        status["replicas"] = [{"pid": r.child.pid, "port": r.child.port,
-                               "in_flight": r.in_flight,
-                               **({"cpu": r.child.cpu.describe()} if r.child.cpu else {})}
-                              for r in runtime.replicas]
-    if runtime.status is Status.STOPPING:
-        status["stopping"] = True
-    if runtime.draining:
-        status["draining"] = True
-    if runtime.status is Status.LOADING and runtime.progress is not None:
-        status["progress"] = runtime.progress
-    position = supervisor.admission.position(runtime)
-    if position is not None:
-        status["queue_position"] = position
-        status["expected_wait_s"] = supervisor.admission.expected_wait_s(runtime)
-    memory: dict[str, Any] = {"estimate": runtime.estimate or None}
-    if runtime.replicas:
-        memory["measured"] = supervisor.accounting.measured(runtime)
-    if supervisor.gpus:
-        measured = supervisor.accounting.measured_devices(runtime) if runtime.replicas else {}
-        memory["gpus"] = {
-            pool: {"estimate": runtime.estimate_devices.get(pool),
-                   **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
-            for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
-    status["memory"] = memory
-    if preset.model_path is None and preset.hf_repo:
-        status.update(downloaded=False,
-                      message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
-    if runtime.download and runtime.status is Status.DOWNLOADING:
-        status["download"] = runtime.download
-    if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
-        status.update(failed=True, exit_code=runtime.failure.exit_code,
-                      message=runtime.failure.message, last_lines=runtime.failure.last_lines)
-    if runtime.crash_loop:
-        status["crash_loop"] = True
-    entry: dict[str, Any] = {
-        "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
-        "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
-        "source": preset.source, "can_remove": preset.source == "cache",
-    }
-    if preset.upstream is not None:  # a remote upstream (its key is never shown)
-        entry["upstream"] = preset.upstream
-    if runtime.info and runtime.status is not Status.UNLOADED:
-        for key, value in runtime.info.items():
-            entry.setdefault(key, value)
-    return entry
-
-
 async def list_models(request: Request) -> Response:
     state = _state(request)
     if context(request.scope).params.get("reload"):  # llama.cpp's: any non-empty value
         await state.reloader.reload("GET /models?reload")
     sup = state.supervisor
     key_scope = key_scope_of(request.scope)
-    data = [describe(r, sup, state.started) for r in sup.models.values() if r.preset.listed
-            and (key_scope is None or key_scope.allows_runtime(r))]
+    data = [m.entry(state.started) for m in sup.views() if m.preset.listed
+            and (key_scope is None or key_scope.allows_model(m))]
     skipped: list[dict[str, str]] = []
     if state.peers is not None and state.peers.peers:
         data = merged_listing(data, state.peers, state.node, key_scope)
@@ -251,7 +168,7 @@ async def _on_peers(request: Request, action: str, name: str,
         raise loop_error(ctx, peers, f"this {action} of model '{name}'")
     holders = peers.holders(name, ctx.via)  # never back to a router it passed through
     if not holders and not asked:
-        if ctx.via and peers.holders(name) and state.supervisor.catalogue.resolve(name) is None:
+        if ctx.via and peers.holders(name) and state.supervisor.model_id(name) is None:
             raise loop_error(ctx, peers, f"this {action} of model '{name}'")
         return None
     if asked is not None and not isinstance(asked, str):
@@ -317,7 +234,7 @@ async def pull_model(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     if key_scope is not None and not key_scope.allows(resolution.id):
         raise Forbidden(f"model '{resolution.id}' is not allowed for this API key")
-    if sup.catalogue.resolve(resolution.id) is not None:
+    if sup.model_id(resolution.id) is not None:
         raise BadRequest(f"model '{resolution.id}' already exists")
     preset = ModelPreset(id=resolution.id, source="cache",
                          args=MappingProxyType({"hf-repo": resolution.id}))
@@ -338,7 +255,7 @@ async def delete_model(request: Request) -> Response:
     await sup.unload(runtime.id)
     paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
     freed = await asyncio.to_thread(delete_cached, paths)
-    sup.remove_model(runtime)
+    sup.remove_model(runtime.id)
     return JSONResponse({"success": True, "freed_bytes": freed})
 
 
@@ -411,18 +328,18 @@ class EventStream:
     def _shows(self, model_id: str) -> bool:
         if self.key_scope is None or model_id == "*":
             return True
-        runtime = self.state.supervisor.models.get(model_id)
-        return self.key_scope.allows(model_id, runtime.preset.aliases if runtime else ())
+        model = self.state.supervisor.view(model_id)
+        return self.key_scope.allows(model_id, model.aliases if model else ())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with self.state.events.subscribe() as subscription:
             # The snapshot is queued in the same loop step as the subscription, so every
             # later change follows it and none is missed.
-            for runtime in self.state.supervisor.models.values():
-                if not runtime.preset.listed or not self._shows(runtime.preset.id):
+            for model in self.state.supervisor.views():
+                if not model.preset.listed or not self._shows(model.id):
                     continue
-                subscription.offer({"model": runtime.preset.id, "event": "model_status",
-                                    "data": {"status": runtime.status.public}})
+                subscription.offer({"model": model.id, "event": "model_status",
+                                    "data": {"status": model.status.public}})
             peers = self.state.peers
             for model_id, holders in (peers.listing() if peers is not None else {}).items():
                 if self._shows(model_id):

@@ -116,6 +116,14 @@ class Supervisor:
         """A read-only view of every model, in catalogue order."""
         return [ModelView(runtime, self) for runtime in self.models.values()]
 
+    def model_id(self, name: str) -> str | None:
+        """The id a name (id or alias) stands for, or None."""
+        return self.catalogue.resolve(name)
+
+    def close_matches(self, name: str) -> list[str]:
+        """Names close to an unknown one, for "did you mean"."""
+        return self.catalogue.close_matches(name)
+
     def find(self, name: str) -> ModelView:
         """The model a request names (id or alias); raises ModelNotFound."""
         return ModelView(self.resolve(name), self)
@@ -291,8 +299,9 @@ class Supervisor:
         self.events.publish(preset.id, "model_status", {"status": runtime.status.public})
         return runtime
 
-    def remove_model(self, runtime: ModelRuntime) -> None:
+    def remove_model(self, model_id: str) -> None:
         """Forget a model that is not running (``DELETE /models``)."""
+        runtime = self.models[model_id]
         models = {k: v for k, v in self.catalogue.models.items() if k != runtime.id}
         self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
         self._forget(runtime)

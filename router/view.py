@@ -19,6 +19,7 @@ from . import clock
 from .lifecycle import Status
 
 if TYPE_CHECKING:
+    from .logs import LogRing
     from .presets import ModelPreset
     from .runtime import Failure, ModelRuntime
     from .supervisor import Supervisor
@@ -57,6 +58,11 @@ class ModelView:
     @property
     def aliases(self) -> tuple[str, ...]:
         return self._runtime.preset.aliases
+
+    @property
+    def logs(self) -> LogRing:
+        """Its llama-server's recent output (``/logs``), to read or follow."""
+        return self._runtime.logs
 
     # -- state -------------------------------------------------------------------------------
 

@@ -288,10 +288,12 @@ def test_routing_decisions_are_counted_per_model_and_decision() -> None:
     assert 'llamarouter_replica_routing_total{decision="prefix_hit",model="hot"} 2.0' in text
     assert 'llamarouter_replica_routing_total{decision="miss",model="hot"} 1.0' in text
     assert 'decision="override"' not in text
-    sup = SimpleNamespace(events=SimpleNamespace(listeners=[]), leases=leases(), models={},
-                          cpu_gate=SimpleNamespace(turns=0, paused=()))
+    routed: list[Any] = []
+    sup = SimpleNamespace(events=SimpleNamespace(listeners=[]), on_routed=routed.append,
+                          views=list, cpu_turns=0, children_paused=0)
     metrics.attach(sup)  # type: ignore[arg-type]
-    assert sup.leases.on_routed == metrics.observe_routing
+    assert routed == [metrics.observe_routing]
+    generate_latest(metrics.registry)  # the live gauges read the supervisor's views
 
 
 # -- presets and reconfiguration --------------------------------------------------------------
@@ -343,7 +345,7 @@ class KeySupervisor:
         self.preset = preset
         self.keys: list[tuple[int, ...] | None] = []
 
-    def resolve(self, model: str) -> SimpleNamespace:
+    def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=self.preset, serving=True)
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,

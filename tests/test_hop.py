@@ -72,7 +72,7 @@ class FakeSupervisor:
     def __init__(self, pool: ChildConnections) -> None:
         self.pool = pool
 
-    def resolve(self, model: str) -> SimpleNamespace:
+    def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
                                                                   upstream=None),
                                serving=True)

@@ -374,7 +374,7 @@ def test_events_of_a_model_on_several_nodes_carry_its_status_across_them() -> No
     a = StubPeer("node-a", {"m": "loaded", "only-b": "loaded"})
     b = StubPeer("node-b", {"m": "unloaded", "only-b": "unloaded"})
     peers: Any = StubPeers(a, b)
-    supervisor: Any = type("Sup", (), {"models": {}})()
+    supervisor: Any = type("Sup", (), {"view": lambda self, model: None})()
     unloaded = {"model": "m", "event": "status_change", "data": {"status": "unloaded"},
                 "node": "node-b"}
     assert across_nodes(unloaded, peers, supervisor) == {

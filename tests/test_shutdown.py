@@ -80,7 +80,7 @@ class FakeSupervisor:
         self.waiting = 0
         self.waits = asyncio.Event()  # set when a request starts waiting for ``loading``
 
-    def resolve(self, model: str) -> SimpleNamespace:
+    def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
                                                                   upstream=None),
                                serving=model != "loading")
