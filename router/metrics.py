@@ -3,14 +3,16 @@
 The router's metrics live in a prometheus-client registry of their own. Children (always
 started with ``--metrics``) are scraped concurrently with a short timeout; each sample gains a
 ``model="<id>"`` label and samples of the same family from every child are written under one
-``# HELP``/``# TYPE`` header. Only loaded children are scraped (scraping never loads or wakes a
-model); a child that fails to answer is left out and counted in
-``llamarouter_child_scrape_errors_total``.
+``# HELP``/``# TYPE`` header, all of it written by prometheus-client (``generate_latest``
+over the router's families and the children's, parsed and relabelled). Only loaded children
+are scraped (scraping never loads or wakes a model); a child that fails to answer is left out
+and counted in ``llamarouter_child_scrape_errors_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.samples import Sample
 
 from .events import Event
 from .scheduler import Status
@@ -151,10 +153,8 @@ class RouterMetrics:
                 targets.append((labels, replica.base_url))
         texts = await asyncio.gather(*(self._scrape(client, labels, url)
                                        for labels, url in targets))
-        own = generate_latest(self.registry)
-        children = "".join(render_merged(merge_child_metrics(
-            [(labels, text) for labels, text in texts if text is not None])))
-        return own + children.encode()
+        return merged_exposition(self.registry, [(labels, text) for labels, text in texts
+                                                 if text is not None])
 
     async def _scrape(self, client: httpx.AsyncClient, labels: dict[str, str],
                       base_url: str) -> tuple[dict[str, str], str | None]:
@@ -210,39 +210,135 @@ class _LiveGauges(Collector):
         yield from (running, status, in_flight, queued, memory, gpu, turns, paused)
 
 
-def merge_child_metrics(texts: Iterable[tuple[dict[str, str], str]]
-                        ) -> dict[str, dict[str, Any]]:
-    """Parse each child's exposition and group samples by family, adding the child's labels
-    (``model``, and ``replica`` for models with several)."""
-    families: dict[str, dict[str, Any]] = {}
+ChildText = tuple[dict[str, str], str]  # (labels to add to each sample, exposition text)
+
+# The text format's types as prometheus-client's model holds them ("untyped" is "unknown"); a
+# child's family of another type (OpenMetrics-only types such as info, stateset) is exposed
+# untyped under its own sample names, as the text format knows no such type.
+_TEXT_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "unknown"})
+_CREATED_TYPES = frozenset({"counter", "histogram", "summary"})  # families with a _created
+
+
+class _BareCounter(Metric):
+    """A counter whose samples are not named ``<name>_total`` (llama-server's
+    ``llamacpp:n_tokens_max``): prometheus-client's model has no such counter (its parser renames
+    the samples to ``_total`` and ``generate_latest`` would declare ``<name>_total``), so it is
+    held as a gauge under its own name and its ``# TYPE`` line is set back to counter once
+    rendered (``exposition_of``)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        super().__init__(name, documentation, "gauge")
+
+
+class _Families(Collector):
+    """One exposition's families, in order: what ``generate_latest`` renders."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def exposed_name(family: Metric) -> str:
+    """The family's name in the text format (``# TYPE`` line): a counter's is ``<name>_total``."""
+    return family.name + "_total" if family.type == "counter" else family.name
+
+
+def merge_child_metrics(texts: Iterable[ChildText],
+                        families: dict[str, Metric] | None = None) -> dict[str, Metric]:
+    """Parse each child's exposition and group its samples by family into ``families`` (by
+    ``exposed_name``; a new dict if None), adding the child's labels (``model``, and
+    ``replica`` for models with several) to each sample.
+
+    A family keeps the HELP and type it was first seen with; a later one of the same name but
+    another type is left out (one name, one ``# TYPE``). A child whose text does not parse is
+    left out."""
+    merged: dict[str, Metric] = {} if families is None else families
+    mine: set[str] = set()
     for extra, text in texts:
         try:
             parsed = list(text_string_to_metric_families(text))
         except ValueError:
             continue
+        bare = _bare_counters(text)
         for family in parsed:
-            names = {s.name for s in family.samples}
-            # Counters lose "_total" in the parser; expose the family by its sample name.
-            name = names.pop() if len(names) == 1 else family.name
-            kind = "untyped" if family.type == "unknown" else family.type
-            entry = families.setdefault(name, {"type": kind,
-                                               "help": family.documentation, "samples": []})
-            for sample in family.samples:
-                entry["samples"].append((sample.name, {**sample.labels, **extra},
-                                         sample.value))
-    return families
+            _add(merged, _relabelled(family, extra, family.name in bare), mine)
+    return merged
 
 
-def render_merged(families: dict[str, dict[str, Any]]) -> Iterator[str]:
-    for name, family in families.items():
-        help_text = family["help"].replace("\\", "\\\\").replace("\n", "\\n")
-        yield f"# HELP {name} {help_text}\n# TYPE {name} {family['type']}\n"
-        for sample_name, labels, value in family["samples"]:
-            rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            value_text = floatToGoString(value)  # type: ignore[no-untyped-call]
-            yield f"{sample_name}{{{rendered}}} {value_text}\n"
+def _bare_counters(text: str) -> set[str]:
+    """Names declared counter by a ``# TYPE`` line that do not end in ``_total``."""
+    names: set[str] = set()
+    if "counter" not in text:
+        return names
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) == 4 and parts[3] == "counter" and not parts[2].endswith("_total"):
+                names.add(parts[2])
+    return names
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _relabelled(family: Metric, extra: dict[str, str], bare: bool) -> Metric:
+    if bare and family.type == "counter":  # the parser named its samples <name>_total
+        out: Metric = _BareCounter(family.name, family.documentation)
+        out.samples = [Sample(s.name.removesuffix("_total"), {**s.labels, **extra}, s.value)
+                       for s in family.samples]
+        return out
+    out = Metric(family.name, family.documentation,
+                 family.type if family.type in _TEXT_TYPES else "unknown")
+    out.samples = [Sample(s.name, {**s.labels, **extra}, s.value) for s in family.samples]
+    return out
 
+
+def _add(families: dict[str, Metric], family: Metric, mine: set[str]) -> None:
+    """Add ``family`` (new: of this merge) to ``families``; ``mine``: the names of the families
+    there that this merge made (the others, handed in, are copied before they grow)."""
+    name = exposed_name(family)
+    known = families.get(name)
+    if known is None:
+        families[name] = family
+        mine.add(name)
+    elif (known.type == family.type
+          and isinstance(known, _BareCounter) == isinstance(family, _BareCounter)):
+        if name not in mine:
+            known = families[name] = copy.copy(known)
+            known.samples = list(known.samples)
+            mine.add(name)
+        known.samples.extend(family.samples)
+
+
+def exposition_of(families: Iterable[Metric]) -> bytes:
+    """The text exposition of ``families`` (``generate_latest``'s), a bare counter's ``# TYPE``
+    line set back to counter."""
+    families = list(families)
+    body = generate_latest(_Families(families))
+    for family in families:
+        if isinstance(family, _BareCounter):
+            name = family.name.encode()
+            body = body.replace(b"\n# TYPE " + name + b" gauge\n",
+                                b"\n# TYPE " + name + b" counter\n", 1)
+    return body
+
+
+def merged_exposition(own: Collector, texts: Iterable[ChildText]) -> bytes:
+    """``own``'s families (the router's registry), then the children's, in one exposition.
+
+    A child's family with the name of one of the router's own (a remote upstream that is a
+    router itself) is written under the router's header; a child's ``<name>_created`` gauge for
+    one of the router's counters or histograms is left out, as ``generate_latest`` writes the
+    router's own under that name."""
+    families: dict[str, Metric] = {}
+    created: set[str] = set()
+    for family in own.collect():
+        families[exposed_name(family)] = family
+        if family.type in _CREATED_TYPES:
+            created.add(family.name + "_created")
+    merged = merge_child_metrics(texts, families)
+    return exposition_of(family for name, family in merged.items() if name not in created)
+
+
+def render_merged(families: dict[str, Metric]) -> Iterator[str]:
+    """The exposition of merged families, as text (the peers' merged ``/metrics``)."""
+    yield exposition_of(families.values()).decode()

@@ -58,6 +58,13 @@ def test_merged_metrics(tmp_path: Path, presets: Path) -> None:
         direct = client.get("/metrics", params={"model": "a"}).text
         assert "llamacpp:tokens_predicted_total " in direct
         assert 'model="a"' not in direct
+        # The children's families keep llama-server's names and types (llamacpp:n_tokens_max
+        # is a counter without _total), each sample relabelled.
+        for line in direct.splitlines():
+            if line.startswith("# "):
+                assert line + "\n" in text, line
+            else:
+                assert line.split(" ")[0] + '{model="a"} ' in text, line
 
 
 def test_a_child_that_does_not_answer_drops_out_of_the_scrape(tmp_path: Path,
