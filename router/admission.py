@@ -20,7 +20,7 @@ from . import clock
 from .accounting import Accounting
 from .changes import Changes
 from .errors import LoadFailed
-from .events import EventBus
+from .lifecycle import Event, Queued
 from .memory import format_size
 from .runtime import ModelRuntime
 from .scheduler import plan_admission
@@ -33,7 +33,8 @@ REPLAN_S = 1.0  # plan again at least this often while queued at the head
 
 
 class Admission:
-    def __init__(self, settings: Settings, accounting: Accounting, events: EventBus,
+    def __init__(self, settings: Settings, accounting: Accounting,
+                 apply: Callable[[ModelRuntime, Event], None],
                  changes: Changes, *, memory_budget: int | None, gpu_budgets: dict[str, int],
                  models: Callable[[], Iterable[ModelRuntime]],
                  evict: Callable[[str], None], drain: Callable[[str, str], None],
@@ -42,7 +43,7 @@ class Admission:
         self.memory_budget = memory_budget
         self.gpu_budgets = gpu_budgets
         self._accounting = accounting
-        self._events = events
+        self._apply = apply  # the lifecycle's: tells a model it queued (``Queued``)
         self._changes = changes
         self._models = models
         self._evict = evict  # stop this idle model to make room
@@ -73,8 +74,7 @@ class Admission:
         target_memory = await self._accounting.estimate(runtime)
         runtime.queued_since = clock.now()
         self.queue.append(runtime)
-        self._events.publish(runtime.id, "queued", {
-            "position": len(self.queue) - 1, "expected_wait_s": self.expected_wait_s(runtime)})
+        self._apply(runtime, Queued(len(self.queue) - 1, self.expected_wait_s(runtime)))
         self._changes.notify()
         try:
             while True:

@@ -32,10 +32,13 @@ from .lifecycle import (
     Event,
     FailureCounted,
     Forget,
+    KillReplica,
     Publish,
     ReplaceReplicas,
     ReplicaExited,
     ReplicaFailed,
+    ReplicaStarted,
+    ReplicaUnresponsive,
     StartLoad,
     Status,
     Stop,
@@ -114,7 +117,9 @@ class Executor:
     def _perform(self, runtime: ModelRuntime, effect: Effect) -> None:
         match effect:
             case Publish(kind, data):
-                self._events.publish(runtime.id, kind, dict(data))
+                self._events.publish(runtime.id, kind, dict(data) or None)
+            case KillReplica(child, why):
+                self._kill_replica(runtime, child, why)
             case StopChildren(reason):
                 runtime.stop_task = _task(self._stop_children(runtime, reason),
                                           f"stop:{runtime.id}")
@@ -226,23 +231,25 @@ class Executor:
         log.info("replica restarted", extra={
             "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
             "port": replica.child.port})
-        self._events.publish(runtime.id, "replica_restarted",
-                             {"pid": replica.child.pid, "replicas": len(runtime.replicas)})
         runtime.replace_task = None
+        self.apply(runtime, ReplicaStarted(replica.child.pid, len(runtime.replicas)))
         if len(runtime.replicas) < runtime.preset.replicas:
             self._perform(runtime, ReplaceReplicas())
 
     def kill_unresponsive(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
-        """Kill a serving child that stopped answering (``liveness``) and take it out of
-        service at once; its exit watcher then handles it as a crash, with ``why`` as the
-        failure."""
+        """A serving child stopped answering (``liveness``): ``ReplicaUnresponsive``, which
+        kills it and takes it out of service at once (``KillReplica``); its exit watcher then
+        handles it as a crash, with ``why`` as the failure."""
+        if any(r.child is child for r in runtime.replicas):
+            self.apply(runtime, ReplicaUnresponsive(child, child.pid, why))
+
+    def _kill_replica(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
         replica = next((r for r in runtime.replicas if r.child is child), None)
         if replica is None or replica.killed_because is not None:
             return
         replica.killed_because = why
         log.error("%s", why, extra={"event": "unresponsive", "model": runtime.id,
                                     "pid": child.pid})
-        self._events.publish(runtime.id, "unresponsive", {"pid": child.pid, "reason": why})
         # No new request goes to it from now on; its exit watcher reports the crash.
         runtime.replicas = [r for r in runtime.replicas if r.child is not child]
         child.kill_now()

@@ -16,8 +16,10 @@ never a client error).
 from        event                to (effects)
 =========== ==================== ==================================================
 unloaded    Download             downloading (an hf-repo model not in the cache)
+downloading DownloadProgress     downloading (bytes so far, published)
 downloading Downloaded           unloaded (the file is there; the load goes on)
 downloading DownloadFailed       unloaded (failure counted unless cancelled)
+unloaded    Queued               unloaded (its load waits for admission, published)
 unloaded    Admitted             loading (the planner made room: spawn)
 loading     LoadProgress         loading (the children's load progress, published)
 loading     Ready                loaded (every replica healthy)
@@ -34,6 +36,8 @@ loaded      Undrain              loaded, serving again: nobody waits for that lo
 loaded      Retire               loaded, draining, stop when idle (stopping if idle)
 loaded      ReplicaExited        loaded (replace it) or, the last one, unloaded
 loaded      ReplicaFailed        loaded (a replacement did not start; counted)
+loaded      ReplicaStarted       loaded (a replacement serves, published)
+loaded      ReplicaUnresponsive  loaded (kill it: its exit is then a ReplicaExited)
 stopping    Stopped              unloaded (then forget a removed model, or load again)
 any         Retire               cancels a download or load; a removed model is
                                  forgotten once nothing runs
@@ -95,6 +99,13 @@ class Download:
 
 
 @dataclass(frozen=True, slots=True)
+class DownloadProgress:
+    """Bytes downloaded so far, per file: ``{file: {"done": n, "total": n}}``."""
+
+    progress: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Downloaded:
     """Its files are in the cache; the load goes on."""
 
@@ -102,6 +113,15 @@ class Downloaded:
 @dataclass(frozen=True, slots=True)
 class DownloadFailed:
     cancelled: bool = False  # an unload or reconfiguration stopped it: not a failure
+    error: str = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """Its load joined the admission queue at ``position`` (0: planning now)."""
+
+    position: int
+    expected_wait_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +211,29 @@ class ReplicaFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaStarted:
+    """A child replacing a crashed replica serves: the model has ``replicas`` again."""
+
+    pid: int | None
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUnresponsive:
+    """A serving child stopped answering its health checks (``liveness``)."""
+
+    child: Any  # the backend to kill
+    pid: int | None
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reset:
     """An explicit load or a new preset: forget the failure count and the crash loop."""
 
 
-Event = (Download | Downloaded | DownloadFailed | Admitted | LoadProgress | Ready | SpawnFailed
-         | Stop
+Event = (Download | DownloadProgress | Downloaded | DownloadFailed | Queued | Admitted
+         | LoadProgress | Ready | SpawnFailed | ReplicaStarted | ReplicaUnresponsive | Stop
          | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset
          | Unload)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
@@ -251,6 +288,15 @@ class ReplaceReplicas:
 
 
 @dataclass(frozen=True, slots=True)
+class KillReplica:
+    """Take the replica served by ``child`` out of service and kill it (``why``: the crash
+    report its exit watcher gives)."""
+
+    child: Any
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Forget:
     """Drop a removed model from the router."""
 
@@ -263,7 +309,7 @@ class FailureCounted:
 
 
 Effect = (Publish | StopChildren | StartLoad | CancelLoad | CancelDownload | CancelReplacement
-          | ReplaceReplicas | Forget | FailureCounted)
+          | ReplaceReplicas | KillReplica | Forget | FailureCounted)
 
 
 class InvalidTransition(RuntimeError):
@@ -334,14 +380,23 @@ def _download(s: ModelState, e: Download, limit: int) -> Result:
     return new, (_status_change(s, new),)
 
 
+def _download_progress(s: ModelState, e: DownloadProgress, limit: int) -> Result:
+    return s, (Publish("download_progress", MappingProxyType({"progress": e.progress})),)
+
+
 def _downloaded(s: ModelState, e: Downloaded, limit: int) -> Result:
     new = _to_unloaded(s)
-    return new, (_status_change(s, new),)
+    return new, (Publish("download_finished", MappingProxyType({})), _status_change(s, new))
+
+
+def _queued(s: ModelState, e: Queued, limit: int) -> Result:
+    return s, (Publish("queued", MappingProxyType({"position": e.position,
+                                                   "expected_wait_s": e.expected_wait_s})),)
 
 
 def _download_failed(s: ModelState, e: DownloadFailed, limit: int) -> Result:
     new = _to_unloaded(s)
-    effects: list[Effect] = []
+    effects: list[Effect] = [Publish("download_failed", MappingProxyType({"error": e.error}))]
     if e.cancelled:
         effects.append(_status_change(s, new, reason="cancelled"))
     else:
@@ -438,6 +493,16 @@ def _replica_exited(s: ModelState, e: ReplicaExited, limit: int) -> Result:
     return new, (counted, CancelReplacement(), publish, *after)
 
 
+def _replica_started(s: ModelState, e: ReplicaStarted, limit: int) -> Result:
+    return s, (Publish("replica_restarted", MappingProxyType({"pid": e.pid,
+                                                              "replicas": e.replicas})),)
+
+
+def _replica_unresponsive(s: ModelState, e: ReplicaUnresponsive, limit: int) -> Result:
+    return s, (Publish("unresponsive", MappingProxyType({"pid": e.pid, "reason": e.why})),
+               KillReplica(e.child, e.why))
+
+
 def _replica_failed(s: ModelState, e: ReplicaFailed, limit: int) -> Result:
     new, counted = _count_failure(s, limit)
     return new, (counted,) if new.crash_loop else (counted, ReplaceReplicas())
@@ -482,7 +547,9 @@ U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LO
 
 TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     (U, Download): _download,
+    (D, DownloadProgress): _download_progress,
     (D, Downloaded): _downloaded,
+    (U, Queued): _queued,
     (D, DownloadFailed): _download_failed,
     (U, Admitted): _admitted,
     (L, LoadProgress): _load_progress,
@@ -494,6 +561,8 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     (OK, Undrain): _undrain,
     (OK, ReplicaExited): _replica_exited,
     (OK, ReplicaFailed): _replica_failed,
+    (OK, ReplicaStarted): _replica_started,
+    (OK, ReplicaUnresponsive): _replica_unresponsive,
     (S, Stopped): _stopped,
     **{(status, Retire): _retire for status in Status},
     **{(status, Unload): _unload for status in Status},
@@ -506,4 +575,11 @@ IGNORED: frozenset[tuple[Status, type]] = frozenset({
     (U, Idle), (D, Idle), (L, Idle), (S, Idle),  # the last request of a stopped model ended
     (U, Undrain), (D, Undrain), (L, Undrain), (S, Undrain),  # the drain ended with a stop
     (U, LoadProgress), (D, LoadProgress), (OK, LoadProgress), (S, LoadProgress),  # late report
+    (U, DownloadProgress), (L, DownloadProgress), (OK, DownloadProgress),  # after the end
+    (S, DownloadProgress),
+    (D, Queued), (L, Queued), (OK, Queued), (S, Queued),  # moved on before it was told
+    # A replica that changed after its model stopped: the stop ended its run.
+    (U, ReplicaStarted), (D, ReplicaStarted), (L, ReplicaStarted), (S, ReplicaStarted),
+    (U, ReplicaUnresponsive), (D, ReplicaUnresponsive), (L, ReplicaUnresponsive),
+    (S, ReplicaUnresponsive),
 })

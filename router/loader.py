@@ -24,7 +24,6 @@ from .backend import Backend
 from .changes import Changes
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed
-from .events import EventBus
 from .executor import Executor, consume_exception, failure_from
 from .lifecycle import (
     UNLOADED,
@@ -32,6 +31,7 @@ from .lifecycle import (
     Download,
     Downloaded,
     DownloadFailed,
+    DownloadProgress,
     Ready,
     SpawnFailed,
     Status,
@@ -47,14 +47,12 @@ DOWNLOAD_EVENT_INTERVAL_S = 0.25
 
 class Loader:
     def __init__(self, settings: Settings, executor: Executor, spawner: Spawner,
-                 admission: Admission, accounting: Accounting, events: EventBus,
-                 changes: Changes) -> None:
+                 admission: Admission, accounting: Accounting, changes: Changes) -> None:
         self.settings = settings
         self._executor = executor
         self._spawner = spawner
         self._admission = admission
         self._accounting = accounting
-        self._events = events
         self._changes = changes
 
     async def load(self, runtime: ModelRuntime) -> None:
@@ -156,8 +154,8 @@ class Loader:
             now = clock.now()
             if now - last_event >= DOWNLOAD_EVENT_INTERVAL_S or done == total:
                 last_event = now
-                self._events.publish(runtime.id, "download_progress",
-                                     {"progress": dict(runtime.download)})
+                self._executor.apply(runtime, DownloadProgress(
+                    {name: dict(counts) for name, counts in runtime.download.items()}))
 
         def progress(name: str, done: int, total: int | None) -> None:  # worker thread
             loop.call_soon_threadsafe(on_progress, name, done, total)
@@ -173,7 +171,6 @@ class Loader:
                                             runtime.download_cancel.is_set)
         except (asyncio.CancelledError, DownloadCancelled) as exc:
             runtime.download_cancel.set()
-            self._events.publish(runtime.id, "download_failed", {"error": "cancelled"})
             self._executor.apply(runtime, DownloadFailed(cancelled=True))
             if isinstance(exc, DownloadCancelled):
                 raise LoadFailed(f"model '{runtime.id}': download cancelled") from exc
@@ -181,9 +178,8 @@ class Loader:
         except Exception as exc:
             message = f"download of {preset.hf_repo} failed: {exc}"
             log.error("%s", message, extra={"event": "download_failed", "model": runtime.id})
-            self._events.publish(runtime.id, "download_failed", {"error": str(exc)})
             runtime.failure = Failure(message, None, [])
-            self._executor.apply(runtime, DownloadFailed())
+            self._executor.apply(runtime, DownloadFailed(error=str(exc)))
             raise LoadFailed(f"model '{runtime.id}': {message}") from exc
         if runtime.preset is preset:  # else reconfigured meanwhile: the new preset stands
             args = {**preset.args, "model": str(paths[0])}
@@ -193,7 +189,6 @@ class Loader:
         self._accounting.forget(runtime.id)
         log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
                                                        "model": runtime.id})
-        self._events.publish(runtime.id, "download_finished")
         self._executor.apply(runtime, Downloaded())
 
 

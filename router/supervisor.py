@@ -83,14 +83,14 @@ class Supervisor:
         self.spawner.on_progress = lambda runtime, progress: self.executor.apply(
             runtime, LoadProgress(progress))
         self.admission = Admission(
-            settings, self.accounting, events, self.changes,
+            settings, self.accounting, self.executor.apply, self.changes,
             memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),
             models=self.models.values,
             evict=self._evict,
             drain=self._drain,
             undrain=self._undrain)
         self.loader = Loader(settings, self.executor, self.spawner, self.admission,
-                             self.accounting, events, self.changes)
+                             self.accounting, self.changes)
         self.liveness = Liveness(interval=settings.liveness_interval,
                                  timeout=settings.liveness_timeout,
                                  misses=settings.liveness_misses,

@@ -20,19 +20,24 @@ from router.lifecycle import (
     Download,
     Downloaded,
     DownloadFailed,
+    DownloadProgress,
     Drain,
     Event,
     FailureCounted,
     Forget,
     Idle,
     InvalidTransition,
+    KillReplica,
     LoadProgress,
     ModelState,
     Publish,
+    Queued,
     Ready,
     ReplaceReplicas,
     ReplicaExited,
     ReplicaFailed,
+    ReplicaStarted,
+    ReplicaUnresponsive,
     Reset,
     Retire,
     SpawnFailed,
@@ -56,6 +61,9 @@ SAMPLES: dict[type, Event] = {
     Admitted: Admitted(), Ready: Ready(), SpawnFailed: SpawnFailed(1), Stop: Stop("unloaded"),
     Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"), Undrain: Undrain(),
     Unload: Unload(), LoadProgress: LoadProgress({"stages": 1, "current": 0, "value": 0.5}),
+    DownloadProgress: DownloadProgress({"m.gguf": {"done": 1, "total": 2}}),
+    Queued: Queued(0, 1.0), ReplicaStarted: ReplicaStarted(7, 2),
+    ReplicaUnresponsive: ReplicaUnresponsive(None, 7, "frozen"),
     Retire: Retire("reconfigured", removed=False, idle=True),
     ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
     Reset: Reset(),
@@ -74,6 +82,11 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     **{(status, Undrain): None for status in (U, D, L, S)},
     (U, Unload): U, (D, Unload): D, (L, Unload): L, (OK, Unload): S, (S, Unload): S,
     (L, LoadProgress): L, **{(status, LoadProgress): None for status in (U, D, OK, S)},
+    (D, DownloadProgress): D, **{(status, DownloadProgress): None for status in (U, L, OK, S)},
+    (U, Queued): U, **{(status, Queued): None for status in (D, L, OK, S)},
+    (OK, ReplicaStarted): OK, **{(status, ReplicaStarted): None for status in (U, D, L, S)},
+    (OK, ReplicaUnresponsive): OK,
+    **{(status, ReplicaUnresponsive): None for status in (U, D, L, S)},
 }
 
 
@@ -170,10 +183,12 @@ def test_cancel_while_waiting_is_not_a_failure() -> None:
 
 
 def test_a_failed_download_counts() -> None:
-    state, effects = run(D, DownloadFailed())
+    state, effects = run(D, DownloadFailed(error="no such file"))
     assert state.failed and state.failures_in_row == 1
-    assert published(effects)[0][1] == {"status": "unloaded", "was_running": False,
-                                        "failed": True, "exit_code": None}
+    assert published(effects) == [
+        ("download_failed", {"error": "no such file"}),
+        ("status_change", {"status": "unloaded", "was_running": False, "failed": True,
+                           "exit_code": None})]
 
 
 def test_failures_in_a_row_become_a_crash_loop_once() -> None:
@@ -308,6 +323,28 @@ def test_reload_while_loading_cancels_and_loads_again() -> None:
     assert effects == (CancelLoad("reconfigured"),)
     state, effects = run(state, SpawnFailed(cancelled=True))
     assert state == ModelState(U) and effects[-1] == StartLoad()
+
+
+def test_informational_events_are_published_as_effects() -> None:
+    progress = {"m.gguf": {"done": 1, "total": 2}}
+    assert published(run(D, DownloadProgress(progress))[1]) == [
+        ("download_progress", {"progress": progress})]
+    _, effects = run(D, Downloaded())
+    assert [kind for kind, _ in published(effects)] == ["download_finished", "status_change"]
+    _, effects = run(D, DownloadFailed(error="boom"))
+    assert published(effects)[0] == ("download_failed", {"error": "boom"})
+    assert published(run(U, Queued(2, 3.5))[1]) == [
+        ("queued", {"position": 2, "expected_wait_s": 3.5})]
+    assert published(run(OK, ReplicaStarted(7, 2))[1]) == [
+        ("replica_restarted", {"pid": 7, "replicas": 2})]
+
+
+def test_an_unresponsive_replica_is_killed_through_the_lifecycle() -> None:
+    child = object()
+    state, effects = run(OK, ReplicaUnresponsive(child, 7, "frozen"))
+    assert state == ModelState(OK)
+    assert published(effects) == [("unresponsive", {"pid": 7, "reason": "frozen"})]
+    assert KillReplica(child, "frozen") in effects
 
 
 def test_load_progress_is_published_once_per_change_and_cleared_after_the_load() -> None:
