@@ -74,6 +74,8 @@ class Executor:
         self._start_load = start_load  # load again (a reconfigured model); never raises
         self._forget = forget  # drop a removed model
         self._last_failure_at: dict[str, float] = {}
+        # Cancelled tasks still stopping what they started (a replacement child).
+        self._ending: set[asyncio.Task[Any]] = set()
 
     # ----------------------------------------------------------------- events in
 
@@ -107,6 +109,12 @@ class Executor:
         task.cancel()
         return task
 
+    async def settle(self) -> None:
+        """Until every cancelled task has stopped the children it started (the shutdown
+        waits for this: no child may outlive the router's own stop)."""
+        while self._ending:
+            await asyncio.gather(*self._ending, return_exceptions=True)
+
     def backoff_left(self, runtime: ModelRuntime) -> float:
         """Seconds until the model may start a child again after its recent failures."""
         return (self._last_failure_at.get(runtime.id, 0.0)
@@ -124,9 +132,13 @@ class Executor:
                 runtime.stop_task = _task(self._stop_children(runtime, reason),
                                           f"stop:{runtime.id}")
             case CancelReplacement():
-                if runtime.replace_task is not None:
-                    runtime.replace_task.cancel()  # stops a replacement child still starting
+                task = runtime.replace_task
+                if task is not None:
+                    task.cancel()  # stops a replacement child still starting
                     runtime.replace_task = None
+                    if not task.done():  # its child is being stopped: ``settle`` waits
+                        self._ending.add(task)
+                        task.add_done_callback(self._ending.discard)
             case ReplaceReplicas():
                 if runtime.replace_task is None or runtime.replace_task.done():
                     runtime.replace_task = _task(self._replace_replicas(runtime),

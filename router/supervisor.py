@@ -396,6 +396,7 @@ class Supervisor:
             self.executor.stop(runtime, "shutdown")
         stops = [r.stop_task for r in self.models.values() if r.stop_task is not None]
         await asyncio.gather(*stops, return_exceptions=True)
+        await self.executor.settle()  # replacement children cancelled by the stops
 
     def kill_all_now(self) -> None:
         for runtime in self.models.values():

@@ -24,6 +24,10 @@ FIRST_SEED = int(os.environ.get("LLAMA_ROUTER_SIM_SEED", "0"))
 # drained for another's load while a request for it waited stayed loaded and draining with
 # nothing in flight, nothing loading and nothing stopping.
 WEDGE_SEED = 32
+# The schedule in which the long mode found a child left running after shutdown: a replica
+# replacement still starting was cancelled by the last replica's crash, and the router's stop
+# did not wait for the cancelled task to stop the child it had started.
+ORPHAN_SEED = 5026783
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +68,11 @@ def by_id(sim: Simulation, n: int) -> Any:
 
 def test_the_seed_that_found_the_swap_wedge() -> None:
     sim = run_schedule(WEDGE_SEED)
+    assert not sim.violations, describe(sim)
+
+
+def test_the_seed_that_found_an_orphan_at_shutdown() -> None:
+    sim = run_schedule(ORPHAN_SEED)
     assert not sim.violations, describe(sim)
 
 
