@@ -258,14 +258,18 @@ def test_cancelled_download_frees_the_server(hub: FakeHub) -> None:
 
 def test_stall_after_sends_some_bytes_then_nothing(hub: FakeHub, cache: Path) -> None:
     hub.stall_after(GGUF, 100_000)
-    with httpx.Client(timeout=httpx.Timeout(5.0, read=0.5)) as client, client.stream(
+    with httpx.Client(timeout=httpx.Timeout(5.0, read=2.0)) as client, client.stream(
             "GET", f"{hub.url}/{REPO}/resolve/main/{GGUF}") as response:
         received = b""
-        with pytest.raises(httpx.ReadTimeout):
-            for piece in response.iter_raw():
-                received += piece
+        pieces = response.iter_raw()
+        while len(received) < 100_000:
+            received += next(pieces)
         assert received == DATA[:100_000]
+        # Checked before the read times out: a timed-out read closes the connection, and the
+        # hub then ends the stall (a race this assertion must not run against).
         assert hub.active_downloads == 1  # still open, sending nothing
+        with pytest.raises(httpx.ReadTimeout):
+            next(pieces)  # nothing more comes
     assert hub.wait_idle(2.0)  # the client went away: the stall ends
     assert download(hub, cache).read_bytes() == DATA  # the next GET is whole
 
