@@ -121,6 +121,7 @@ class Request(threading.Thread):
                 self.outcome.error = error_of(response.read())
                 return
             events = 0
+            cut: str | None = None  # an event the stream's end cut short
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -129,7 +130,13 @@ class Request(threading.Thread):
                 if data == "[DONE]":
                     self.outcome.done = True
                     continue
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except json.JSONDecodeError:
+                    # A stream the router ends on purpose or after a crash may end inside an
+                    # event: that event comes cut short, then the error event (proxy.relay).
+                    cut = data
+                    continue
                 if "error" in event:
                     self.outcome.error = event["error"]
                     continue
@@ -139,6 +146,8 @@ class Request(threading.Thread):
                 if self.read_events is not None and events >= self.read_events:
                     self.outcome.disconnected = True
                     return
+            if cut is not None and self.outcome.error is None:
+                raise ValueError(f"an event cut short with no error event after it: {cut[:80]}")
 
 
 def statuses(router: RouterProcess) -> dict[str, dict[str, Any]]:
