@@ -150,3 +150,14 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     with _no_processes(item):
         return (yield)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct's GGUF. Missing is a failure, not a skip: `make test` installs it."""
+    from router.smollm2 import INSTALL_HINT, find_smollm2
+
+    path = find_smollm2()
+    if path is None:
+        pytest.fail(f"SmolLM2 is not installed: {INSTALL_HINT}")
+    return path

@@ -10,22 +10,11 @@ import httpx
 import pytest
 from support import start_router, write_presets
 
-from router.smollm2 import INSTALL_HINT, find_smollm2
-
 pytestmark = pytest.mark.real
 
 QUESTION = {"model": "smollm2", "temperature": 0, "max_tokens": 32, "seed": 1,
             "messages": [{"role": "user",
                           "content": "What is the capital of France? Answer in one word."}]}
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    """Missing is a failure, not a skip: `make test` installs it."""
-    path = find_smollm2()
-    if path is None:
-        pytest.fail(f"SmolLM2 is not installed: {INSTALL_HINT}")
-    return path
 
 
 def test_a_real_model_answers_sensibly_with_the_childs_own_tokens(

@@ -24,8 +24,6 @@ import httpx
 import pytest
 from support import RouterProcess, start_router, wait_until, write_presets
 
-from router.smollm2 import INSTALL_HINT, find_smollm2
-
 pytestmark = pytest.mark.real
 
 # How long after the long request ends its waiters may still take: a model load (well under
@@ -35,15 +33,6 @@ AFTER_LONG_BOUND_S = 30.0
 # The long request aims to run this long (its length comes from SmolLM2's measured speed).
 LONG_REQUEST_S = 6.0
 ROUNDS = 3
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    """Missing is a failure, not a skip: `make test` installs it."""
-    path = find_smollm2()
-    if path is None:
-        pytest.fail(f"SmolLM2 is not installed: {INSTALL_HINT}")
-    return path
 
 
 def chat(model: str, tokens: int = 16, content: str = "Hello", **extra: Any) -> dict[str, Any]:
