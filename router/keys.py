@@ -2,11 +2,16 @@
 
 A key given with ``--api-key`` / ``LLAMA_ROUTER_API_KEY`` has full access. A line of
 ``--api-key-file`` is a key, then optionally whitespace-separated ``name=value`` fields that
-narrow it (``#`` starts a comment)::
+narrow it::
 
     sk-admin-1                                  # full access, as before
     sk-team-a   models=chat-*,coder  role=infer # inference with these models only
     sk-scraper  role=metrics                    # Prometheus: /metrics only
+
+A ``#`` starts a comment at the start of a line or after whitespace; a ``#`` inside a word
+(``sk-abc#def``) is refused with the line's number, as it is ambiguous: a key holding ``#`` or
+a comment without its space. The same parser reads ``--peer-api-key-file`` (``parse_file``,
+whose first key is the one sent to peers), so the two files follow one syntax.
 
 ``models=`` a comma list of model ids or aliases, ``*`` matching any run of characters
 (default: every model). A model is in scope when a pattern matches its id or one of its
@@ -127,7 +132,7 @@ def scope_of(key: str) -> KeyScope:
 def parse_line(line: str) -> ApiKey | None:
     """One line of a key file: None for a blank or comment line; ValueError with the problem
     (never quoting the key, nor anything that may be part of one) for a bad line."""
-    words = line.split("#", 1)[0].split()
+    words = _words(line)
     if not words:
         return None
     key, *fields = words
@@ -150,6 +155,19 @@ def parse_line(line: str) -> ApiKey | None:
     models = _parse_models(values["models"]) if "models" in values else None
     roles = _parse_roles(values["role"]) if "role" in values else frozenset({ADMIN})
     return ApiKey(key, KeyScope(roles, models))
+
+
+def _words(line: str) -> list[str]:
+    """The words of a line before its comment: a word starting with ``#`` begins it."""
+    words: list[str] = []
+    for number, word in enumerate(line.split(), start=1):
+        if word.startswith("#"):
+            break
+        if "#" in word:
+            raise ValueError(f"'#' inside word {number}: a comment starts with '#' at the start "
+                             "of a line or after a space, and a key may not hold '#'")
+        words.append(word)
+    return words
 
 
 def _parse_models(value: str) -> tuple[str, ...]:

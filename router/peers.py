@@ -45,6 +45,7 @@ import httpx
 
 from .affinity import Decision, PrefixTable, choose
 from .events import EventBus
+from .keys import parse_file as parse_key_file
 from .process import ask_health, no_answer
 from .upstream import ChildConnections
 
@@ -72,18 +73,23 @@ class PeerError(ValueError):
 
 
 def read_peer_key(path: Path | None) -> str | None:
-    """The key sent to peers: the first non-blank, non-comment line of ``path``."""
+    """The key sent to peers: the first key of ``path``, a key file read as
+    ``--api-key-file`` is (``keys.parse_file``: comments, and a scope after the key, which
+    the peer decides on), so one file can serve both."""
     if path is None:
         return None
     try:
         text = path.read_text()
-    except OSError as exc:
-        raise PeerError(f"--peer-api-key-file {path}: {exc.strerror or exc}") from None
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            return line.split()[0]
-    raise PeerError(f"--peer-api-key-file {path} holds no key")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PeerError(f"--peer-api-key-file {path}: {getattr(exc, 'strerror', None) or exc}"
+                        ) from None
+    try:
+        keys = parse_key_file(text)
+    except ValueError as exc:
+        raise PeerError(f"--peer-api-key-file {path}, {exc}") from None
+    if not keys:
+        raise PeerError(f"--peer-api-key-file {path} holds no key")
+    return str(keys[0])
 
 
 def peer_url(text: str) -> str:

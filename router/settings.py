@@ -167,8 +167,9 @@ class Settings(BaseSettings):
             where = f"--api-key-file {self.api_key_file}"
             try:
                 text = self.api_key_file.read_text()
-            except OSError as exc:
-                raise ConfigurationError(f"{where}: {exc.strerror or exc}") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(f"{where}: {getattr(exc, 'strerror', None) or exc}"
+                                         ) from None
             try:
                 scoped = parse_key_file(text)
             except ValueError as exc:

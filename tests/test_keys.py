@@ -63,9 +63,41 @@ def test_good_lines(line: str, roles: set[str], models: tuple[str, ...] | None) 
     assert SECRET not in repr(key) and "<hidden>" in repr(key)
 
 
-@pytest.mark.parametrize("line", ["", "   ", "# only a comment", "  # indented comment"])
+@pytest.mark.parametrize("line", ["", "   ", "# only a comment", "  # indented comment",
+                                  "#", "\t#tab-indented", "#sk-commented-out role=infer"])
 def test_blank_and_comment_lines(line: str) -> None:
     assert parse_line(line) is None
+
+
+@pytest.mark.parametrize("line", [f"{SECRET} #comment", f"{SECRET}\t# tab", f"{SECRET} #",
+                                  f"{SECRET} role=infer #role=admin", f"{SECRET} ## #"])
+def test_a_hash_after_whitespace_starts_a_comment(line: str) -> None:
+    key = parse_line(line)
+    assert key is not None and str(key) == SECRET
+    assert key.scope.roles == ({INFER} if "role=infer" in line else {ADMIN})
+
+
+@pytest.mark.parametrize(("line", "word"), [
+    (f"{SECRET}#comment", 1), ("sk-Part#Of-A-Key role=infer", 1),
+    (f"{SECRET} role=infer#admin", 2), (f"{SECRET} models=chat-*#,coder", 2),
+    (f"  {SECRET}# indented", 1),
+])
+def test_a_hash_inside_a_word_is_refused_not_cut(line: str, word: int) -> None:
+    """A '#' inside a key was a silent cut (the key in force was its first part): refused."""
+    with pytest.raises(ValueError) as caught:
+        parse_line(line)
+    message = str(caught.value)
+    assert f"'#' inside word {word}" in message
+    for secret in (SECRET, "sk-Part", "Of-A-Key"):
+        assert secret not in message
+
+
+def test_a_hash_inside_a_key_stops_the_start_naming_file_and_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        settings_with(tmp_path, f"# keys\nfirst-key\n{SECRET}#team-a\n").all_api_keys()
+    message = str(caught.value)
+    assert message.startswith(f"--api-key-file {tmp_path / 'api-keys'}, line 3: '#' inside")
+    assert SECRET not in message and "team-a" not in message
 
 
 @pytest.mark.parametrize(("line", "problem"), [

@@ -66,6 +66,25 @@ def test_peer_key_file(tmp_path: Path) -> None:
     assert read_peer_key(None) is None
 
 
+def test_the_peer_key_file_is_read_as_an_api_key_file(tmp_path: Path) -> None:
+    """One parser: the first key of a key file (its scope is the peer's business), the
+    same comments, the same refusals naming the file and line."""
+    key = tmp_path / "peer-key"
+    key.write_text("sk-node  role=infer  # the nodes' key\nsk-other\n")
+    assert read_peer_key(key) == "sk-node"
+    key.write_text("# the nodes' key\nsk-node#2026\n")
+    with pytest.raises(PeerError) as caught:
+        read_peer_key(key)
+    assert str(caught.value).startswith(f"--peer-api-key-file {key}, line 2: '#' inside word 1")
+    assert "sk-node" not in str(caught.value)
+    key.write_text("sk-node colour=blue\n")
+    with pytest.raises(PeerError, match="line 1: unknown field 'colour'"):
+        read_peer_key(key)
+    key.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(PeerError, match="--peer-api-key-file"):
+        read_peer_key(key)
+
+
 def test_bad_peer_settings_refuse_to_start(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="expected http://host:port"):
         _check_peers(Settings(peer=["10.0.0.1:8080"]))
