@@ -37,6 +37,7 @@ from .paths import (
 )
 from .proxy import ResponseAborted, for_remote, relay, upstream_headers, wait_disconnect
 from .requests import WAIT_BUDGET_HEADER, RequestContext, context
+from .resumable import serves
 from .state import Shutdown, State
 from .webui import StaticUI
 
@@ -152,9 +153,13 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     peers = state.peers
     # The peers holding the model, except those the request passed through (its via chain).
     holders = peers.holders(model, request.via) if peers is not None and peers.peers else None
+    conv_id = request.conv_id if body else None  # a resumable stream (``resumable``)
     if holders:  # on other nodes too (``nodes``)
         local = local_model(sup, key_scope, model)
         request.model_id = model if local is None else local.preset.id
+        if conv_id:  # refused before any node is tried if another key or model holds it
+            state.conversations.claim(conv_id, request.model_id, request.key_hash,
+                                      running=serves(sup))
         if await serve_across_nodes(state, scope, request, receive, send, holders, local,
                                     _target(scope)):
             return
@@ -169,9 +174,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)
     if parsed is not None and runtime.preset.prefix_routing:
         keys = request_keys(parsed) or None
-    conv_id = request.conv_id if body else None
     if conv_id:  # a resumable stream: remember whose it is, also while the model loads
-        state.conversations.remember(conv_id, runtime.id)
+        state.conversations.claim(conv_id, runtime.id, request.key_hash, running=serves(sup))
     if runtime.serving:  # hot path: no waiting, no tasks
         lease = await sup.acquire(model, autoload=autoload, budget=budget, keys=keys)
     else:
@@ -183,9 +187,10 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         finally:  # for the activity record, also when the wait failed
             request.queue_s = queued = time.perf_counter() - waited
         state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
-    if conv_id:
-        state.conversations.remember(conv_id, runtime.id, lease.child)
     try:
+        if conv_id:
+            state.conversations.claim(conv_id, runtime.id, request.key_hash, lease.child,
+                                      running=serves(sup))
         headers = upstream_headers(scope["headers"])
         preset = runtime.preset
         if preset.upstream is not None:  # a remote upstream: its key, maybe its model name

@@ -31,7 +31,10 @@ messages here name the file line, never the key, and an ``ApiKey``'s repr hides 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import secrets
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -125,6 +128,16 @@ class ApiKey(str):
 def scope_of(key: str) -> KeyScope:
     """The scope of a key: full access unless it is an ``ApiKey`` with a narrower one."""
     return key.scope if isinstance(key, ApiKey) else FULL
+
+
+_HASH_SECRET = secrets.token_bytes(32)  # made at start: key hashes mean nothing elsewhere
+
+
+def key_hash(key: bytes) -> str:
+    """What stands for a key where the router must remember who did something (the owner of
+    a resumable stream): an HMAC of it under a secret made at start, never the key, and no
+    plain hash that a guessed key could be checked against."""
+    return hmac.new(_HASH_SECRET, key, hashlib.sha256).hexdigest()[:32]
 
 
 # ------------------------------------------------------------------------------- parsing

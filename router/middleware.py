@@ -23,7 +23,7 @@ from .errors import (
     envelope,
 )
 from .forward import proxy, send_error
-from .keys import Forbidden, KeyScope, check_path, scope_of
+from .keys import Forbidden, KeyScope, check_path, key_hash, scope_of
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
 from .requests import CONTEXT, RequestContext, context
@@ -50,6 +50,7 @@ class ApiKeyMiddleware:
             if scopes.setdefault(key.encode(), scope_of(key)) != scope_of(key):
                 raise ValueError("an API key is given twice with different scopes")
         self.keys = list(scopes)
+        self.hashes = [key_hash(key) for key in self.keys]  # what owns a resumable stream
         # None: full access, nothing to check after the comparison.
         self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
         self.webui = webui
@@ -79,6 +80,7 @@ class ApiKeyMiddleware:
         if not found:
             await send_error(send, Unauthorized())
             return
+        request.key_hash = self.hashes[found - 1]
         key_scope = self.scopes[found - 1]
         if key_scope is not None:
             try:

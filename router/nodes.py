@@ -49,6 +49,7 @@ from .peers import (
 )
 from .proxy import FailOver, relay, upstream_headers
 from .requests import VIA_HEADER, RequestContext
+from .resumable import serves
 from .scheduler import Status
 from .state import State
 from .supervisor import Supervisor
@@ -178,7 +179,8 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
     request.node = peer.node
     conv_id = request.conv_id if body else None
     if conv_id:  # a resumable stream: resumed through the peer that has it (``resumable``)
-        state.conversations.remember(conv_id, model, peer)
+        state.conversations.claim(conv_id, request.model_id or model, request.key_hash, peer,
+                                  running=serves(state.supervisor))
     peer.outstanding[model] = peer.outstanding.get(model, 0) + 1
     try:
         await relay(peer.connections, scope["method"], target, headers, body,

@@ -54,12 +54,14 @@ class RequestContext:
     * ``via``: the instance ids of the routers it passed through (``x-llama-router-via``, every
       such header), ``conv_id``: its ``X-Conversation-Id``;
     * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
+      ``key_hash`` (a keyed hash of the API key presented, ``keys.key_hash``; empty without
+      keys: what owns the resumable streams it starts),
       ``body`` and ``parsed`` (the JSON object) once read, ``model_id`` (the resolved id,
       for metrics and the activity record), ``queue_s`` (its wait for the model), ``node``
       (the peer that served it).
     """
 
-    __slots__ = ("body", "headers", "key_scope", "local", "method", "model", "model_id",
+    __slots__ = ("body", "headers", "key_hash", "key_scope", "local", "method", "model", "model_id",
                  "node", "params", "parsed", "path", "queue_s", "via")
 
     def __init__(self, scope: Scope) -> None:
@@ -81,6 +83,7 @@ class RequestContext:
         self.headers = kept
         self.via = via
         self.key_scope: KeyScope | None = None
+        self.key_hash = ""
         self.body: bytes | None = None
         self.parsed: dict[str, Any] | None = None
         self.model_id = ""

@@ -15,12 +15,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from . import dashboard, sse
 from .activity import activity_totals, list_activity
 from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
-from .errors import BadRequest, ModelMissing, NotFound, RouterError, UpstreamError, envelope
+from .errors import BadRequest, ModelMissing, RouterError, UpstreamError, envelope
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
@@ -69,58 +69,19 @@ async def feature_disabled(request: Request) -> Response:
                                    "type": "feature_disabled"}}, status_code=403)
 
 
-def _conversation_in_scope(state: State, key_scope: KeyScope | None, conv_id: str) -> bool:
-    """Whether a key limited to some models may reach this conversation's stream: the model
-    that owns it must be one of them (an unknown conversation is a 404 either way)."""
-    if key_scope is None or key_scope.pattern is None:
-        return True
-    found = state.conversations.owner(conv_id)
-    if found is None:
-        return True
-    model = state.supervisor.view(found[0])
-    return key_scope.allows(found[0], model.aliases if model is not None else ())
-
-
-def _check_conversation(request: Request, state: State) -> None:
-    conv_id = context(request.scope).params.get("conv_id", "")
-    if not _conversation_in_scope(state, key_scope_of(request.scope), conv_id):
-        raise NotFound("Stream not found or expired")  # as for a stream that is not there
-
-
 async def stream_resume(request: Request) -> Response:
     state = _state(request)
-    _check_conversation(request, state)
     return StreamResume(state.supervisor, state.conversations,  # type: ignore[return-value]
                         state.shutdown)
 
 
 async def streams_lookup(request: Request) -> Response:
     state = _state(request)
-    key_scope = key_scope_of(request.scope)
-    if key_scope is not None and key_scope.pattern is not None:
-        request = await _own_conversations(request, state, key_scope)
     return await lookup_streams(request, state.supervisor, state.conversations, state.client)
-
-
-async def _own_conversations(request: Request, state: State, key_scope: KeyScope) -> Request:
-    """The lookup request with only the conversations of the key's models."""
-    try:
-        ids = json.loads(await request.body())["conversation_ids"]
-    except (ValueError, TypeError, KeyError):
-        return request  # answered with [] by the lookup
-    kept = [i for i in ids if isinstance(i, str) and _conversation_in_scope(state, key_scope, i)
-            ] if isinstance(ids, list) else []
-    filtered = json.dumps({"conversation_ids": kept}).encode()
-
-    async def receive() -> Message:
-        return {"type": "http.request", "body": filtered, "more_body": False}
-
-    return Request(request.scope, receive)
 
 
 async def stream_stop(request: Request) -> Response:
     state = _state(request)
-    _check_conversation(request, state)
     return await stop_stream(request, state.supervisor, state.conversations, state.client)
 
 

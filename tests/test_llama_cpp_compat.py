@@ -11,7 +11,6 @@ import pytest
 from support import SSEClient, start_router, wait_until, write_presets
 
 from router.process import load_progress, progress_rank
-from router.resumable import ConversationOwners
 
 LLAMA_CPP_STATUSES = {"unloaded", "loading", "loaded", "sleeping", "downloading", "downloaded"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -39,17 +38,6 @@ def test_progress_rank_orders_by_stage_then_value() -> None:
     later = {"stages": stages, "current": "mmproj_model", "value": 0.1}
     assert progress_rank(early) < progress_rank(later)
     assert min([later, early], key=progress_rank) is early
-
-
-def test_conversation_owners_are_bounded_least_recently_used_first() -> None:
-    owners = ConversationOwners(capacity=2)
-    owners.remember("a", "m1")
-    owners.remember("b", "m2")
-    assert owners.owner("a") == ("m1", None)  # "a" is now the most recently used
-    owners.remember("c", "m3")
-    assert owners.owner("b") is None and len(owners) == 2
-    owners.forget("a")
-    assert owners.owner("a") is None
 
 
 # --------------------------------------------------------------------------- real children
