@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import BadRequest
+from .keys import key_scope_of
+from .requests import context
 
 DEFAULT_CAPACITY = 500
 TAIL_BYTES = 4096
@@ -152,7 +155,7 @@ def _rounded(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _int_param(request: Request, name: str) -> int | None:
-    raw = request.query_params.get(name)
+    raw = context(request.scope).params.get(name)
     if raw is None or raw == "":
         return None
     if not raw.isdigit():
@@ -174,21 +177,48 @@ def _model_id(request: Request, name: str) -> str:
     return resolved or name
 
 
+def _in_scope(request: Request) -> Callable[[str], bool] | None:
+    """For a key limited to some models, whether a record's model is one of them (a record
+    without a model, such as a reload, is not); None for a key that sees every model."""
+    key_scope = key_scope_of(request.scope)
+    if key_scope is None or key_scope.pattern is None:
+        return None
+    state = getattr(request.app.state, "router", None)
+
+    def allows(model_id: str) -> bool:
+        view = state.supervisor.view(model_id) if state is not None and model_id else None
+        return bool(model_id) and key_scope.allows(model_id, view.aliases if view else ())
+    return allows
+
+
 async def list_activity(request: Request) -> Response:
-    """``GET /activity``: ``{"requests": [...newest first], "capacity": N, "last_id": N}``."""
+    """``GET /activity``: ``{"requests": [...newest first], "capacity": N, "last_id": N}``;
+    a key limited to some models sees only their requests (another model's name finds
+    nothing, as a name nobody uses)."""
     activity = _activity(request)
-    name = request.query_params.get("model") or None
+    params = context(request.scope).params
+    name = params.get("model") or None
     model = _model_id(request, name) if name else None
-    records = activity.recent(model, _int_param(request, "limit"),
-                              _int_param(request, "after") or 0)
+    limit = _int_param(request, "limit")
+    after = _int_param(request, "after") or 0
+    allows = _in_scope(request)
+    if allows is None:
+        records = activity.recent(model, limit, after)
+    else:
+        records = [r for r in activity.recent(model, None, after) if allows(r.model)][:limit]
     return JSONResponse({"requests": [_rounded(asdict(r)) for r in records],
                          "capacity": activity.capacity, "last_id": activity.last_id})
 
 
 async def activity_totals(request: Request) -> Response:
     """``GET /activity/totals``: per-model totals since start; ``?since=SEQ`` answers only the
-    models changed after the ``seq`` of an earlier answer."""
+    models changed after the ``seq`` of an earlier answer (for a key limited to some models,
+    only theirs)."""
     activity = _activity(request)
     since = _int_param(request, "since") or 0
+    totals = activity.changed(since)
+    allows = _in_scope(request)
+    if allows is not None:
+        totals = {model: values for model, values in totals.items() if allows(model)}
     return JSONResponse({"seq": activity.seq, "started": activity.started, "now": time.time(),
-                         "models": activity.changed(since)})
+                         "models": totals})

@@ -18,11 +18,17 @@ Event = dict[str, Any]
 
 
 class Subscription:
-    def __init__(self, maxsize: int) -> None:
+    """One subscriber's queue; ``accept`` (when given) decides which events it is offered at
+    all, so the events it may not see never take its room nor count as dropped."""
+
+    def __init__(self, maxsize: int, accept: Callable[[Event], bool] | None = None) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
         self.dropped = 0
+        self.accept = accept
 
     def offer(self, event: Event) -> None:
+        if self.accept is not None and not self.accept(event):
+            return
         if self.queue.full():
             self.queue.get_nowait()
             self.dropped += 1
@@ -57,8 +63,10 @@ class EventBus:
             subscriber.offer(payload)
 
     @asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[Subscription]:
-        subscription = Subscription(self._maxsize)
+    async def subscribe(self, accept: Callable[[Event], bool] | None = None
+                        ) -> AsyncIterator[Subscription]:
+        """A subscription to every event published from now on (that ``accept`` takes)."""
+        subscription = Subscription(self._maxsize, accept)
         self._subscribers.add(subscription)
         try:
             yield subscription

@@ -31,6 +31,7 @@ messages here name the file line, never the key, and an ``ApiKey``'s repr hides 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import hmac
 import re
@@ -262,20 +263,24 @@ def key_scope_of(scope: Scope) -> KeyScope | None:
 
 def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str
                      ) -> ModelView:
-    """``supervisor.find(name)``, then Forbidden if the model is outside the key's scope.
-    A not-found model's close matches name only models in scope."""
+    """``supervisor.find(name)``, for a key limited to some models only among them: a model
+    outside its scope is not found, exactly as a name nobody uses (``not_found``), so a key
+    cannot probe which names exist."""
     if key_scope is None or key_scope.pattern is None:
         return supervisor.find(name)
     try:
         model = supervisor.find(name)
     except ModelNotFound:
-        close = []
-        for candidate in supervisor.close_matches(name):
-            model_id = supervisor.model_id(candidate)
-            found = supervisor.view(model_id) if model_id is not None else None
-            if found is not None and key_scope.allows_model(found):
-                close.append(candidate)
-        raise ModelNotFound(name, close) from None
+        raise not_found(supervisor, key_scope, name) from None
     if not key_scope.allows_model(model):
-        raise Forbidden(f"model '{name}' is not allowed for this API key")
+        raise not_found(supervisor, key_scope, name)
     return model
+
+
+def not_found(supervisor: Supervisor, key_scope: KeyScope, name: str) -> ModelNotFound:
+    """The 404 for ``name`` as a key limited to some models sees the router: its "did you
+    mean" is drawn from the names (ids and aliases) of its models alone, so it reads the same
+    whether ``name`` is another model's or nobody's."""
+    names = [n for model in supervisor.views() if key_scope.allows_model(model)
+             for n in (model.id, *model.aliases)]
+    return ModelNotFound(name, difflib.get_close_matches(name, names, n=3, cutoff=0.5))

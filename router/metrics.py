@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -342,3 +342,21 @@ def merged_exposition(own: Collector, texts: Iterable[ChildText]) -> bytes:
 def render_merged(families: dict[str, Metric]) -> Iterator[str]:
     """The exposition of merged families, as text (the peers' merged ``/metrics``)."""
     yield exposition_of(families.values()).decode()
+
+
+def only_models(body: bytes, allows: Callable[[str], bool]) -> bytes:
+    """The exposition ``body`` with only the series of the models ``allows`` (a key limited to
+    some models): a series with a ``model`` label of another model, or an empty one (requests
+    that named none), is left out, and so is a family left without series; series without a
+    ``model`` label (the router's own, per CPU turn, …) stay."""
+    families = merge_child_metrics([({}, body.decode())])
+    kept: list[Metric] = []
+    for family in families.values():
+        samples = [s for s in family.samples
+                   if "model" not in s.labels or (s.labels["model"]
+                                                  and allows(s.labels["model"]))]
+        if samples:
+            family.samples = samples
+            kept.append(family)
+    return exposition_of(kept)
+

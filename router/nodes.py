@@ -34,7 +34,7 @@ from .errors import (
     UpstreamError,
     envelope,
 )
-from .keys import Forbidden, KeyScope, resolve_in_scope
+from .keys import KeyScope, not_found, resolve_in_scope
 from .peers import (
     ADMIN_DEADLINE_S,
     FAIL_OVER_STATUSES,
@@ -93,19 +93,21 @@ def loop_error(request: RequestContext, peers: Peers, what: str) -> AlreadyRelay
 
 def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
                 ) -> ModelView | None:
-    """This router's own model named ``model``, or None; Forbidden when a scoped key may not
-    use the model (here or on any node)."""
+    """This router's own model named ``model``, or None; for a key limited to some models, a
+    model outside them (here or on any node) is not found, as a name nobody uses."""
     try:
         return resolve_in_scope(supervisor, key_scope, model)
     except ModelNotFound:
         if key_scope is not None and not key_scope.allows(model):
-            raise Forbidden(f"model '{model}' is not allowed for this API key") from None
+            raise not_found(supervisor, key_scope, model) from None
         return None
 
 
 def raise_if_elsewhere(peers: Peers, model: str, request: RequestContext) -> None:
     """A 503 naming the nodes when only peers that are down list ``model``; a 409 when
     the request came back, or only nodes it passed through hold the model."""
+    if request.key_scope is not None and not request.key_scope.allows(model):
+        return  # not the key's: not found, as a name nobody uses
     holders = peers.listing().get(model)
     if came_through(request, peers.instance) or (
             holders and any(p.up and p.via in request.via for p in holders)):

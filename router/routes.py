@@ -23,7 +23,7 @@ from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resol
 from .errors import BadRequest, ModelMissing, RouterError, UpstreamError, envelope
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
-from .metrics import CONTENT_TYPE, merge_child_metrics, render_merged
+from .metrics import CONTENT_TYPE, merge_child_metrics, only_models, render_merged
 from .nodes import (
     across_nodes,
     admin_targets,
@@ -48,18 +48,21 @@ async def health(request: Request) -> Response:
 
 
 async def props(request: Request) -> Response:
+    """The router's ``/props``; the configuration's errors (file paths) and the peers (their
+    addresses) only for a key with full access (admin for every model)."""
     state = _state(request)
     settings = state.supervisor.settings
+    full = key_scope_of(request.scope) is None
     return JSONResponse({
         "role": "router", "max_instances": settings.models_max,
         "models_autoload": settings.models_autoload, "model_alias": "llama-router",
         "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
-        "config_error": state.reloader.error,
+        "config_error": state.reloader.error if full else None,
         "llama_router": {**state.supervisor.budgets(), "node": state.node,
                          "instance": state.peers.instance if state.peers is not None else "",
-                         **({"peers": state.peers.describe()} if state.peers is not None
-                            and state.peers.configured else {})},
+                         **({"peers": state.peers.describe()} if full and state.peers
+                            is not None and state.peers.configured else {})},
     })
 
 
@@ -279,47 +282,69 @@ async def models_sse(request: Request) -> Response:
 
 
 class EventStream:
-    """``/models/sse``: a snapshot of every model's status, then live events, keep-alives
-    (for an API key limited to some models: only theirs)."""
+    """``/models/sse``: a snapshot of every model's status (every one, however many), then
+    live events, keep-alives. A key limited to some models gets only their events; router-wide
+    events (``"model": "*"``: reloads, peers coming and going with their addresses) and a
+    down peer's reason go only to a key with full access (admin for every model)."""
 
     def __init__(self, state: State, key_scope: KeyScope | None = None) -> None:
         self.state = state
+        self.full = key_scope is None or key_scope.full
         self.key_scope = key_scope if key_scope is not None and key_scope.pattern else None
 
     def _shows(self, model_id: str) -> bool:
-        if self.key_scope is None or model_id == "*":
+        if model_id == "*":
+            return self.full
+        if self.key_scope is None:
             return True
         model = self.state.supervisor.view(model_id)
         return self.key_scope.allows(model_id, model.aliases if model else ())
 
+    def _accepts(self, event: dict[str, Any]) -> bool:
+        model = event.get("model")
+        return isinstance(model, str) and self._shows(model)
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        snapshot: list[dict[str, Any]] = [
+            {"model": model.id, "event": "model_status",
+             "data": {"status": model.status.public}}
+            for model in self.state.supervisor.views()
+            if model.preset.listed and self._shows(model.id)]
+        peers = self.state.peers
+        for model_id, holders in (peers.listing() if peers is not None else {}).items():
+            if self._shows(model_id):
+                for peer in holders:  # each node's state, as its events will update it
+                    data: dict[str, Any] = {"status": peer.status_of(model_id)
+                                            if peer.up else "unloaded"}
+                    if not peer.up:
+                        data["unavailable"] = True
+                        if self.full:
+                            data["message"] = peer.reason
+                    snapshot.append({"model": model_id, "event": "model_status",
+                                     "data": data, "node": peer.node, "via": [peer.via]})
+        return snapshot
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with self.state.events.subscribe() as subscription:
-            # The snapshot is queued in the same loop step as the subscription, so every
-            # later change follows it and none is missed.
-            for model in self.state.supervisor.views():
-                if not model.preset.listed or not self._shows(model.id):
-                    continue
-                subscription.offer({"model": model.id, "event": "model_status",
-                                    "data": {"status": model.status.public}})
+        async with self.state.events.subscribe(self._accepts) as subscription:
+            # The snapshot is taken in the same loop step as the subscription, so every later
+            # change follows it and none is missed; it is sent ahead of the queue, which
+            # bounds only the live events.
+            snapshot = self._snapshot()
+            snapshot.reverse()
             peers = self.state.peers
-            for model_id, holders in (peers.listing() if peers is not None else {}).items():
-                if self._shows(model_id):
-                    for peer in holders:  # each node's state, as its events will update it
-                        data: dict[str, Any] = {"status": peer.status_of(model_id)
-                                                if peer.up else "unloaded"}
-                        if not peer.up:
-                            data.update(unavailable=True, message=peer.reason)
-                        subscription.offer({"model": model_id, "event": "model_status",
-                                            "data": data, "node": peer.node,
-                                            "via": [peer.via]})
 
             async def next_event() -> str:
-                while True:
-                    event = await subscription.get()
-                    if self._shows(event["model"]):
-                        if peers is not None and peers.peers:
-                            event = across_nodes(event, peers, self.state.supervisor)
-                        return json.dumps(event)
+                if snapshot:
+                    return json.dumps(snapshot.pop())
+                event = await subscription.get()
+                if peers is not None and peers.peers:
+                    event = across_nodes(event, peers, self.state.supervisor)
+                    data = event.get("data")
+                    if not self.full and isinstance(data, dict) and "message" in data \
+                            and data.get("unavailable"):  # a down node's reason: its address
+                        event = {**event, "data": {k: v for k, v in data.items()
+                                                   if k != "message"}}
+                return json.dumps(event)
 
             await sse.respond(scope, receive, send, next_event, self.state.closing)
 
@@ -331,13 +356,26 @@ async def metrics(request: Request) -> Response:
         texts = [({"node": state.node}, body.decode()),
                  *await scrape_peers(state.peers, context(request.scope))]
         body = "".join(render_merged(merge_child_metrics(texts))).encode()
+    key_scope = key_scope_of(request.scope)
+    if key_scope is not None and key_scope.pattern is not None:  # only its models' series
+        sup = state.supervisor
+
+        def allows(model_id: str) -> bool:
+            view = sup.view(model_id)
+            return key_scope.allows(model_id, view.aliases if view is not None else ())
+
+        body = only_models(body, allows)
     return Response(body, media_type=CONTENT_TYPE)
 
 
 def _log_source(request: Request) -> tuple[str, LogRing]:
     state = _state(request)
     name = context(request.scope).params.get("model")
+    key_scope = key_scope_of(request.scope)
     if not name:
+        if key_scope is not None and key_scope.pattern is not None:
+            raise Forbidden(f"this API key ({key_scope.describe()}) may read its models' logs "
+                            "(?model=), not the router's own, which covers every model")
         return "router", state.router_log
     runtime = resolve_in_scope(state.supervisor, key_scope_of(request.scope), name)
     return runtime.preset.id, runtime.logs

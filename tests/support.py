@@ -197,16 +197,17 @@ def write_presets(path: Path, text: str) -> Path:
 class SSEClient(threading.Thread):
     """Collects the router's ``/models/sse`` events in the background (``events``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.headers = headers or {}
         self.events: list[dict[str, Any]] = []
         self.connected = threading.Event()
         self.stop = threading.Event()
 
     def run(self) -> None:
         with httpx.Client(timeout=None) as client, \
-                client.stream("GET", self.url + "/models/sse") as response:
+                client.stream("GET", self.url + "/models/sse", headers=self.headers) as response:
             self.connected.set()
             for line in response.iter_lines():
                 if line.startswith("data: "):

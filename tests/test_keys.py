@@ -277,6 +277,7 @@ MODELS = {  # id -> aliases
 }
 NOT_LOADED = 400  # a request that passed every key check reaches the model: not loaded
 DENIED = 403
+NOT_FOUND = 404
 
 
 def presets_text(directory: Path) -> str:
@@ -325,19 +326,21 @@ async def chat_as(app: Starlette, who: str, model: str) -> httpx.Response:
 # both (infer+metrics, coder), some (admin, chat-*).
 ANY: dict[str, Any] = {}
 MATRIX: list[tuple[tuple[str, str, dict[str, Any]], dict[str, int]]] = [
-    (chat("chat-a"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
-    (chat("ca"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
-    (chat("coder"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=403)),
-    (chat("code"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=403)),
-    (chat("secret"), dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
-    (chat("hidden"), dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
-    (chat("assistant"), dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+    (chat("chat-a"), dict(admin=400, infer=400, all=400, metrics=403, both=404, some=400)),
+    (chat("ca"), dict(admin=400, infer=400, all=400, metrics=403, both=404, some=400)),
+    (chat("coder"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=404)),
+    (chat("code"), dict(admin=400, infer=400, all=400, metrics=403, both=400, some=404)),
+    (chat("secret"), dict(admin=400, infer=404, all=400, metrics=403, both=404, some=404)),
+    (chat("hidden"), dict(admin=400, infer=404, all=400, metrics=403, both=404, some=404)),
+    (chat("assistant"), dict(admin=400, infer=400, all=400, metrics=403, both=404, some=400)),
+    (chat("no-such-model"), dict(admin=404, infer=404, all=404, metrics=403, both=404,
+                                 some=404)),
     (("POST", "/v1/embeddings?model=secret", ANY),
-     dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+     dict(admin=400, infer=404, all=400, metrics=403, both=404, some=404)),
     (("GET", "/props", ANY), dict(admin=200, infer=200, all=200, metrics=403, both=200,
                                   some=200)),
     (("GET", "/props?model=secret", ANY),
-     dict(admin=400, infer=403, all=400, metrics=403, both=403, some=403)),
+     dict(admin=400, infer=404, all=400, metrics=403, both=404, some=404)),
     (("POST", "/props?model=chat-a", {"json": {}}),
      dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
     (("GET", "/v1/models", ANY), dict(admin=200, infer=200, all=200, metrics=403, both=200,
@@ -349,13 +352,15 @@ MATRIX: list[tuple[tuple[str, str, dict[str, Any]], dict[str, int]]] = [
     (("GET", "/metrics", ANY), dict(admin=200, infer=403, all=403, metrics=200, both=200,
                                     some=200)),
     (("GET", "/metrics?model=coder", ANY),
-     dict(admin=400, infer=403, all=403, metrics=400, both=400, some=403)),
+     dict(admin=400, infer=403, all=403, metrics=400, both=400, some=404)),
     (("GET", "/metrics?model=chat-a", ANY),
-     dict(admin=400, infer=403, all=403, metrics=400, both=403, some=400)),
+     dict(admin=400, infer=403, all=403, metrics=400, both=404, some=400)),
     (("POST", "/models/unload", {"json": {"model": "chat-a"}}),
      dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
     (("POST", "/models/unload", {"json": {"model": "secret"}}),
-     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=403)),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=404)),
+    (("POST", "/models/load", {"json": {"model": "secret"}}),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=404)),
     (("POST", "/models/load", {"json": {"model": "no-such-model"}}),
      dict(admin=404, infer=403, all=403, metrics=403, both=403, some=404)),
     (("POST", "/models/reload", ANY),
@@ -363,13 +368,13 @@ MATRIX: list[tuple[tuple[str, str, dict[str, Any]], dict[str, int]]] = [
     (("POST", "/models", {"json": {"model": "owner/repo:Q4_K_M"}}),
      dict(infer=403, all=403, metrics=403, both=403)),  # admins would ask the Hub
     (("DELETE", "/models?model=secret", ANY),
-     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=403)),
+     dict(admin=400, infer=403, all=403, metrics=403, both=403, some=404)),
     (("DELETE", "/models?model=chat-b", ANY),
      dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
     (("GET", "/logs", ANY), dict(admin=200, infer=403, all=403, metrics=403, both=403,
-                                 some=200)),
+                                 some=403)),
     (("GET", "/logs?model=secret", ANY),
-     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=403)),
+     dict(admin=200, infer=403, all=403, metrics=403, both=403, some=404)),
     (("GET", "/logs?model=chat-b", ANY),
      dict(admin=200, infer=403, all=403, metrics=403, both=403, some=200)),
     (("GET", "/activity", ANY), dict(admin=200, infer=403, all=403, metrics=403, both=403,
@@ -381,7 +386,7 @@ MATRIX: list[tuple[tuple[str, str, dict[str, Any]], dict[str, int]]] = [
     (("POST", "/slots/0?action=erase&model=chat-a", {"json": {}}),
      dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
     (("GET", "/lora-adapters?model=chat-a", ANY),
-     dict(admin=400, infer=400, all=400, metrics=403, both=403, some=400)),
+     dict(admin=400, infer=400, all=400, metrics=403, both=404, some=400)),
     (("POST", "/lora-adapters?model=chat-a", {"json": []}),
      dict(admin=400, infer=403, all=403, metrics=403, both=403, some=400)),
     (("GET", "/v1/stream?conv_id=nobody", ANY),
@@ -407,6 +412,9 @@ async def test_the_auth_matrix(app: Starlette, request_: tuple[str, str, dict[st
             assert error == {"code": 403, "type": "permission_error",
                              "message": error["message"]}, who
             assert "key" in error["message"] and KEYS[who][0] not in error["message"]
+        if status == NOT_FOUND:  # out of scope or nobody's: the same answer
+            assert response.json()["error"]["type"] == "not_found_error", who
+            assert "not found" in response.json()["error"]["message"], who
     public = target == "/health"
     assert (await call(app, method, target, **kw)).status_code == (200 if public else 401)
     wrong = await call(app, method, target, headers={"X-Api-Key": "wrong"}, **kw)
@@ -529,8 +537,11 @@ def test_a_scoped_key_against_the_real_llama_server(tmp_path: Path, llama_server
         assert answer.json()["choices"][0]["message"]["content"]
         refused = client.post("/v1/chat/completions", json={"model": "beta", **CHAT},
                               headers=as_scoped)
-        assert refused.status_code == 403
-        assert refused.json()["error"]["type"] == "permission_error"
+        nobody = client.post("/v1/chat/completions", json={"model": "gamma", **CHAT},
+                             headers=as_scoped)
+        assert (refused.status_code, nobody.status_code) == (404, 404)
+        assert refused.json()["error"] == {**nobody.json()["error"],
+                                           "message": "model 'beta' not found"}
         assert [m["id"] for m in client.get("/v1/models", headers=as_scoped).json()["data"]] \
             == ["alpha"]
         assert {m["id"] for m in client.get("/v1/models", headers=as_admin).json()["data"]} \
