@@ -10,6 +10,7 @@ from collections.abc import Callable
 from starlette.applications import Starlette
 
 from .activity import Activity
+from .cors import CorsMiddleware, CorsPolicy
 from .metrics import RouterMetrics
 from .middleware import (
     EXCEPTION_HANDLERS,
@@ -27,12 +28,14 @@ Lifespan = Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]
 
 
 def create_app(lifespan: Lifespan, api_keys: list[str],
-               webui: StaticUI | None = None) -> Starlette:
-    """The router's ASGI app; ``webui``: the web UI served at ``/``, None for none."""
+               webui: StaticUI | None = None, cors: CorsPolicy | None = None) -> Starlette:
+    """The router's ASGI app; ``webui``: the web UI served at ``/``, None for none;
+    ``cors``: what pages of other origins may use (default: llama-server's ``*``)."""
     app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(ProxyMiddleware)
     app.state.webui = webui
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, webui=webui)
+    app.add_middleware(CorsMiddleware, policy=cors)  # before the key: preflights carry none
 
     def current_metrics() -> RouterMetrics | None:
         state = getattr(app.state, "router", None)

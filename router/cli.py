@@ -81,6 +81,11 @@ def _serve_parser(sub: Any) -> None:
                    "install-llama-server)")
     p.add_argument("--webui-path", type=Path, default=S, metavar="DIR",
                    help="serve the web UI built in DIR (with index.html) instead")
+    p.add_argument("--cors-origins", default=S, metavar="ORIGINS",
+                   help="what pages of other origins may use, a comma list: * (default: any "
+                   "page, inference routes), localhost (pages of this machine, inference "
+                   "routes), origins such as https://app.example (every route, admin too), "
+                   "or none (docs/api.md#browsers-and-cors)")
     p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
     p.add_argument("--node-name", default=S, metavar="NAME",
                    help="this router's name among peers: /models' node field, metrics' node "

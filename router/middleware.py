@@ -56,10 +56,11 @@ class ApiKeyMiddleware:
         self.webui = webui
 
     def _public(self, request: RequestContext) -> bool:
-        """The health checks, the dashboard's files, CORS preflights, and ``/`` and the web
-        UI's files, as llama-server's UI files are (not with a model named: the router sends
-        that request to the model, as it reads the same ``request.model``)."""
-        return (request.path in PUBLIC_PATHS or request.method == "OPTIONS"
+        """The health checks, the dashboard's files, and ``/`` and the web UI's files, as
+        llama-server's UI files are (not with a model named: the router sends that request
+        to the model, as it reads the same ``request.model``). (No OPTIONS comes here:
+        ``cors.CorsMiddleware`` answers them all.)"""
+        return (request.path in PUBLIC_PATHS
                 or (self.webui is not None and request.method in ("GET", "HEAD")
                     and request.model is None and self.webui.is_public(request.path)))
 

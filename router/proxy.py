@@ -5,7 +5,8 @@
   header names), ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
   behind, so API keys never reach children (a remote upstream gets its own key instead,
   ``for_remote``). Hop-by-hop headers of the child's response stay
-  behind too. ``strip_hop_by_hop`` is the one place that does it, for both directions.
+  behind too, and so do its CORS headers (``Access-Control-*``: the router answers for
+  itself, ``cors``). ``strip_hop_by_hop`` is the one place that does it, for both directions.
 * The response is relayed chunk by chunk as the child writes it (no decoding, no buffering),
   except a small body of known length, which goes out in one piece.
 * A client that disconnects while its request is still running (noticed within
@@ -48,11 +49,18 @@ HOP_BY_HOP = frozenset({
     b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization",
 })
 # Not forwarded to the child: hop-by-hop, what the upstream client writes itself (Host,
-# Content-Length), credentials, and Expect (the body has been read already).
+# Content-Length), credentials, Expect (the body has been read already), and where a
+# browser says the request comes from (the router decided on it: ``cors``).
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"x-api-key",
-                             b"expect"}
-# Not relayed to the client: hop-by-hop, and what uvicorn writes itself.
-RESPONSE_DROP = HOP_BY_HOP | {b"server", b"date"}
+                             b"expect", b"origin", b"sec-fetch-site"}
+# Every CORS header a response may carry (Fetch standard): the router's own, never a child's.
+CORS_HEADERS = frozenset({
+    b"access-control-allow-origin", b"access-control-allow-credentials",
+    b"access-control-allow-methods", b"access-control-allow-headers",
+    b"access-control-expose-headers", b"access-control-max-age",
+    b"access-control-allow-private-network"})
+# Not relayed to the client: hop-by-hop, what uvicorn writes itself, and CORS headers.
+RESPONSE_DROP = HOP_BY_HOP | CORS_HEADERS | {b"server", b"date"}
 CONNECTION_HEADERS = frozenset({b"connection", b"proxy-connection"})
 # Connection values that name no other header: the usual ones skip the parsing.
 PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"upgrade", b"keep-alive, upgrade"})

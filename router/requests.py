@@ -40,7 +40,9 @@ CONVERSATION_HEADER = b"x-conversation-id"  # a resumable stream's id (``resumab
 WAIT_BUDGET_HEADER = b"x-wait-budget"
 # The headers decisions read (the first of each), kept by the one pass over the headers.
 _KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-length",
-                   WAIT_BUDGET_HEADER, CONVERSATION_HEADER})
+                   WAIT_BUDGET_HEADER, CONVERSATION_HEADER,
+                   # where a browser says it comes from (``cors``)
+                   b"host", b"origin", b"sec-fetch-site", b"access-control-request-method"})
 
 
 class RequestContext:

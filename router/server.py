@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 
 from . import gpus
 from .app import State, create_app
+from .cors import CorsPolicy
 from .events import EventBus
 from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
@@ -196,7 +197,8 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
                 atexit.unregister(supervisor.kill_all_now)
                 logging.getLogger().removeHandler(ring_handler)
 
-    return create_app(lifespan, prepared.api_keys, webui=_webui(prepared))
+    return create_app(lifespan, prepared.api_keys, webui=_webui(prepared),
+                      cors=CorsPolicy.parse(prepared.settings.cors_origins))
 
 
 def _log_startup_failure(task: asyncio.Task[None]) -> None:

@@ -32,6 +32,7 @@ DEFAULT_LIVENESS_INTERVAL_S = 2.0
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 DEFAULT_LIVENESS_MISSES = 3
 DEFAULT_PEER_DNS_INTERVAL_S = 10.0
+DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
 
 
 class ConfigurationError(Exception):
@@ -100,6 +101,9 @@ class Settings(BaseSettings):
     peer_dns_interval: float = Field(DEFAULT_PEER_DNS_INTERVAL_S, gt=0,
                                      description="seconds between resolutions of --peer-dns")
     peer_prefix: bool = Field(False, description="list peers' models as NODE/MODEL")
+    cors_origins: str = Field(DEFAULT_CORS_ORIGINS, description="what pages of other origins "
+                              "may use: *, localhost (inference), origins named one by one "
+                              "(every route), or none (cors.py)")
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -123,6 +127,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # LLAMA_ROUTER_WEBUI_PATH= in an env file
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _check_cors_origins(cls, value: object) -> object:
+        """``LLAMA_ROUTER_CORS_ORIGINS=`` (empty, as in an env file) is unset."""
+        from .cors import CorsPolicy
+
+        if value == "":
+            return DEFAULT_CORS_ORIGINS
+        if isinstance(value, str):
+            CorsPolicy.parse(value)  # a ValueError becomes a validation error naming it
+        return value
 
     @field_validator("memory_budget")
     @classmethod
