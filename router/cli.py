@@ -59,6 +59,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--shutdown-grace", type=float, default=S, metavar="S",
                    help="seconds in-flight requests get on SIGTERM before they end with a "
                    "503 (default 30)")
+    p.add_argument("--body-timeout", type=float, default=S, metavar="S",
+                   help="seconds a request body may pause between two chunks before the "
+                   "request ends with a 408 (default 30)")
     p.add_argument("--wait-budget", type=float, default=S, metavar="S",
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",

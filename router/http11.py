@@ -14,8 +14,20 @@ sends nothing, blank lines, or a header a byte at a time holds its connection fo
 or from the first byte of the request; then the client gets a 408 envelope and the connection
 closes. (Idle keep-alive connections between requests are uvicorn's own timeout.)
 
+A request body has a deadline too, between chunks (``body_timeout_s``, ``--body-timeout``):
+a body that stops arriving while the app waits for it is cut, the app sees the client leave,
+and the client gets a 408 envelope (the connection closes). A body that keeps flowing is never
+cut, however long it takes, and time the router itself is not reading (its buffer full) does
+not count. Once the request is answered (a 401, a 413) the rest of its body gets one deadline
+in all, then the connection closes: a client without a key cannot hold a connection by
+trickling a body nobody will read. At shutdown the deadline shrinks to
+``SHUTDOWN_BODY_TIMEOUT_S``, so a stalled upload does not hold SIGTERM for the grace period.
+
 Over ``connection_cap`` open connections (``fdlimit``) a new one gets a 503 envelope with
 ``Retry-After`` and is closed before its request is read.
+
+Tested against uvicorn's ``httptools_impl`` in the versions ``pyproject.toml`` allows (it is
+private API: a new minor version is tested before the bound moves).
 """
 
 from __future__ import annotations
@@ -25,8 +37,11 @@ import asyncio
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .errors import envelope_bytes
+from .requests import BODY_TIMED_OUT
+from .settings import DEFAULT_BODY_TIMEOUT_S
 
 REQUEST_HEAD_TIMEOUT_S = 15.0
+SHUTDOWN_BODY_TIMEOUT_S = 1.0  # a body's deadline between chunks once shutdown has begun
 LINGER_S = 2.0  # after an error answer, how long the client may take to close its side
 
 UNPARSABLE = ("the request is not valid HTTP/1.1 (its start line, headers or framing could "
@@ -35,22 +50,36 @@ HEAD_TIMEOUT = (f"the request's start line and headers did not arrive within "
                 f"{REQUEST_HEAD_TIMEOUT_S:g} s; the connection is closed")
 
 
+def body_timeout_message(timeout_s: float) -> str:
+    return (f"the request body stopped arriving: nothing for {timeout_s:g} s; the connection "
+            "is closed")
+
+
 OVER_CAP = ("the router is at its limit of open connections (its file descriptors are kept "
             "for the models); retry shortly")
 
 
 class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's protocol with the envelope for its own errors, a request-head deadline, and
-    at most ``connection_cap`` client connections at once (``fdlimit``; None: no cap)."""
+    """uvicorn's protocol with the envelope for its own errors, a request-head deadline, a
+    body deadline between chunks (``body_timeout_s``), and at most ``connection_cap`` client
+    connections at once (``fdlimit``; None: no cap)."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _body_seen = 0.0  # loop time of the body's last chunk (or of the answer, once answered)
     _discarding = False
+    _shutting_down = False
     connection_cap: int | None = None
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
     @classmethod
-    def capped(cls, cap: int) -> type[EnvelopeHttpToolsProtocol]:
-        """This protocol with at most ``cap`` client connections (uvicorn takes a class)."""
-        return type(f"{cls.__name__}Capped", (cls,), {"connection_cap": cap})
+    def configured(cls, *, cap: int | None = None,
+                   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                   ) -> type[EnvelopeHttpToolsProtocol]:
+        """This protocol with at most ``cap`` client connections and a body deadline of
+        ``body_timeout_s`` between chunks (uvicorn takes a class)."""
+        return type(f"{cls.__name__}Configured", (cls,),
+                    {"connection_cap": cap, "body_timeout_s": body_timeout_s})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -67,11 +96,79 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a request to serve (not an upgrade): its body is due
+            self._body_seen = self.loop.time()
+            self._arm_body_timer(self._body_timeout())
+
+    def on_body(self, body: bytes) -> None:
+        if not self.cycle.response_complete:  # once answered, the rest has one deadline
+            self._body_seen = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._cancel_body_timer()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._body_timer is not None:  # answered before its body came: the rest's window
+            self._body_seen = self.loop.time()
+        super().on_response_complete()
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        super().shutdown()
+        if self._body_timer is not None:
+            self._arm_body_timer(self._body_timeout())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
+
+    def _body_timeout(self) -> float:
+        if self._shutting_down:
+            return min(self.body_timeout_s, SHUTDOWN_BODY_TIMEOUT_S)
+        return self.body_timeout_s
+
+    def _arm_body_timer(self, delay: float) -> None:
+        self._cancel_body_timer()
+        self._body_timer = self.loop.call_later(delay, self._body_timed_out)
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        # One timer per request, pushed back by what arrived since it was set (not re-armed
+        # on every chunk: the upload path stays a time stamp per chunk).
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.more_body:
+            return
+        timeout = self._body_timeout()
+        now = self.loop.time()
+        if not cycle.response_complete and (self.flow.read_paused
+                                            or cycle.waiting_for_100_continue):
+            self._body_seen = now  # the router is not reading yet: the client is not late
+        left = self._body_seen + timeout - now
+        if left > 0:
+            self._arm_body_timer(left)
+            return
+        self.logger.warning("request body idle for %g s; closing", timeout)
+        if cycle.response_complete:  # answered already: only the connection is left to end
+            self.transport.close()
+            return
+        cycle.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
+        if cycle.response_started:  # an answer is going out: it cannot become a 408
+            self.transport.close()
+            return
+        # The app waiting for the body sees the client leave; the client gets the 408.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._send_error(408, body_timeout_message(timeout), answering=True)
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -96,10 +193,14 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._send_error(400, UNPARSABLE)
 
-    def _send_error(self, status: int, message: str, *, retry_after: bool = False) -> None:
+    def _send_error(self, status: int, message: str, *, retry_after: bool = False,
+                    answering: bool = False) -> None:
+        """Write an envelope and close; ``answering``: it is the answer to the current
+        request (whose app no longer writes), not an error behind it."""
         self._cancel_head_timer()
+        self._cancel_body_timer()
         self._discarding = True  # nothing after this is parsed: its framing is lost
-        if self.cycle is not None and not self.cycle.response_complete:
+        if not answering and self.cycle is not None and not self.cycle.response_complete:
             # Bad bytes behind a request still being answered: that answer goes out whole,
             # then the connection closes (writing ours now would cut into it).
             self.cycle.keep_alive = False

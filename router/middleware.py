@@ -26,7 +26,7 @@ from .forward import proxy, send_error
 from .keys import Forbidden, KeyScope, check_path, key_hash, scope_of
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
-from .requests import CONTEXT, RequestContext, context
+from .requests import BODY_TIMED_OUT, CONTEXT, RequestContext, context
 from .state import Shutdown, error_response
 from .webui import StaticUI
 
@@ -153,6 +153,8 @@ class RequestMetricsMiddleware:
         finally:
             # Ended without an answer and without an error: the client went away first.
             status = status or CLIENT_CLOSED_REQUEST
+            if BODY_TIMED_OUT in scope:  # the HTTP server answered 408 instead (``http11``)
+                status = 408
             ended = time.perf_counter()
             tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
             self._observe(request, status, ended - started,

@@ -32,6 +32,9 @@ _MODEL_PART = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNO
 
 
 CONTEXT = "llama_router.request"  # the ASGI scope's entry holding its RequestContext
+# The ASGI scope's entry the HTTP server sets when it cut a request body that stopped
+# arriving (``http11``): the app saw the client leave, the client got a 408.
+BODY_TIMED_OUT = "llama_router.body_timed_out"
 NO_PARAMS = QueryParams("")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # methods whose body may name the model
 # Sent with every request to a peer: the instance ids of the routers it passed through.

@@ -326,7 +326,8 @@ def serve(settings: Settings) -> None:
     log.info("up to %d client connections at once (%d file descriptors)", cap, open_files)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
-                            http=EnvelopeHttpToolsProtocol.capped(cap),
+                            http=EnvelopeHttpToolsProtocol.configured(
+                                cap=cap, body_timeout_s=settings.body_timeout),
                             timeout_graceful_shutdown=math.ceil(
                                 settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)

@@ -27,6 +27,7 @@ DEFAULT_MAX_QUEUE = 1000
 DEFAULT_FAIRNESS_S = 10.0
 DEFAULT_CRASH_LOOP_LIMIT = 5
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 HEALTH_POLL_INTERVAL_S = 0.02
 DEFAULT_LIVENESS_INTERVAL_S = 2.0
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
@@ -62,6 +63,9 @@ class Settings(BaseSettings):
     stop_timeout: float = Field(DEFAULT_STOP_TIMEOUT_S, ge=0)
     wait_budget: float = Field(DEFAULT_WAIT_BUDGET_S, gt=0)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
+    body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0,
+                                description="seconds a request body may pause between chunks "
+                                "(then 408)")
     log_lines: int = Field(DEFAULT_LOG_LINES, gt=0)
     log_level: str = "info"
     idle_timeout: float = Field(0.0, ge=0, description="unload models idle this long; 0: never")

@@ -1,0 +1,297 @@
+"""The HTTP/1.1 protocol (router.http11) on uvicorn's, in process: a real asyncio server on
+loopback running the router's protocol class around small ASGI apps, and raw sockets as
+clients. Fast (short deadlines), so every uvicorn version the bounds allow is checked cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from router import http11
+from router.http11 import EnvelopeHttpToolsProtocol
+from router.requests import BODY_TIMED_OUT
+
+App = Callable[[Any, Any, Any], Awaitable[None]]
+GUARD_S = 20.0  # a hang fails the test, it does not hold the suite
+
+
+class Served:
+    """A loopback server with the router's protocol; what its app saw and its connections."""
+
+    def __init__(self, server: asyncio.Server, state: ServerState) -> None:
+        self.server = server
+        self.state = state
+        self.port: int = server.sockets[0].getsockname()[1]
+        self.seen: list[dict[str, Any]] = []  # what each request's app received, in order
+        self.called = asyncio.Event()  # an app was called
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+@asynccontextmanager
+async def serving(app: App, *, body_timeout_s: float = 0.3,
+                  cap: int | None = None) -> AsyncIterator[Served]:
+    protocol = EnvelopeHttpToolsProtocol.configured(cap=cap, body_timeout_s=body_timeout_s)
+    config = uvicorn.Config(app, log_config=None, access_log=False)
+    config.load()
+    state = ServerState()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: protocol(config, state, {}, loop),
+                                      "127.0.0.1", 0)
+    try:
+        yield Served(server, state)
+    finally:
+        for connection in list(state.connections):
+            connection.transport.close()
+        server.close()
+        await server.wait_closed()
+
+
+def echo_app(served: list[Served], *, before_read_s: float = 0.0) -> App:
+    """Reads the whole body (after ``before_read_s``), answers its length; records what it
+    received, and whether it saw the client leave."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        record: dict[str, Any] = {"size": 0, "disconnect": False, "scope": scope}
+        served[0].seen.append(record)
+        served[0].called.set()
+        if before_read_s:
+            await asyncio.sleep(before_read_s)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                record["disconnect"] = True
+                return
+            record["size"] += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = json.dumps({"size": record["size"]}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def refuse_app(scope: Any, receive: Any, send: Any) -> None:
+    """Answers 401 at once without reading the body (a keyed router, no key)."""
+    if scope["type"] != "http":
+        return
+    body = b'{"error": {"code": 401, "message": "Invalid API Key", "type": "x"}}'
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def head(length: int, *extra: str) -> bytes:
+    lines = ["POST /v1/chat/completions HTTP/1.1", "Host: x",
+             "Content-Type: application/json", f"Content-Length: {length}", *extra]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def read_all(reader: asyncio.StreamReader) -> bytes:
+    """Everything until the server closes (bounded by the guard)."""
+    async with asyncio.timeout(GUARD_S):
+        return await reader.read()
+
+
+def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    lines = head_part.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return status, headers, body
+
+
+def envelope(raw: bytes, status: int) -> str:
+    got, headers, body = parse(raw)
+    assert got == status, raw[:300]
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["code"] == status
+    return str(error["message"])
+
+
+async def test_a_body_that_stops_arriving_is_cut_with_a_408() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=0.3) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(head(100) + b'{"model": "a"')
+        await writer.drain()
+        started = time.monotonic()
+        raw = await read_all(reader)
+        waited = time.monotonic() - started
+        writer.close()
+    assert "stopped arriving" in envelope(raw, 408)
+    assert parse(raw)[1]["connection"] == "close"
+    assert waited >= 0.3
+    [record] = served.seen
+    assert record["disconnect"] and record["size"] == 13  # the app saw the client leave
+    assert record["scope"][BODY_TIMED_OUT] is True  # what the metrics record as 408
+
+
+async def test_a_body_that_keeps_flowing_is_never_cut() -> None:
+    """20 chunks 0.1 s apart: 2 s in all, far past the 0.3 s deadline between chunks."""
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=0.3) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(head(200))
+        for _ in range(20):
+            await asyncio.sleep(0.1)
+            writer.write(b"x" * 10)
+            await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            status_line = await reader.readline()
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 200"), status_line
+    assert served.seen[0]["size"] == 200
+
+
+async def test_time_the_router_is_not_reading_does_not_count() -> None:
+    """A 4 MiB body sent at once while the app waits 1 s before reading: the server stops
+    reading (its buffer is full), and the client, blocked, is not late."""
+    box: list[Served] = []
+    size = 4 << 20
+    async with serving(echo_app(box, before_read_s=1.0), body_timeout_s=0.3) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(head(size) + b"x" * size)
+        async with asyncio.timeout(GUARD_S):
+            await writer.drain()
+            status_line = await reader.readline()
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 200"), status_line
+    assert served.seen[0]["size"] == size
+
+
+async def test_a_client_waiting_for_100_continue_is_not_late() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box, before_read_s=1.0), body_timeout_s=0.3) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(head(5, "Expect: 100-continue"))
+        async with asyncio.timeout(GUARD_S):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+            await reader.readline()
+            writer.write(b"hello")
+            status_line = await reader.readline()
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 200"), status_line
+
+
+async def test_an_answered_request_gets_one_deadline_for_the_rest_of_its_body() -> None:
+    """A client without a key trickling a body nobody reads, a byte every 0.1 s, is closed
+    one deadline after its 401; it cannot hold the connection by trickling."""
+    async with serving(refuse_app, body_timeout_s=0.5) as served:
+        reader, writer = await served.connect()
+        writer.write(head(1_000_000))
+        await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+        answered = time.monotonic()
+        closed = None
+        async with asyncio.timeout(GUARD_S):
+            while closed is None:
+                try:
+                    writer.write(b"x")
+                    await writer.drain()
+                except ConnectionError:
+                    closed = time.monotonic()
+                    break
+                if served.state.connections:
+                    await asyncio.sleep(0.1)
+                else:
+                    closed = time.monotonic()
+        writer.close()
+    assert 0.4 <= closed - answered < 5.0
+
+
+async def test_shutdown_cuts_a_stalled_body_at_once() -> None:
+    """SIGTERM (uvicorn's ``shutdown`` of each connection) does not wait out a 60 s body
+    deadline: a stalled body has ``SHUTDOWN_BODY_TIMEOUT_S``."""
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=60.0) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(head(100) + b"{")
+        await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            await served.called.wait()
+        started = time.monotonic()
+        for connection in list(served.state.connections):
+            connection.shutdown()
+        raw = await read_all(reader)
+        waited = time.monotonic() - started
+        writer.close()
+    envelope(raw, 408)
+    assert waited < http11.SHUTDOWN_BODY_TIMEOUT_S + 5.0
+
+
+async def test_a_request_without_a_body_arms_nothing() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=0.2) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        for _ in range(3):  # keep-alive: idle between requests is not a body's pause
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(GUARD_S):
+                assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b'{"size": 0}')
+            await asyncio.sleep(0.3)
+        writer.close()
+        [connection] = served.state.connections
+        assert connection._body_timer is None
+
+
+async def test_unparsable_requests_get_the_envelope() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n"
+                     b"\r\nabc")
+        raw = await read_all(reader)
+        writer.close()
+    assert "not valid HTTP/1.1" in envelope(raw, 400)
+    assert not served.seen
+
+
+async def test_a_request_head_that_never_ends_gets_a_408(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http11, "REQUEST_HEAD_TIMEOUT_S", 0.3)
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        raw = await read_all(reader)
+        writer.close()
+    envelope(raw, 408)
+
+
+async def test_connections_over_the_cap_get_a_503() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box), cap=1) as served:
+        box.append(served)
+        _, first = await served.connect()
+        reader, writer = await served.connect()
+        raw = await read_all(reader)
+        writer.close()
+        first.close()
+    envelope(raw, 503)
+    assert parse(raw)[1]["retry-after"] == "1"
