@@ -11,6 +11,7 @@ Hierarchy::
     │   ├── ModelMissing             400  no "model" in the request
     │   ├── ModelNotLoaded           400  autoload disabled and model not running (as llama.cpp)
     │   └── MalformedBody            400  body is not valid JSON / form
+    │       └── NestedTooDeeply      400  JSON nested past the parser's depth
     ├── Unauthorized                 401 authentication_error
     ├── NotFound                     404 not_found_error
     │   └── ModelNotFound            404  unknown model id (names close matches)
@@ -63,6 +64,10 @@ class ModelMissing(BadRequest):
 
 class MalformedBody(BadRequest):
     pass
+
+
+class NestedTooDeeply(MalformedBody):
+    """JSON nested deeper than the parser goes (instead of its ``RecursionError``)."""
 
 
 class Unauthorized(RouterError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,11 @@ class Reloader:
         """A hash of every preset file's bytes and every models-dir listing."""
         digest = hashlib.sha256()
         for path in self._sources():
-            digest.update(str(path).encode())
+            digest.update(os.fsencode(path))  # bytes: a name need not be UTF-8
             try:
                 if path.is_dir():
                     for entry in sorted(path.rglob("*.gguf")):
-                        digest.update(str(entry).encode())
+                        digest.update(os.fsencode(entry))
                 else:
                     digest.update(path.read_bytes())
             except OSError as exc:

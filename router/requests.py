@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope
 
-from .errors import ClientGone, MalformedBody, PayloadTooLarge
+from .errors import ClientGone, MalformedBody, NestedTooDeeply, PayloadTooLarge
 from .paths import is_local
 
 if TYPE_CHECKING:
@@ -181,16 +181,36 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
         return _multipart_model(content_type, body), None
     if not body.strip():
         return None, None
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedBody(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise MalformedBody("request body is nested too deeply to read") from None
+    parsed = parse_json(body)
     if not isinstance(parsed, dict):
         raise MalformedBody("request body must be a JSON object")
     model = parsed.get("model")
-    return (model if isinstance(model, str) and model else None), parsed
+    if not isinstance(model, str) or not model:
+        return None, parsed
+    if not model.isascii():
+        _check_unicode(model)
+    return model, parsed
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON value of ``body``: ``MalformedBody`` (400) when it is not JSON,
+    ``NestedTooDeeply`` (400) past the parser's depth, never a ``RecursionError``."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedBody(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise NestedTooDeeply("request body is nested too deeply to read") from None
+
+
+def _check_unicode(name: str) -> None:
+    """A name escaped in JSON as a lone surrogate (``"\\ud800"``) is no Unicode text: no
+    model has it, and no answer or log line could carry it."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MalformedBody('"model" is not valid Unicode (it holds a lone surrogate such as '
+                            '\\ud800)') from None
 
 
 def _multipart_model(content_type: str, body: bytes) -> str | None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,10 +45,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from .backend import Backend
-from .errors import BadRequest, NotFound, RouterError, Unavailable
+from .errors import BadRequest, MalformedBody, NestedTooDeeply, NotFound, RouterError, Unavailable
 from .peers import Peer
 from .proxy import relay, upstream_headers
-from .requests import VIA_HEADER, context
+from .requests import VIA_HEADER, context, parse_json
 
 if TYPE_CHECKING:
     from .state import Shutdown
@@ -191,9 +190,11 @@ async def lookup(request: Request, supervisor: Supervisor, owners: ConversationO
                  client: httpx.AsyncClient) -> Response:
     """``POST /v1/streams/lookup``: the owning children's sessions for the given ids."""
     try:
-        body = json.loads(await request.body())
+        body = parse_json(await request.body())
         ids = [i for i in body.get("conversation_ids", []) if isinstance(i, str) and i]
-    except (ValueError, AttributeError, TypeError):
+    except NestedTooDeeply:
+        raise  # a 400 envelope
+    except (MalformedBody, AttributeError, TypeError):
         return JSONResponse([])
     per_child: dict[Owner, list[str]] = {}
     key = context(request.scope).key_hash

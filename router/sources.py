@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,12 +30,25 @@ from .presets import (
 _DRAFT_PREFIXES = ("mtp-", "dspark-", "dflash-")
 
 
-def scan_models_dir(directory: Path) -> list[ModelPreset]:
+def safe_id(name: str) -> str:
+    """A model id for a file name: the name itself, except that bytes that are not UTF-8
+    (which Python keeps as lone surrogates, and no JSON or HTTP answer can carry) are written
+    ``\\xNN``: ``bad\\xff`` for a file ``bad<0xff>.gguf``."""
+    if name.isascii():
+        return name
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def scan_models_dir(directory: Path,
+                    warnings: list[PresetProblem] | None = None) -> list[ModelPreset]:
     """Models in ``directory`` by llama.cpp's layout rules.
 
     * a top-level ``NAME.gguf`` is model ``NAME`` (``mmproj*`` and draft files skipped);
     * a subfolder ``NAME/`` is model ``NAME``: its ``*-00001-of-N.gguf`` first shard or its one
       other GGUF is the model, a file with ``mmproj`` in its name is the projector.
+
+    A name that is not valid UTF-8 is served under ``safe_id`` (its child still opens the
+    file by its real name), with a warning added to ``warnings``.
     """
     directory = directory.expanduser().absolute()
     if not directory.is_dir():
@@ -64,6 +78,12 @@ def scan_models_dir(directory: Path) -> list[ModelPreset]:
                 args["mmproj"] = str(projectors[0])
         else:
             continue
+        if safe_id(model_id) != model_id:
+            model_id = safe_id(model_id)
+            if warnings is not None:
+                warnings.append(PresetProblem(Origin(Path(safe_id(str(entry))), 0),
+                                              f"the name is not valid UTF-8: served as model "
+                                              f"'{model_id}'"))
         models.append(ModelPreset(id=model_id, args=MappingProxyType(args), source="models_dir",
                                   origin=Origin(entry, 0)))
     return models
@@ -128,12 +148,13 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
         except PresetsInvalid as exc:
             problems.extend(exc.problems)
     merged: dict[str, ModelPreset] = {}
+    dir_warnings: list[PresetProblem] = []
     if hf_cache:
         for model in scan_hf_cache():
             merged[model.id] = model
     for directory in models_dirs:
         try:
-            for model in scan_models_dir(directory):
+            for model in scan_models_dir(directory, dir_warnings):
                 merged[model.id] = model
         except PresetsInvalid as exc:
             problems.extend(exc.problems)
@@ -188,7 +209,7 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
         raise PresetsInvalid(problems)
     for model_id in _cache_entries_backing_dedup_presets(final):
         final[model_id] = replace(final[model_id], listed=False)
-    warnings = tuple(w for f in files for w in f.warnings)
+    warnings = (*dir_warnings, *(w for f in files for w in f.warnings))
     return Catalogue(final, aliases, warnings)
 
 

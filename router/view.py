@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import clock
 from .lifecycle import Status
+from .sources import safe_id
 
 if TYPE_CHECKING:
     from .logs import LogRing
@@ -139,7 +140,9 @@ class ModelView:
         child = runtime.child
         status: dict[str, Any] = {
             "value": runtime.status.public,
-            "args": child.argv if child else sup.spawner.display_argv(runtime),
+            # A path need not be UTF-8; the answer must be (``sources.safe_id``).
+            "args": [safe_id(arg) for arg in
+                     (child.argv if child else sup.spawner.display_argv(runtime))],
             "in_flight": runtime.in_flight,
             "waiting": runtime.waiting,
         }

@@ -17,6 +17,7 @@ from router.errors import (
     ModelMissing,
     ModelNotFound,
     ModelNotLoaded,
+    NestedTooDeeply,
     NotFound,
     PayloadTooLarge,
     QueueFull,
@@ -81,6 +82,24 @@ def test_empty_body(body: bytes) -> None:
 def test_json_utf8_model_name() -> None:
     body = json.dumps({"model": "modèle-ü"}, ensure_ascii=False).encode()
     assert model_from_body("application/json", body)[0] == "modèle-ü"
+    # A pair of surrogates escaped in JSON is one character: fine.
+    assert model_from_body("application/json", b'{"model": "m\\ud83d\\ude00"}')[0] == "m\U0001f600"
+
+
+@pytest.mark.parametrize("name", ["\\ud800", "x\\udfff", "\\udc00\\ud800", "a\\ud83d"])
+def test_a_model_name_with_a_lone_surrogate_is_refused(name: str) -> None:
+    body = b'{"model": "' + name.encode() + b'", "messages": []}'
+    with pytest.raises(MalformedBody, match="not valid Unicode") as info:
+        model_from_body("application/json", body)
+    assert info.value.status == 400
+
+
+def test_json_nested_past_the_parsers_depth_is_a_400() -> None:
+    for body in (b"[" * 100_000 + b"]" * 100_000,
+                 b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        with pytest.raises(NestedTooDeeply, match="nested too deeply") as info:
+            model_from_body("application/json", body)
+        assert info.value.status == 400
 
 
 # --- model_from_body: multipart ----------------------------------------------------------------

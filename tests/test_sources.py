@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from router.flags import FlagTable
 from router.presets import Origin, PresetsInvalid
-from router.sources import Catalogue, build_catalogue, scan_models_dir
+from router.sources import Catalogue, build_catalogue, safe_id, scan_models_dir
 
 
 def touch(path: Path) -> Path:
@@ -301,3 +302,32 @@ def test_catalogue_direct() -> None:
     catalogue = Catalogue(models={}, aliases={"x": "y"})
     assert catalogue.resolve("x") == "y"
     assert catalogue.resolve("y") is None
+
+
+# --- names that are not UTF-8 ----------------------------------------------------------------
+
+def test_a_name_that_is_not_utf8_gets_a_safe_id(tmp_path: Path, help_table: FlagTable) -> None:
+    """Served as ``bad\\xff`` with a warning; the path the child opens is the real one."""
+    root = tmp_path / "models"
+    root.mkdir()
+    (Path(os.fsdecode(os.fsencode(root) + b"/bad\xff.gguf"))).touch()
+    folder = Path(os.fsdecode(os.fsencode(root) + b"/dir\xfe\xfd"))
+    touch(folder / "model.gguf")
+    touch(root / "good.gguf")
+    catalogue = build_catalogue([], [root], help_table, hf_cache=False)
+    assert sorted(catalogue.models) == ["bad\\xff", "dir\\xfe\\xfd", "good"]
+    bad = catalogue.models["bad\\xff"]
+    assert os.fsencode(bad.args["model"]).endswith(b"/bad\xff.gguf")
+    assert Path(bad.args["model"]).is_file()
+    warned = sorted(str(w) for w in catalogue.warnings)
+    assert len(warned) == 2
+    assert "not valid UTF-8: served as model 'bad\\xff'" in warned[0]
+    for text in warned:
+        text.encode("utf-8")  # printable anywhere
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("plain", "plain"), ("modèle-ü", "modèle-ü"), (os.fsdecode(b"a\xff\xfeb"), "a\\xff\\xfeb")])
+def test_safe_id(name: str, expected: str) -> None:
+    assert safe_id(name) == expected
+    safe_id(name).encode("utf-8")
