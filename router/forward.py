@@ -195,7 +195,8 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         preset = runtime.preset
         if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
             headers, body = for_remote(headers, body, parsed, preset.upstream_key,
-                                       preset.upstream_model)
+                                       preset.upstream_model,
+                                       request.headers.get(b"content-type", b""))
         await relay(lease.child.connections, method, _target(scope), headers, body,
                     receive=receive, send=send, shutdown=shutdown)
     finally:

@@ -296,16 +296,25 @@ def _parse_name(value: str) -> str:
 
 
 def read_key_file(path: Path) -> str:
-    """The first line of ``path`` that is neither empty nor a ``#`` comment, stripped."""
+    """The first line of ``path`` that is neither empty nor a ``#`` comment, stripped: a
+    bearer key, so printable ASCII (checked here, when the configuration is read, rather than
+    failing in the ``Authorization`` header of the first request). The key itself is never
+    in a message."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValueError(f"file does not exist: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from None
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if line and not line.startswith("#"):
+            bad = next((i for i, c in enumerate(line, start=1) if not " " <= c <= "~"), None)
+            if bad is not None:
+                raise ValueError(
+                    f"the key in {path} (line {number}) cannot be sent in an HTTP header: "
+                    f"character {bad} is not printable ASCII (a control character or "
+                    "non-ASCII)")
             return line
     raise ValueError(f"no key in {path} (its first non-comment line is the key)")
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
+from .requests import with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -92,14 +93,20 @@ def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
 
 
 def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, parsed: dict[str, Any] | None,
-               key: str | None, model: str | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
+               key: str | None, model: str | None, content_type: bytes = b"",
+               ) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """A request as a remote upstream (``remote``) gets it: its own bearer key (the client's
-    credentials were dropped already), and in a JSON body ``model`` renamed to ``model``
-    when the preset sets ``upstream-model``. Only models with ``upstream`` pay for this."""
+    credentials were dropped already), and the body's ``model`` renamed to ``model`` when
+    the preset sets ``upstream-model``: in a JSON body (``parsed``), or the ``model`` field
+    of a multipart body (``content_type``), as the router read it. Only models with
+    ``upstream`` pay for this."""
     if key is not None:
         headers = [*headers, (b"authorization", b"Bearer " + key.encode("latin-1"))]
-    if model is not None and parsed is not None:
-        body = json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
+    if model is not None:
+        if parsed is not None:
+            body = json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
+        elif content_type[:19].lower() == b"multipart/form-data":
+            body = with_multipart_model(content_type.decode("latin-1"), body, model)
     return headers, body
 
 

@@ -214,13 +214,38 @@ def _check_unicode(name: str) -> None:
 
 
 def _multipart_model(content_type: str, body: bytes) -> str | None:
+    span = _model_field(content_type, body)
+    if span is None:
+        return None
+    return body[span[0]:span[1]].decode("utf-8", "replace").strip() or None
+
+
+def with_multipart_model(content_type: str, body: bytes, model: str) -> bytes:
+    """``body`` with the value of its multipart ``model`` field replaced by ``model`` (the
+    field ``model_from_body`` reads); unchanged without one. Only the value's bytes change."""
+    span = _model_field(content_type, body)
+    if span is None:
+        return body
+    return body[:span[0]] + model.encode() + body[span[1]:]
+
+
+def _model_field(content_type: str, body: bytes) -> tuple[int, int] | None:
+    """Where the value of the multipart ``model`` field (not a file) lies in ``body``."""
     match = _BOUNDARY.search(content_type)
     if not match:
         raise MalformedBody("multipart request without a boundary")
     delimiter = b"--" + match.group(1).encode()
-    for part in body.split(delimiter):
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if sep and _MODEL_PART.search(head) and b"filename=" not in head.lower():
-            text = value.removesuffix(b"\r\n").decode("utf-8", "replace").strip()
-            return text or None
+    at = body.find(delimiter)
+    while at >= 0:
+        start = at + len(delimiter)
+        at = body.find(delimiter, start)
+        end = len(body) if at < 0 else at
+        head_end = body.find(b"\r\n\r\n", start, end)
+        if head_end >= 0:
+            head = body[start:head_end]
+            if _MODEL_PART.search(head) and b"filename=" not in head.lower():
+                value = head_end + 4
+                if end - 2 >= value and body[end - 2:end] == b"\r\n":
+                    end -= 2  # the line break before the next delimiter is not the value's
+                return value, end
     return None

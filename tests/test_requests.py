@@ -29,7 +29,7 @@ from router.errors import (
     envelope,
     envelope_bytes,
 )
-from router.requests import model_from_body, read_body
+from router.requests import model_from_body, read_body, with_multipart_model
 
 # --- model_from_body: JSON -------------------------------------------------------------------
 
@@ -131,6 +131,24 @@ def test_multipart_with_model_field_and_file() -> None:
 def test_multipart_quoted_boundary() -> None:
     body = multipart([("model", None, b"m1")])
     assert model_from_body(f'multipart/form-data; boundary="{BOUNDARY}"', body) == ("m1", None)
+
+
+def test_the_multipart_model_is_renamed_in_place() -> None:
+    """Only the ``model`` field's value changes: a file part holding the same bytes (even a
+    part head inside it) and every other byte stay as they were."""
+    audio = b'RIFF\x00\xff\r\nContent-Disposition: form-data; name="model"\r\n\r\nfar\r\n'
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    body = multipart([("file", "a.wav", audio), ("model", None, b"far"),
+                      ("prompt", None, b"far")])
+    renamed = with_multipart_model(content_type, body, "served-näme")
+    expected = multipart([("file", "a.wav", audio), ("model", None, "served-näme".encode()),
+                          ("prompt", None, b"far")])
+    assert renamed == expected
+    assert model_from_body(content_type, renamed) == ("served-näme", None)
+    without = multipart([("prompt", None, b"x")])
+    assert with_multipart_model(content_type, without, "y") is without
+    file_only = multipart([("model", "model.bin", b"far")])
+    assert with_multipart_model(content_type, file_only, "y") == file_only
 
 
 def test_multipart_file_part_named_model_is_not_the_model() -> None:
