@@ -2,9 +2,13 @@
 effects they return, and runs what produces the events of a serving model.
 
 * ``apply`` is the only writer of ``ModelRuntime.state``: it switches the state, publishes,
-  and starts the effects' work (stop the children, replace crashed replicas, cancel a load or
-  download, forget a removed model) without awaiting, then wakes everything waiting for a
-  change (``changes``). The work it starts reports back through ``apply`` again.
+  and starts the effects' work (start the load task, stop the children, replace crashed
+  replicas, cancel a load or download, forget a removed model) without awaiting, then wakes
+  everything waiting for a change (``changes``). The work it starts reports back through
+  ``apply`` again; a command the lifecycle refuses comes back as its ``Refuse``.
+* The executor owns the tasks that carry out effects: each model's load task (``StartLoad``:
+  ``load`` in a task that reports ``LoadEnded`` when it ends, before anyone awaiting it
+  resumes), stop and replacement tasks.
 * Every serving child has an exit watcher: a child that exits while its model is loaded
   (not asked to stop) is a crash, ``ReplicaExited``; the last replica's crash unloads the
   model, an earlier one is replaced one child at a time under the crash backoff.
@@ -15,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import clock
@@ -28,12 +32,15 @@ from .lifecycle import (
     CancelDownload,
     CancelLoad,
     CancelReplacement,
+    ChildGone,
     Effect,
     Event,
     FailureCounted,
     Forget,
     KillReplica,
+    LoadEnded,
     Publish,
+    Refuse,
     ReplaceReplicas,
     ReplicaExited,
     ReplicaFailed,
@@ -66,12 +73,13 @@ def backoff_s(failures_in_row: int) -> float:
 
 class Executor:
     def __init__(self, settings: Settings, spawner: Spawner, events: EventBus, changes: Changes,
-                 *, start_load: ModelCallback, forget: ModelCallback) -> None:
+                 *, load: Callable[[ModelRuntime], Coroutine[Any, Any, None]],
+                 forget: ModelCallback) -> None:
         self.settings = settings
         self._spawner = spawner
         self._events = events
         self._changes = changes
-        self._start_load = start_load  # load again (a reconfigured model); never raises
+        self._load = load  # a model's load (``Loader.load``), run as its load task
         self._forget = forget  # drop a removed model
         self._last_failure_at: dict[str, float] = {}
         # Cancelled tasks still stopping what they started (a replacement child).
@@ -82,15 +90,25 @@ class Executor:
     def apply(self, runtime: ModelRuntime, event: Event) -> None:
         """Move the model through ``event`` and start its effects (an event that cannot happen
         now raises InvalidTransition)."""
+        self.command(runtime, event)
+
+    def command(self, runtime: ModelRuntime, event: Event) -> Refuse | None:
+        """``apply`` for a command (``LoadWanted``, ``Unload``): its ``Refuse`` if the
+        lifecycle refuses it now (then nothing changed)."""
         # A remote upstream never enters a crash loop: its failures are another machine's
         # outages, retried under the backoff, not a configuration to fix.
         limit = self.settings.crash_loop_limit if runtime.preset.upstream is None \
             else sys.maxsize
         runtime.state, effects = transition(runtime.id, runtime.state, event,
                                             crash_loop_limit=limit)
+        refused = None
         for effect in effects:
-            self._perform(runtime, effect)
+            if isinstance(effect, Refuse):
+                refused = effect
+            else:
+                self._perform(runtime, effect)
         self._changes.notify()
+        return refused
 
     def stop(self, runtime: ModelRuntime, reason: str) -> asyncio.Task[None] | None:
         """Stop a loaded model now (marked stopping in this loop step, so planners see it);
@@ -126,10 +144,10 @@ class Executor:
         match effect:
             case Publish(kind, data):
                 self._events.publish(runtime.id, kind, dict(data) or None)
-            case KillReplica(child, why):
-                self._kill_replica(runtime, child, why)
-            case StopChildren(reason):
-                runtime.stop_task = _task(self._stop_children(runtime, reason),
+            case KillReplica(replica, why):
+                self._kill_replica(runtime, replica, why)
+            case StopChildren(reason, replicas):
+                runtime.stop_task = _task(self._stop_children(runtime, reason, replicas),
                                           f"stop:{runtime.id}")
             case CancelReplacement():
                 task = runtime.replace_task
@@ -150,7 +168,10 @@ class Executor:
             case CancelDownload():
                 self.cancel_download(runtime)
             case StartLoad():
-                self._start_load(runtime)
+                task = _task(self._load(runtime), f"load:{runtime.id}")
+                runtime.load_task = task
+                # Also when cancelled before it ran a step (its body then never runs).
+                task.add_done_callback(lambda _: self.apply(runtime, LoadEnded()))
             case Forget():
                 self._forget(runtime)
             case FailureCounted(crash_loop):
@@ -160,21 +181,19 @@ class Executor:
                               runtime.state.failures_in_row,
                               extra={"event": "crash_loop", "model": runtime.id})
 
-    async def _stop_children(self, runtime: ModelRuntime, reason: str) -> None:
+    async def _stop_children(self, runtime: ModelRuntime, reason: str,
+                             replicas: tuple[Replica, ...]) -> None:
         """Stop every replica. An unload ends the requests in flight first, each with the
         unload's 503 (``proxy.relay``): the router's connections to the child close, so the
         child stops generating and exits at once instead of after its stop timeout."""
         timeout = runtime.preset.stop_timeout
         seconds = self.settings.stop_timeout if timeout is None else timeout
-        replicas, runtime.replicas = runtime.replicas, []
         if reason == UNLOADED:
             ended = ModelUnloaded(runtime.id)
             for replica in replicas:
                 if replica.in_flight:
                     replica.child.connections.abort_all(ended)
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
-        runtime.info = None
-        runtime.loaded_at = None
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))
 
@@ -190,24 +209,16 @@ class Executor:
         if ((replica not in runtime.replicas and not killed)
                 or runtime.status is not Status.LOADED):
             return  # an intended stop; _stop_children records it
-        if replica in runtime.replicas:
-            runtime.replicas.remove(replica)
         message = (replica.killed_because
                    or f"llama-server exited unexpectedly with code {code}")
         runtime.failure = Failure(message, code, runtime.logs.tail(FAILURE_LOG_LINES))
         log.error("%s", message, extra={"event": "crashed", "model": runtime.id,
                                         "pid": replica.child.pid, "exit_code": code})
-        await replica.child.stop(0)  # reap the group
+        ran_for = clock.now() - (replica.child.started_at or clock.now())
+        self.apply(runtime, ReplicaExited(replica, code, ran_for))  # out of service now
         if replica.in_flight == 0:  # else the last request to finish closes it
             self.close_pool_later(replica)
-        if runtime.status is not Status.LOADED:
-            return  # stopped meanwhile: the stop ends its run
-        last = not runtime.replicas
-        if last:
-            runtime.info = None
-            runtime.loaded_at = None
-        ran_for = clock.now() - (replica.child.started_at or clock.now())
-        self.apply(runtime, ReplicaExited(code, ran_for, last))
+        await replica.child.stop(0)  # reap the group
 
     async def _replace_replicas(self, runtime: ModelRuntime) -> None:
         """Start one child after the backoff to bring a serving model back towards its replica
@@ -220,14 +231,12 @@ class Executor:
                 or len(runtime.replicas) >= runtime.preset.replicas):
             return
         timeout = runtime.preset.load_timeout or self.settings.load_timeout
-        children: list[Backend] = []
+        children: list[Backend] = []  # its cores count as held while it starts (``starting``)
         [share] = self._spawner.cpu_shares(runtime, 1)
-        runtime.spawning = children  # its cores count as held while it starts
         try:
             await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share)
         except BaseException as exc:
-            runtime.spawning = []
-            await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
+            await asyncio.shield(self.stop_started(runtime, children))
             if not isinstance(exc, Exception):  # cancelled: the model is stopping
                 raise
             runtime.failure = failure_from(exc)
@@ -236,35 +245,36 @@ class Executor:
             runtime.replace_task = None
             self.apply(runtime, ReplicaFailed())
             return
-        runtime.spawning = []
         replica = Replica(children[-1])
-        runtime.replicas.append(replica)
-        self.watch_exit(runtime, replica)
         log.info("replica restarted", extra={
             "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
             "port": replica.child.port})
         runtime.replace_task = None
-        self.apply(runtime, ReplicaStarted(replica.child.pid, len(runtime.replicas)))
+        self.apply(runtime, ReplicaStarted(replica))
+        self.watch_exit(runtime, replica)
         if len(runtime.replicas) < runtime.preset.replicas:
             self._perform(runtime, ReplaceReplicas())
 
-    def kill_unresponsive(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
-        """A serving child stopped answering (``liveness``): ``ReplicaUnresponsive``, which
-        kills it and takes it out of service at once (``KillReplica``); its exit watcher then
-        handles it as a crash, with ``why`` as the failure."""
-        if any(r.child is child for r in runtime.replicas):
-            self.apply(runtime, ReplicaUnresponsive(child, child.pid, why))
+    async def stop_started(self, runtime: ModelRuntime, children: list[Backend]) -> None:
+        """Stop children a failed or cancelled start left, each then ``ChildGone``."""
+        await asyncio.gather(*(c.stop(0) for c in children))
+        for child in children:
+            self.apply(runtime, ChildGone(child))
+        children.clear()
 
-    def _kill_replica(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
+    def kill_unresponsive(self, runtime: ModelRuntime, child: Backend, why: str) -> None:
+        """A serving child stopped answering (``liveness``): ``ReplicaUnresponsive`` takes it
+        out of service at once and kills it (``KillReplica``); its exit watcher then handles
+        it as a crash, with ``why`` as the failure."""
         replica = next((r for r in runtime.replicas if r.child is child), None)
-        if replica is None or replica.killed_because is not None:
-            return
-        replica.killed_because = why
+        if replica is not None:
+            self.apply(runtime, ReplicaUnresponsive(replica, why))
+
+    def _kill_replica(self, runtime: ModelRuntime, replica: Replica, why: str) -> None:
+        replica.killed_because = why  # its exit watcher reports the crash with this
         log.error("%s", why, extra={"event": "unresponsive", "model": runtime.id,
-                                    "pid": child.pid})
-        # No new request goes to it from now on; its exit watcher reports the crash.
-        runtime.replicas = [r for r in runtime.replicas if r.child is not child]
-        child.kill_now()
+                                    "pid": replica.child.pid})
+        replica.child.kill_now()
 
     def close_pool_later(self, replica: Replica) -> None:
         _task(replica.child.close_pool(), "close-pool")

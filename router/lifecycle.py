@@ -42,7 +42,16 @@ stopping    Stopped              unloaded (then forget a removed model, or load 
 any         Retire               cancels a download or load; a removed model is
                                  forgotten once nothing runs
 any         Reset                clears the failure count and crash loop
+any         LoadWanted           POST /models/load (explicit): refused unless unloaded
+                                 (``already running``); a request (on demand): refused
+                                 in a crash loop; else starts the load task
+any         LoadEnded            the load task ended (loaded, failed or cancelled)
+any         ChildStarted/Gone    a child of a load or replacement started / is gone
+unloaded    Listed / Forgotten   added at run time / dropped (published)
 =========== ==================== ==================================================
+
+Commands are events too: an explicit load or unload that cannot happen now is refused by
+the transition (``Refuse``), so the preconditions live with the states they read.
 """
 
 from __future__ import annotations
@@ -89,6 +98,19 @@ class ModelState:
     crash_loop: bool = False  # failed crash_loop_limit times in a row: no automatic restart
     # While loading: llama.cpp's {stages, current, value} of the least advanced child.
     progress: Mapping[str, Any] | None = None
+    # Its children, by phase. ``starting``: started for a load or a crashed replica's
+    # replacement, not serving yet (whoever started them stops them if the start fails).
+    # ``replicas``: serving (``runtime.Replica``, in start order); a kill or crash takes one
+    # out. ``stopping``: the replicas a stop (``StopChildren``) is ending. Only events change
+    # them.
+    starting: tuple[Any, ...] = ()
+    replicas: tuple[Any, ...] = ()
+    stopping: tuple[Any, ...] = ()
+    info: Mapping[str, Any] | None = None  # the child's own /v1/models entry, while loaded
+    loaded_at: float | None = None  # clock time it became loaded
+    # Its one load task (``Loader.load``) exists: queued, waiting for an old child, spawning.
+    load_pending: bool = False
+    load_on_demand: bool = False  # that load was started by requests, not an explicit load
 
 
 # ----------------------------------------------------------------------------- events
@@ -138,8 +160,12 @@ class LoadProgress:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Every replica is healthy. ``data`` goes into the ``loaded`` event (duration, info)."""
+    """Every replica is healthy: the started children serve as ``replicas``. ``data`` goes
+    into the ``loaded`` event (duration, info)."""
 
+    replicas: tuple[Any, ...] = ()
+    loaded_at: float | None = None
+    info: Mapping[str, Any] | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -158,7 +184,11 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class Unload:
-    """An explicit unload (``POST /models/unload``), whatever the model is doing."""
+    """An unload: cancels a download or load, stops a loaded model. ``explicit``
+    (``POST /models/unload``, dashboard, CLI) is refused when nothing runs or loads (``not
+    running``); a cache model's deletion unloads it whatever it does."""
+
+    explicit: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,11 +228,12 @@ class Retire:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaExited:
-    """A serving child exited on its own (a crash)."""
+    """A serving child exited on its own (a crash), or a killed one exited: ``replica`` is
+    out of service; the model stays loaded while another replica serves."""
 
+    replica: Any
     exit_code: int | None
     ran_for: float  # seconds it ran
-    last: bool  # no replica serves any more
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,30 +243,68 @@ class ReplicaFailed:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaStarted:
-    """A child replacing a crashed replica serves: the model has ``replicas`` again."""
+    """A child replacing a crashed replica serves, as ``replica``."""
 
-    pid: int | None
-    replicas: int
+    replica: Any
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaUnresponsive:
-    """A serving child stopped answering its health checks (``liveness``)."""
+    """A serving replica stopped answering its health checks (``liveness``)."""
 
-    child: Any  # the backend to kill
-    pid: int | None
+    replica: Any
     why: str
 
 
 @dataclass(frozen=True, slots=True)
 class Reset:
-    """An explicit load or a new preset: forget the failure count and the crash loop."""
+    """A new preset: forget the failure count and the crash loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWanted:
+    """Someone wants the model loaded: ``POST /models/load`` (``explicit``: refused unless the
+    model is unloaded; forgets the failure count and crash loop), a request for it
+    (``on_demand``), or the router itself (startup, a new preset); the last two are refused
+    in a crash loop. Starts the model's one load task unless one is pending."""
+
+    explicit: bool = False
+    on_demand: bool = False  # a request waits for it: cancelled once none does
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEnded:
+    """The model's load task ended: loaded, failed, or cancelled."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildStarted:
+    """A child of a load or of a replica's replacement is being started (not serving yet)."""
+
+    child: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ChildGone:
+    """A child that never served is stopped, or never got a process."""
+
+    child: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """The model was added at run time (``POST /models``): published as unloaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """The model was dropped from the router (removed, deleted): published as removed."""
 
 
 Event = (Download | DownloadProgress | Downloaded | DownloadFailed | Queued | Admitted
          | LoadProgress | Ready | SpawnFailed | ReplicaStarted | ReplicaUnresponsive | Stop
          | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset
-         | Unload)
+         | Unload | LoadWanted | LoadEnded | ChildStarted | ChildGone | Listed | Forgotten)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
 
 
@@ -251,12 +320,30 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class StopChildren:
+    """Stop these replicas (no longer in the state: the stop owns them)."""
+
     reason: str
+    replicas: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class StartLoad:
-    """Load the model (a reconfigured model that was running)."""
+    """Start the model's load task (``on_demand``: for requests, cancelled once none waits)."""
+
+    on_demand: bool = False
+
+
+ALREADY_RUNNING = "already running"
+NOT_RUNNING = "not running"
+CRASH_LOOP = "crash loop"
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The command cannot happen now (``reason``: one of the constants above); nothing
+    changed. The caller answers its client with it."""
+
+    reason: str
 
 
 UNLOADED = "unloaded"  # the reason of an explicit unload: its stop, its cancelled load
@@ -289,10 +376,10 @@ class ReplaceReplicas:
 
 @dataclass(frozen=True, slots=True)
 class KillReplica:
-    """Take the replica served by ``child`` out of service and kill it (``why``: the crash
-    report its exit watcher gives)."""
+    """Kill the replica's child, already out of service (``why``: the crash report its exit
+    watcher gives)."""
 
-    child: Any
+    replica: Any
     why: str
 
 
@@ -309,7 +396,7 @@ class FailureCounted:
 
 
 Effect = (Publish | StopChildren | StartLoad | CancelLoad | CancelDownload | CancelReplacement
-          | ReplaceReplicas | KillReplica | Forget | FailureCounted)
+          | ReplaceReplicas | KillReplica | Forget | FailureCounted | Refuse)
 
 
 class InvalidTransition(RuntimeError):
@@ -362,17 +449,34 @@ def _count_failure(state: ModelState, limit: int, ran_for: float | None = None
 
 
 def _after_run(state: ModelState) -> tuple[ModelState, tuple[Effect, ...]]:
-    """Once nothing runs: a removed model is forgotten, a reconfigured one loads again."""
+    """Once nothing runs: a removed model is forgotten, a reconfigured one loads again
+    (unless in a crash loop: then only an explicit load starts it)."""
     if state.removed:
         return state, (Forget(),)
     if state.restart_after_stop:
-        return replace(state, restart_after_stop=False), (StartLoad(),)
+        state = replace(state, restart_after_stop=False)
+        return (state, ()) if state.crash_loop else _start_load(state, on_demand=False)
     return state, ()
+
+
+def _start_load(s: ModelState, *, on_demand: bool) -> Result:
+    """Start the model's one load task, or make the pending one explicit (not on demand: it
+    goes on when no request waits for it any more)."""
+    if s.load_pending:
+        return (s if on_demand or not s.load_on_demand
+                else replace(s, load_on_demand=False)), ()
+    return replace(s, load_pending=True, load_on_demand=on_demand), (StartLoad(on_demand),)
 
 
 def _to_unloaded(state: ModelState, **changes: Any) -> ModelState:
     return replace(state, status=Status.UNLOADED, draining=False, drained_for=None,
-                   stop_when_idle=None, progress=None, **changes)
+                   stop_when_idle=None, progress=None, replicas=(), stopping=(), info=None,
+                   loaded_at=None,
+                   **changes)
+
+
+def _without(children: tuple[Any, ...], gone: Any) -> tuple[Any, ...]:
+    return tuple(c for c in children if c is not gone)
 
 
 def _download(s: ModelState, e: Download, limit: int) -> Result:
@@ -420,7 +524,10 @@ def _load_progress(s: ModelState, e: LoadProgress, limit: int) -> Result:
 
 
 def _ready(s: ModelState, e: Ready, limit: int) -> Result:
-    new = replace(s, status=Status.LOADED, failed=False, progress=None)
+    serving = {id(r.child) for r in e.replicas}
+    new = replace(s, status=Status.LOADED, failed=False, progress=None, replicas=e.replicas,
+                  starting=tuple(c for c in s.starting if id(c) not in serving),
+                  info=e.info, loaded_at=e.loaded_at)
     return new, (_status_change(s, new, **e.data),)
 
 
@@ -438,10 +545,10 @@ def _spawn_failed(s: ModelState, e: SpawnFailed, limit: int) -> Result:
 
 
 def _stopping(s: ModelState, reason: str) -> Result:
-    new = replace(s, status=Status.STOPPING)
+    new = replace(s, status=Status.STOPPING, replicas=(), stopping=s.replicas)
     return new, (Publish("stopping", MappingProxyType({"status": new.status.public,
                                                        "reason": reason})),
-                 CancelReplacement(), StopChildren(reason))
+                 CancelReplacement(), StopChildren(reason, s.replicas))
 
 
 def _stop(s: ModelState, e: Stop, limit: int) -> Result:
@@ -483,8 +590,9 @@ def _stopped(s: ModelState, e: Stopped, limit: int) -> Result:
 
 
 def _replica_exited(s: ModelState, e: ReplicaExited, limit: int) -> Result:
-    new, counted = _count_failure(s, limit, e.ran_for)
-    if not e.last:
+    new, counted = _count_failure(replace(s, replicas=_without(s.replicas, e.replica)), limit,
+                                  e.ran_for)
+    if new.replicas:
         replace_them = () if new.draining or new.crash_loop else (ReplaceReplicas(),)
         return new, (counted, *replace_them)
     new = _to_unloaded(new)
@@ -494,13 +602,19 @@ def _replica_exited(s: ModelState, e: ReplicaExited, limit: int) -> Result:
 
 
 def _replica_started(s: ModelState, e: ReplicaStarted, limit: int) -> Result:
-    return s, (Publish("replica_restarted", MappingProxyType({"pid": e.pid,
-                                                              "replicas": e.replicas})),)
+    new = replace(s, replicas=(*s.replicas, e.replica),
+                  starting=_without(s.starting, e.replica.child))
+    return new, (Publish("replica_restarted", MappingProxyType({
+        "pid": e.replica.child.pid, "replicas": len(new.replicas)})),)
 
 
 def _replica_unresponsive(s: ModelState, e: ReplicaUnresponsive, limit: int) -> Result:
-    return s, (Publish("unresponsive", MappingProxyType({"pid": e.pid, "reason": e.why})),
-               KillReplica(e.child, e.why))
+    if not any(r is e.replica for r in s.replicas):
+        return s, ()  # already out of service (killed, or its crash came first)
+    new = replace(s, replicas=_without(s.replicas, e.replica))
+    return new, (Publish("unresponsive", MappingProxyType({"pid": e.replica.child.pid,
+                                                           "reason": e.why})),
+                 KillReplica(e.replica, e.why))
 
 
 def _replica_failed(s: ModelState, e: ReplicaFailed, limit: int) -> Result:
@@ -528,6 +642,8 @@ def _retire(s: ModelState, e: Retire, limit: int) -> Result:
 
 
 def _unload(s: ModelState, e: Unload, limit: int) -> Result:
+    if e.explicit and s.status in (Status.UNLOADED, Status.STOPPING) and not s.load_pending:
+        return s, (Refuse(NOT_RUNNING),)
     new = replace(s, restart_after_stop=False)
     cancel = CancelLoad(UNLOADED)
     if s.status is Status.LOADED:
@@ -540,6 +656,36 @@ def _unload(s: ModelState, e: Unload, limit: int) -> Result:
 
 def _reset(s: ModelState, e: Reset, limit: int) -> Result:
     return replace(s, failures_in_row=0, crash_loop=False), ()
+
+
+def _load_wanted(s: ModelState, e: LoadWanted, limit: int) -> Result:
+    if e.explicit:
+        if s.status is not Status.UNLOADED:
+            return s, (Refuse(ALREADY_RUNNING),)
+        s = replace(s, failures_in_row=0, crash_loop=False)
+    elif s.crash_loop and not s.load_pending:
+        return s, (Refuse(CRASH_LOOP),)
+    return _start_load(s, on_demand=e.on_demand)
+
+
+def _load_ended(s: ModelState, e: LoadEnded, limit: int) -> Result:
+    return replace(s, load_pending=False, load_on_demand=False), ()
+
+
+def _child_started(s: ModelState, e: ChildStarted, limit: int) -> Result:
+    return replace(s, starting=(*s.starting, e.child)), ()
+
+
+def _child_gone(s: ModelState, e: ChildGone, limit: int) -> Result:
+    return replace(s, starting=_without(s.starting, e.child)), ()
+
+
+def _listed(s: ModelState, e: Listed, limit: int) -> Result:
+    return s, (Publish("model_status", MappingProxyType({"status": s.status.public})),)
+
+
+def _forgotten(s: ModelState, e: Forgotten, limit: int) -> Result:
+    return s, (Publish("model_remove", MappingProxyType({})),)
 
 
 U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LOADED,
@@ -567,6 +713,12 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     **{(status, Retire): _retire for status in Status},
     **{(status, Unload): _unload for status in Status},
     **{(status, Reset): _reset for status in Status},
+    **{(status, LoadWanted): _load_wanted for status in Status},
+    **{(status, LoadEnded): _load_ended for status in Status},
+    **{(status, ChildStarted): _child_started for status in Status},
+    **{(status, ChildGone): _child_gone for status in Status},
+    (U, Listed): _listed,
+    (U, Forgotten): _forgotten,
 }
 
 # Events that may arrive after the status they were meant for has passed: they change nothing.

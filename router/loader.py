@@ -84,10 +84,11 @@ class Loader:
         if not remote:  # a remote upstream holds no local memory, cores or model slot
             await self._admission.admit(runtime)
         self._executor.apply(runtime, Admitted())
+        children: list[Backend] = []  # this load's, until they serve (``starting``)
         try:
-            await self._spawn(runtime)
+            await self._spawn(runtime, children)
         except BaseException as exc:
-            await self._undo_spawn(runtime)
+            await asyncio.shield(self._executor.stop_started(runtime, children))
             if isinstance(exc, asyncio.CancelledError):
                 self._executor.apply(runtime, SpawnFailed(cancelled=True))
                 raise
@@ -99,13 +100,12 @@ class Loader:
         for replica in runtime.replicas:
             self._executor.watch_exit(runtime, replica)
 
-    async def _spawn(self, runtime: ModelRuntime) -> None:
-        """Start every replica until healthy, fetch the model's info, and switch to loaded."""
+    async def _spawn(self, runtime: ModelRuntime, children: list[Backend]) -> None:
+        """Start every replica into ``children`` until healthy, fetch the model's info, and
+        switch to loaded."""
         started = clock.now()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
-        children: list[Backend] = []
-        runtime.spawning = children
         results = await asyncio.gather(
             *(self._spawner.spawn_ready(runtime, children, timeout, started, share)
               for share in self._spawner.cpu_shares(runtime, preset.replicas)),
@@ -113,23 +113,20 @@ class Loader:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        runtime.info = await self._spawner.model_info(children[0])
-        runtime.spawning = []
-        runtime.replicas = [Replica(child) for child in children]
-        runtime.loaded_at = runtime.last_used = clock.now()
-        duration = round(runtime.loaded_at - started, 4)
+        own_info = await self._spawner.model_info(children[0])
+        loaded_at = runtime.last_used = clock.now()
+        duration = round(loaded_at - started, 4)
         runtime.last_load_s = duration
-        info = {**runtime.info, "id": runtime.id} if runtime.info else None
-        self._executor.apply(runtime, Ready({"duration": duration,
-                                             **({"info": info} if info else {})}))
+        info = {**own_info, "id": runtime.id} if own_info else None
+        replicas = tuple(Replica(child) for child in children)
+        children.clear()  # they serve now: the model's stop owns them
+        self._executor.apply(runtime, Ready(
+            replicas, loaded_at, MappingProxyType(own_info) if own_info else None,
+            {"duration": duration, **({"info": info} if info else {})}))
         log.info("loaded", extra={"event": "loaded", "model": runtime.id,
-                                  "pid": children[0].pid, "port": children[0].port,
+                                  "pid": replicas[0].child.pid,
+                                  "port": replicas[0].child.port,
                                   "duration": duration})
-
-    async def _undo_spawn(self, runtime: ModelRuntime) -> None:
-        children, runtime.spawning = runtime.spawning, []
-        runtime.info = None
-        await asyncio.shield(asyncio.gather(*(c.stop(0) for c in children)))
 
     # ----------------------------------------------------------------- downloading
 

@@ -39,7 +39,6 @@ from .requests import context
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
-from .scheduler import Status
 from .state import State, _state
 
 
@@ -174,10 +173,7 @@ async def load_model(request: Request) -> Response:
         return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     context(request.scope).model_id = runtime.preset.id  # metrics, activity
-    if runtime.status is not Status.UNLOADED:
-        raise BadRequest(f"model '{runtime.preset.id}' is already running "
-                         f"(status: {runtime.status.value})")
-    await sup.load(name)
+    await sup.load(name)  # BadRequest unless unloaded (the lifecycle decides)
     if context(request.scope).params.get("wait") in ("1", "true"):
         lease = await sup.acquire(name)
         lease.release()
@@ -216,7 +212,7 @@ async def delete_model(request: Request) -> Response:
     if runtime.preset.source != "cache":
         raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
                          "Hugging Face cache: remove it from its preset or directory instead")
-    await sup.unload(runtime.id)
+    await sup.unload(runtime.id, explicit=False)
     paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
     freed = await asyncio.to_thread(delete_cached, paths)
     sup.remove_model(runtime.id)
@@ -270,10 +266,7 @@ async def unload_model(request: Request) -> Response:
         return forwarded
     runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
     context(request.scope).model_id = runtime.preset.id  # metrics, activity
-    if runtime.status not in (Status.DOWNLOADING, Status.LOADING, Status.LOADED):
-        raise BadRequest(f"model '{runtime.preset.id}' is not running "
-                         f"(status: {runtime.status.value})")
-    await sup.unload(name)
+    await sup.unload(name)  # BadRequest when nothing runs or loads (the lifecycle decides)
     return JSONResponse({"success": True})
 
 

@@ -1,7 +1,8 @@
 """Run state of each model: its lifecycle state, replicas (children), counters, failure.
 
-Plain data, written only by the supervisor and its parts; ``state`` changes only through
-``lifecycle.transition`` (``Executor.apply``). A model has ``replicas`` children (1 unless its
+Plain data, written only by the supervisor and its parts; ``state`` (the status, the children
+by phase, the pending load) changes only through ``lifecycle.transition`` (``Executor.apply``).
+A model has ``replicas`` children (1 unless its
 preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
 a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
 that served the longest prefix of their prompt.
@@ -76,21 +77,18 @@ class ModelRuntime:
     cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
     n_layer: int | None = None  # from the GGUF header, once estimated
     state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
-    replicas: list[Replica] = field(default_factory=list)
-    spawning: list[Backend] = field(default_factory=list)  # children of a load under way
     in_flight: int = 0
     waiting: int = 0  # requests waiting for this model to become ready
     last_used: float = 0.0
     download_task: asyncio.Task[None] | None = None
     download: dict[str, dict[str, int | None]] = field(default_factory=dict)  # file: done/total
     download_cancel: threading.Event = field(default_factory=threading.Event)
+    # The tasks that carry out its lifecycle's effects, each created by the executor: its
+    # one load (``StartLoad``), a stop (``StopChildren``), crashed replicas' replacement.
     load_task: asyncio.Task[None] | None = None
-    load_on_demand: bool = False  # the load was started by requests, not POST /models/load
     stop_task: asyncio.Task[None] | None = None
     replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
     failure: Failure | None = None  # the last failure, kept for messages
-    info: dict[str, Any] | None = None
-    loaded_at: float | None = None  # monotonic
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took
 
@@ -114,6 +112,31 @@ class ModelRuntime:
         return self.state.progress
 
     @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """Its serving replicas (none while stopping: the stop holds them)."""
+        return self.state.replicas
+
+    @property
+    def starting(self) -> tuple[Backend, ...]:
+        """Children started for a load or a replacement, not serving yet."""
+        return self.state.starting
+
+    @property
+    def info(self) -> Mapping[str, Any] | None:
+        """The child's own ``/v1/models`` entry, while loaded."""
+        return self.state.info
+
+    @property
+    def loaded_at(self) -> float | None:
+        """Clock time (``clock``) it became loaded."""
+        return self.state.loaded_at
+
+    @property
+    def load_on_demand(self) -> bool:
+        """Its pending load was started by requests (cancelled once none waits)."""
+        return self.state.load_on_demand
+
+    @property
     def draining(self) -> bool:
         return self.state.draining
 
@@ -135,11 +158,13 @@ class ModelRuntime:
         child still starting."""
         if self.replicas:
             return self.replicas[0].child
-        return self.spawning[0] if self.spawning else None
+        return self.starting[0] if self.starting else None
 
     def children(self) -> list[Backend]:
-        """Every process it holds: serving replicas and children still starting."""
-        return [r.child for r in self.replicas] + self.spawning
+        """Every process it holds: serving replicas, children starting or stopping."""
+        state = self.state
+        return ([r.child for r in state.replicas] + list(state.starting)
+                + [r.child for r in state.stopping])
 
     @property
     def slots(self) -> int:

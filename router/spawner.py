@@ -68,6 +68,10 @@ class Spawner:
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
         # Told each model's overall load progress (the supervisor: a ``LoadProgress`` event).
         self.on_progress: Callable[[ModelRuntime, dict[str, Any]], None] | None = None
+        # Told each child that gets a process (``ChildStarted``) and each one dropped before
+        # its caller took it over (``ChildGone``): the model's ``starting`` phase.
+        self.on_started: Callable[[ModelRuntime, Backend], None] = _nothing
+        self.on_gone: Callable[[ModelRuntime, Backend], None] = _nothing
         # Per model, the last load progress each of its children being started reported
         # (``load_progress``).
         self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
@@ -134,7 +138,8 @@ class Spawner:
     async def spawn_ready(self, runtime: ModelRuntime, children: list[Backend],
                           timeout: float, started: float, cpu: CpuShare | None) -> None:
         """Spawn one child into ``children`` (retrying a taken port) and wait until it is
-        healthy; raises ``ChildError`` (the caller stops what ``children`` holds)."""
+        healthy; raises ``ChildError`` (the caller stops what ``children`` holds and reports
+        each as gone). Each child with a process is reported to ``on_started``."""
         for attempt in range(PORT_RETRIES):
             child = await self._start(runtime, children, cpu,
                                       timeout - (clock.now() - started))
@@ -145,6 +150,7 @@ class Spawner:
                 if not exc.port_in_use or attempt == PORT_RETRIES - 1:
                     raise
                 children.remove(child)
+                self.on_gone(runtime, child)
                 log.warning("port %d was taken; retrying", child.port,
                             extra={"model": runtime.id})
 
@@ -160,6 +166,7 @@ class Spawner:
                                         self._client, api_key=runtime.preset.upstream_key,
                                         max_connections=runtime.max_connections)
                 children.append(remote)
+                self.on_started(runtime, remote)
                 await remote.start()
                 return remote
             try:
@@ -171,12 +178,13 @@ class Spawner:
                                      cpu=cpu, router_port=self._router_port)
                 child.on_state = functools.partial(self._child_state, runtime, child)
                 children.append(child)  # from now on the caller stops it if anything fails
+                self.on_started(runtime, child)
                 await child.start()
             except OSError as exc:
                 if exc.errno not in TRANSIENT_ERRNOS or clock.now() >= deadline:
                     raise
                 if children and children[-1].pid is None:
-                    children.pop()  # never started: nothing to stop
+                    self.on_gone(runtime, children.pop())  # never started: nothing to stop
                 log.warning("cannot start llama-server now (%s); retrying", exc.strerror,
                             extra={"model": runtime.id})
                 await asyncio.sleep(START_RETRY_S)
@@ -192,12 +200,12 @@ class Spawner:
         progress = load_progress(known.get(child), payload)
         if progress is None:
             return
-        for started in [c for c in known if c not in runtime.spawning]:  # loaded or gone
+        for started in [c for c in known if c not in runtime.starting]:  # loaded or gone
             del known[started]
         known[child] = progress
-        reports = [known[c] for c in runtime.spawning if c in known]
+        reports = [known[c] for c in runtime.starting if c in known]
         overall = min(reports, key=progress_rank, default=progress)
-        if len(reports) < len(runtime.spawning) > 1:
+        if len(reports) < len(runtime.starting) > 1:
             overall = {**overall, "value": 0.0}  # a replica has not reported yet
         if self.on_progress is not None:
             self.on_progress(runtime, overall)
@@ -214,3 +222,7 @@ class Spawner:
             return dict(data[0]) if data else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
+
+
+def _nothing(runtime: ModelRuntime, child: Backend) -> None:
+    pass

@@ -6,8 +6,10 @@ Concurrency model (one asyncio loop, no threads):
   every change publishes its event and wakes everything waiting for a change (``changes``).
 * ``acquire`` is the hot path: for a serving model it takes a lease on a replica (``leases``)
   without awaiting anything, so no eviction can slip in between "is loaded" and "is in use".
-* Each model has at most one load task (``Loader.load``); every request for that model awaits
-  it (shielded, so a waiter that gives up never cancels a load others share).
+* Each model has at most one load task (``Loader.load``), started by the executor when the
+  lifecycle accepts a ``LoadWanted`` (which also refuses loads and unloads that cannot happen
+  now); every request for that model awaits it (shielded, so a waiter that gives up never
+  cancels a load others share).
 * Admission is FIFO across models (``admission``); the planner's evictions and drains come
   back here as lifecycle events.
 """
@@ -29,14 +31,39 @@ from .backend import Backend
 from .changes import Changes
 from .cpugate import CpuGate
 from .cpus import machine_cores
-from .errors import LoadFailed, ModelNotFound, ModelNotLoaded, QueueFull, WaitBudgetExceeded
+from .errors import (
+    BadRequest,
+    LoadFailed,
+    ModelNotFound,
+    ModelNotLoaded,
+    QueueFull,
+    RouterError,
+    WaitBudgetExceeded,
+)
 from .events import EventBus
-from .executor import Executor, consume_exception
+from .executor import Executor
 from .flags import FlagTable
 from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
-from .lifecycle import Drain, Idle, LoadProgress, Reset, Retire, Status, Undrain, Unload
+from .lifecycle import (
+    ALREADY_RUNNING,
+    CRASH_LOOP,
+    ChildGone,
+    ChildStarted,
+    Drain,
+    Forgotten,
+    Idle,
+    Listed,
+    LoadProgress,
+    LoadWanted,
+    Refuse,
+    Reset,
+    Retire,
+    Status,
+    Undrain,
+    Unload,
+)
 from .liveness import Liveness
 from .loader import Loader
 from .logs import LogRing
@@ -79,9 +106,13 @@ class Supervisor:
                                           router_port=settings.port, cores=self.cores,
                                           gpus=self.gpus, models=self.models.values)
         self.executor = Executor(settings, self.spawner, events, self.changes,
-                                 start_load=self._load_again, forget=self._forget)
+                                 load=self._load, forget=self._forget)
         self.spawner.on_progress = lambda runtime, progress: self.executor.apply(
             runtime, LoadProgress(progress))
+        self.spawner.on_started = lambda runtime, child: self.executor.apply(
+            runtime, ChildStarted(child))
+        self.spawner.on_gone = lambda runtime, child: self.executor.apply(
+            runtime, ChildGone(child))
         self.admission = Admission(
             settings, self.accounting, self.executor.apply, self.changes,
             memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),
@@ -226,24 +257,34 @@ class Supervisor:
 
     # ----------------------------------------------------------------- loading
 
-    def _ensure_load_task(self, runtime: ModelRuntime, *, on_demand: bool) -> asyncio.Task[None]:
-        if runtime.load_task is None or runtime.load_task.done():
-            if runtime.crash_loop:
-                failure = runtime.failure
-                last = f" (last: {failure.message})" if failure else ""
-                raise LoadFailed(
-                    f"model '{runtime.id}' failed {runtime.state.failures_in_row} times in a "
-                    f"row{last}; not restarting it. Fix the cause, then POST /models/load.")
-            if (runtime.preset.model_path is None and runtime.preset.hf_repo is None
-                    and runtime.preset.upstream is None):
-                raise LoadFailed(f"model '{runtime.id}' has no model file")
-            runtime.load_on_demand = on_demand
-            runtime.load_task = asyncio.create_task(self.loader.load(runtime),
-                                                    name=f"load:{runtime.id}")
-            runtime.load_task.add_done_callback(consume_exception)
-        elif not on_demand:
-            runtime.load_on_demand = False
+    async def _load(self, runtime: ModelRuntime) -> None:
+        await self.loader.load(runtime)
+
+    def _ensure_load_task(self, runtime: ModelRuntime, *, on_demand: bool,
+                          explicit: bool = False) -> asyncio.Task[None]:
+        """The model's load task, started if none is pending (``LoadWanted``); raises what
+        the lifecycle refuses (``explicit``: POST /models/load) or LoadFailed for a preset
+        without a model."""
+        if (runtime.preset.model_path is None and runtime.preset.hf_repo is None
+                and runtime.preset.upstream is None):
+            raise LoadFailed(f"model '{runtime.id}' has no model file")
+        refused = self.executor.command(runtime,
+                                        LoadWanted(explicit=explicit, on_demand=on_demand))
+        if refused is not None:
+            raise self._refusal(runtime, refused)
+        assert runtime.load_task is not None
         return runtime.load_task
+
+    def _refusal(self, runtime: ModelRuntime, refused: Refuse) -> RouterError:
+        """What a client is told about a command the lifecycle refused."""
+        if refused.reason == CRASH_LOOP:
+            failure = runtime.failure
+            last = f" (last: {failure.message})" if failure else ""
+            return LoadFailed(
+                f"model '{runtime.id}' failed {runtime.state.failures_in_row} times in a "
+                f"row{last}; not restarting it. Fix the cause, then POST /models/load.")
+        what = "is already running" if refused.reason == ALREADY_RUNNING else "is not running"
+        return BadRequest(f"model '{runtime.id}' {what} (status: {runtime.status.value})")
 
     def _cancel_unwanted_load(self, runtime: ModelRuntime) -> None:
         """A load started by requests that nobody waits for any more, and that has not
@@ -260,11 +301,10 @@ class Supervisor:
             self._ensure_load_task(runtime, on_demand=False)
 
     async def load(self, name: str) -> ModelRuntime:
-        """Start loading a model and return at once (``POST /models/load``). An explicit
-        load also clears a crash loop."""
+        """Start loading a model and return at once (``POST /models/load``); BadRequest if
+        it is not unloaded. An explicit load also clears a crash loop."""
         runtime = self.resolve(name)
-        self.executor.apply(runtime, Reset())
-        self._ensure_load_task(runtime, on_demand=False)
+        self._ensure_load_task(runtime, on_demand=False, explicit=True)
         return runtime
 
     def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
@@ -296,7 +336,7 @@ class Supervisor:
         self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
         runtime = ModelRuntime(preset, LogRing(self.settings.log_lines))
         self.models[preset.id] = runtime
-        self.events.publish(preset.id, "model_status", {"status": runtime.status.public})
+        self.executor.apply(runtime, Listed())
         return runtime
 
     def remove_model(self, model_id: str) -> None:
@@ -346,17 +386,20 @@ class Supervisor:
     def _forget(self, runtime: ModelRuntime) -> None:
         if self.models.get(runtime.id) is runtime and runtime.id not in self.catalogue.models:
             del self.models[runtime.id]
-            self.events.publish(runtime.id, "model_remove")
+            self.executor.apply(runtime, Forgotten())
 
     # ----------------------------------------------------------------- stopping
 
-    async def unload(self, name: str) -> ModelRuntime:
+    async def unload(self, name: str, *, explicit: bool = True) -> ModelRuntime:
         """Cancel a download or load of the model, or stop its children (``lifecycle.Unload``);
-        returns once it is unloaded (``POST /models/unload``)."""
+        returns once it is unloaded. ``explicit`` (``POST /models/unload``): BadRequest when
+        nothing runs or loads."""
         runtime = self.resolve(name)
         busy = [t for t in (runtime.download_task, runtime.load_task)
                 if t is not None and not t.done()]
-        self.executor.apply(runtime, Unload())
+        refused = self.executor.command(runtime, Unload(explicit=explicit))
+        if refused is not None:
+            raise self._refusal(runtime, refused)
         for task in busy:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(task)

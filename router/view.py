@@ -110,7 +110,7 @@ class ModelView:
         runtime = self._runtime
         if runtime.preset.upstream is not None:
             return 0
-        return len(runtime.replicas) + len(runtime.spawning)
+        return len(runtime.replicas) + len(runtime.starting)
 
     def replicas(self) -> list[ReplicaView]:
         missed = self._sup.liveness.missed

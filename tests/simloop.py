@@ -10,7 +10,8 @@ The loop is asyncio's own selector loop; only its clock and its selector are rep
   at this instant. ``on_quiescent`` (if set) is called then, with the virtual time: the one
   moment at which invariants over the whole system hold without transient states in between.
 * A loop with nothing ready and no timer at all waits on nothing that can ever happen:
-  ``Stalled`` is raised out of ``run_until_complete``.
+  ``Stalled`` is raised out of ``run_until_complete``. So is a livelock: tasks that keep
+  running at one instant (``LIVELOCK_STEPS`` loop iterations) without ever letting time move.
 
 The router's core reads time through ``router.clock.now()`` (the running loop's ``time()``),
 so its deadlines, budgets, fairness bound, backoffs and TTLs follow the virtual clock.
@@ -23,9 +24,12 @@ import selectors
 from collections.abc import Callable
 from typing import Any
 
+LIVELOCK_STEPS = 200_000  # loop iterations at one virtual instant: far above any real burst
+
 
 class Stalled(RuntimeError):
-    """Nothing can run and no timer is set: every task waits for something that never comes."""
+    """Nothing can run and no timer is set: every task waits for something that never comes;
+    or tasks spin at one instant and time never moves."""
 
 
 class _VirtualSelector(selectors.SelectSelector):
@@ -42,7 +46,12 @@ class _VirtualSelector(selectors.SelectSelector):
             if ready:
                 return ready
         if timeout == 0:
+            loop.steps_now += 1
+            if loop.steps_now > LIVELOCK_STEPS:
+                raise Stalled(f"at t={loop.now:.3f}: {LIVELOCK_STEPS} loop iterations without "
+                              "time moving (a livelock)")
             return []
+        loop.steps_now = 0
         if loop.on_quiescent is not None:
             loop.on_quiescent(loop.now)
         if timeout is None:
@@ -54,6 +63,7 @@ class _VirtualSelector(selectors.SelectSelector):
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self.now = 0.0
+        self.steps_now = 0  # loop iterations since time last moved
         self.on_quiescent: Callable[[float], None] | None = None
         # Set while code under test may call back from a thread (``call_soon_threadsafe``):
         # then the self-pipe is polled before time moves. The simulation starts none.

@@ -52,7 +52,7 @@ from router.events import EventBus
 from router.flags import FlagTable
 from router.forward import _acquire_unless_disconnected
 from router.leases import Lease
-from router.lifecycle import Event, InvalidTransition, Status, Stop
+from router.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
 from router.presets import ModelPreset
 from router.process import ChildExited, ChildTimeout
 from router.runtime import ModelRuntime
@@ -250,6 +250,7 @@ class FakeSpawner(Spawner):
         rng = self.sim.rng
         child = FakeChild(self.sim, runtime.id)
         children.append(child)
+        self.on_started(runtime, child)
         left = timeout - (clock.now() - started)
         roll = rng.random()
         delay = rng.choice((0.1, 0.3, 1.0, 3.0))
@@ -330,20 +331,20 @@ class Simulation:
         return sup
 
     def _watch(self, sup: Supervisor) -> None:
-        """Check every lifecycle event as it is applied."""
-        apply = sup.executor.apply
+        """Check every lifecycle event (and command) as it is applied."""
+        command = sup.executor.command
 
-        def checked_apply(runtime: ModelRuntime, event: Event) -> None:
+        def checked_command(runtime: ModelRuntime, event: Event) -> Refuse | None:
             if (isinstance(event, Stop) and event.reason not in ("unloaded", "shutdown")
                     and runtime.in_flight > 0):
                 self.violate(f"{runtime.id} stopped ({event.reason}) with "
                              f"{runtime.in_flight} requests in flight")
             try:
-                apply(runtime, event)
+                return command(runtime, event)
             except InvalidTransition as exc:
                 self.violate(f"invalid transition: {exc}")
                 raise
-        sup.executor.apply = checked_apply  # type: ignore[method-assign]
+        sup.executor.command = checked_command  # type: ignore[method-assign]
         self.sup = sup
 
     def violate(self, what: str) -> None:
@@ -568,6 +569,7 @@ class Simulation:
             if m.waiting != waiting:
                 self.violate(f"{m.id}: waiting {m.waiting}, requests waiting {waiting}")
             self._check_status_path(m)
+            self._check_phases(m)
             self._check_drain(m, now)
             if waiting:
                 self._check_progress(m, now)
@@ -575,6 +577,24 @@ class Simulation:
 
     def _check_status_path(self, m: ModelRuntime) -> None:
         pass  # checked over the event log at the end (``check_events``)
+
+    def _check_phases(self, m: ModelRuntime) -> None:
+        """The state's children and load task agree with what really runs."""
+        state = m.state
+        phases = ([r.child for r in state.replicas], list(state.starting),
+                  [r.child for r in state.stopping])
+        children = [c for phase in phases for c in phase]
+        if len({id(c) for c in children}) != len(children):
+            self.violate(f"{m.id}: a child in two phases: {phases}")
+        if state.replicas and m.status is not Status.LOADED:
+            self.violate(f"{m.id}: serving replicas while {m.status.value}")
+        if state.stopping and m.status is not Status.STOPPING:
+            self.violate(f"{m.id}: children stopping while {m.status.value}")
+        task = m.load_task
+        running = task is not None and not task.done()
+        if state.load_pending != running:
+            self.violate(f"{m.id}: load_pending {state.load_pending}, load task running "
+                         f"{running}")
 
     def _check_drain(self, m: ModelRuntime, now: float) -> None:
         if not (m.draining and m.status is Status.LOADED):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
@@ -239,7 +240,8 @@ def runtime_with(replicas: int, parallel: int = 1, routing: str = "prefix") -> M
     preset = ModelPreset(id="hot", args=MappingProxyType({"parallel": str(parallel)}),
                          replicas=replicas, replica_routing=routing)
     runtime = ModelRuntime(preset, LogRing(10))
-    runtime.replicas = [Replica(object.__new__(ChildProcess)) for _ in range(replicas)]
+    children = tuple(Replica(object.__new__(ChildProcess)) for _ in range(replicas))
+    runtime.state = replace(runtime.state, replicas=children)
     return runtime
 
 

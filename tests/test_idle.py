@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 from router.idle import idle_expired
@@ -15,7 +16,7 @@ from router.runtime import ModelRuntime, Replica
 def serving(ttl: float | None = None, **state: object) -> ModelRuntime:
     preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl)
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED, **state))
-    runtime.replicas = [Replica(object.__new__(ChildProcess))]
+    runtime.state = replace(runtime.state, replicas=tuple([Replica(object.__new__(ChildProcess))]))
     runtime.last_used = 100.0
     return runtime
 

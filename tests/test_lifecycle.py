@@ -9,14 +9,19 @@ from typing import Any
 import pytest
 
 from router.lifecycle import (
+    ALREADY_RUNNING,
+    CRASH_LOOP,
     EVENT_TYPES,
     IGNORED,
+    NOT_RUNNING,
     STABLE_RUN_S,
     TABLE,
     Admitted,
     CancelDownload,
     CancelLoad,
     CancelReplacement,
+    ChildGone,
+    ChildStarted,
     Download,
     Downloaded,
     DownloadFailed,
@@ -25,14 +30,19 @@ from router.lifecycle import (
     Event,
     FailureCounted,
     Forget,
+    Forgotten,
     Idle,
     InvalidTransition,
     KillReplica,
+    Listed,
+    LoadEnded,
     LoadProgress,
+    LoadWanted,
     ModelState,
     Publish,
     Queued,
     Ready,
+    Refuse,
     ReplaceReplicas,
     ReplicaExited,
     ReplicaFailed,
@@ -55,6 +65,23 @@ U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LO
                   Status.STOPPING)
 LIMIT = 3
 
+
+class Child:
+    """A child as the lifecycle sees it: an identity with a pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+class Rep:
+    """A replica as the lifecycle sees it: an identity around a child."""
+
+    def __init__(self, pid: int) -> None:
+        self.child = Child(pid)
+
+
+R1, R2 = Rep(7), Rep(8)
+
 # One instance of each event type, for the status x event enumeration.
 SAMPLES: dict[type, Event] = {
     Download: Download(), Downloaded: Downloaded(), DownloadFailed: DownloadFailed(),
@@ -62,11 +89,13 @@ SAMPLES: dict[type, Event] = {
     Stopped: Stopped(clean=True), Idle: Idle(), Drain: Drain("other"), Undrain: Undrain(),
     Unload: Unload(), LoadProgress: LoadProgress({"stages": 1, "current": 0, "value": 0.5}),
     DownloadProgress: DownloadProgress({"m.gguf": {"done": 1, "total": 2}}),
-    Queued: Queued(0, 1.0), ReplicaStarted: ReplicaStarted(7, 2),
-    ReplicaUnresponsive: ReplicaUnresponsive(None, 7, "frozen"),
+    Queued: Queued(0, 1.0), ReplicaStarted: ReplicaStarted(R1),
+    ReplicaUnresponsive: ReplicaUnresponsive(R1, "frozen"),
     Retire: Retire("reconfigured", removed=False, idle=True),
-    ReplicaExited: ReplicaExited(1, 5.0, last=True), ReplicaFailed: ReplicaFailed(),
-    Reset: Reset(),
+    ReplicaExited: ReplicaExited(R1, 1, 5.0), ReplicaFailed: ReplicaFailed(),
+    Reset: Reset(), LoadWanted: LoadWanted(), LoadEnded: LoadEnded(),
+    ChildStarted: ChildStarted(R1.child), ChildGone: ChildGone(R1.child),
+    Listed: Listed(), Forgotten: Forgotten(),
 }
 
 # status x event -> the status after it; None: explicitly ignored (no change, no effects).
@@ -87,6 +116,11 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     (OK, ReplicaStarted): OK, **{(status, ReplicaStarted): None for status in (U, D, L, S)},
     (OK, ReplicaUnresponsive): OK,
     **{(status, ReplicaUnresponsive): None for status in (U, D, L, S)},
+    **{(status, LoadWanted): status for status in Status},
+    **{(status, LoadEnded): status for status in Status},
+    **{(status, ChildStarted): status for status in Status},
+    **{(status, ChildGone): status for status in Status},
+    (U, Listed): U, (U, Forgotten): U,
 }
 
 
@@ -149,12 +183,12 @@ def published(effects: tuple[Any, ...]) -> list[tuple[str, dict[str, Any]]]:
 def test_a_load_publishes_llama_cpp_shapes() -> None:
     state, effects = run(U, Admitted())
     assert published(effects) == [("model_status", {"status": "loading"})]
-    state, effects = run(state, Ready({"duration": 1.5, "info": {"id": "m"}}))
+    state, effects = run(state, Ready((R1,), 5.0, None, {"duration": 1.5, "info": {"id": "m"}}))
     assert published(effects) == [("status_change", {"status": "loaded", "duration": 1.5,
                                                      "info": {"id": "m"}})]
     state, effects = run(state, Stop("unloaded"))
     assert published(effects) == [("stopping", {"status": "loaded", "reason": "unloaded"})]
-    assert effects[1:] == (CancelReplacement(), StopChildren("unloaded"))
+    assert effects[1:] == (CancelReplacement(), StopChildren("unloaded", (R1,)))
     state, effects = run(state, Stopped(clean=True))
     assert published(effects) == [("status_change", {"status": "unloaded", "was_running": True,
                                                      "exit_code": 0})]
@@ -204,20 +238,23 @@ def test_failures_in_a_row_become_a_crash_loop_once() -> None:
 
 
 def test_a_crash_after_a_stable_run_starts_the_count_again() -> None:
-    state, _ = run(ModelState(OK, failures_in_row=2), ReplicaExited(1, STABLE_RUN_S, last=True))
+    state, _ = run(ModelState(OK, failures_in_row=2, replicas=(R1,)),
+                   ReplicaExited(R1, 1, STABLE_RUN_S))
     assert state.failures_in_row == 1 and not state.crash_loop
-    state, _ = run(ModelState(OK, failures_in_row=1), ReplicaExited(1, 1.0, last=True))
+    state, _ = run(ModelState(OK, failures_in_row=1, replicas=(R1,)), ReplicaExited(R1, 1, 1.0))
     assert state.failures_in_row == 2
 
 
 def test_a_crash_of_one_replica_replaces_it() -> None:
-    state, effects = run(OK, ReplicaExited(9, 1.0, last=False))
-    assert state.status is OK and state.failed
+    two = (R1, R2)
+    state, effects = run(ModelState(OK, replicas=two), ReplicaExited(R1, 9, 1.0))
+    assert state.status is OK and state.failed and state.replicas == (R2,)
     assert effects == (FailureCounted(False), ReplaceReplicas())
     # ... but not while draining or in a crash loop
-    _, effects = run(ModelState(OK, draining=True), ReplicaExited(9, 1.0, last=False))
+    _, effects = run(ModelState(OK, draining=True, replicas=two), ReplicaExited(R1, 9, 1.0))
     assert ReplaceReplicas() not in effects
-    _, effects = run(ModelState(OK, failures_in_row=LIMIT - 1), ReplicaExited(9, 1.0, False))
+    _, effects = run(ModelState(OK, failures_in_row=LIMIT - 1, replicas=two),
+                     ReplicaExited(R1, 9, 1.0))
     assert ReplaceReplicas() not in effects
     _, effects = run(OK, ReplicaFailed())
     assert effects == (FailureCounted(False), ReplaceReplicas())
@@ -226,7 +263,8 @@ def test_a_crash_of_one_replica_replaces_it() -> None:
 
 
 def test_the_last_replica_crashing_unloads_and_stops_replacing() -> None:
-    state, effects = run(ModelState(OK, draining=True), ReplicaExited(137, 1.0, last=True))
+    state, effects = run(ModelState(OK, draining=True, replicas=(R1,), loaded_at=3.0),
+                         ReplicaExited(R1, 137, 1.0))
     assert state == ModelState(U, failed=True, failures_in_row=1)
     assert CancelReplacement() in effects
     assert published(effects) == [("status_change", {
@@ -237,9 +275,9 @@ def test_crash_while_draining_for_a_reconfiguration_loads_the_new_preset() -> No
     state, _ = run(OK, Retire("reconfigured", removed=False, idle=False))
     assert state == ModelState(OK, draining=True, stop_when_idle="reconfigured",
                                restart_after_stop=True)
-    state, effects = run(state, ReplicaExited(1, 1.0, last=True))
+    state, effects = run(state, ReplicaExited(R1, 1, 1.0))
     assert state.status is U and not state.restart_after_stop and state.stop_when_idle is None
-    assert effects[-1] == StartLoad()
+    assert effects[-1] == StartLoad() and state.load_pending and not state.load_on_demand
 
 
 def test_a_drain_publishes_once() -> None:
@@ -253,12 +291,12 @@ def test_a_drain_stops_the_model_once_idle() -> None:
     state, _ = run(OK, Drain("other"))
     assert state.drained_for == "other" and state.stop_when_idle == "evicted"
     state, effects = run(state, Idle())
-    assert state.status is S and StopChildren("evicted") in effects
+    assert state.status is S and StopChildren("evicted", ()) in effects
 
 
 def test_a_drain_of_an_idle_model_stops_it_at_once() -> None:
     state, effects = run(OK, Drain("other", idle=True))
-    assert state.status is S and StopChildren("evicted") in effects
+    assert state.status is S and StopChildren("evicted", ()) in effects
 
 
 def test_undrain_lifts_a_drain_for_a_swap() -> None:
@@ -274,7 +312,7 @@ def test_undrain_leaves_a_reconfiguration_alone() -> None:
     retiring, _ = run(drained, Retire("reconfigured", removed=False, idle=False))
     assert run(retiring, Undrain()) == (retiring, ())
     state, effects = run(retiring, Idle())
-    assert state.status is S and StopChildren("reconfigured") in effects
+    assert state.status is S and StopChildren("reconfigured", ()) in effects
 
 
 def test_a_stop_ends_the_drain() -> None:
@@ -287,15 +325,15 @@ def test_a_stop_ends_the_drain() -> None:
 def test_idle_stops_a_model_that_waits_for_it() -> None:
     assert run(OK, Idle()) == (ModelState(OK), ())
     state, effects = run(ModelState(OK, draining=True, stop_when_idle="removed"), Idle())
-    assert state.status is S and StopChildren("removed") in effects
+    assert state.status is S and StopChildren("removed", ()) in effects
 
 
 def test_retire_a_loaded_model() -> None:
     state, effects = run(OK, Retire("reconfigured", removed=False, idle=True))
     assert state.status is S and state.restart_after_stop
-    assert StopChildren("reconfigured") in effects
+    assert StopChildren("reconfigured", ()) in effects
     state, effects = run(state, Stopped(clean=True))
-    assert state == ModelState(U) and effects[-1] == StartLoad()
+    assert state == ModelState(U, load_pending=True) and effects[-1] == StartLoad()
     state, _ = run(OK, Retire("removed", removed=True, idle=True))
     assert state.removed and not state.restart_after_stop
     state, effects = run(state, Stopped(clean=True))
@@ -322,7 +360,7 @@ def test_reload_while_loading_cancels_and_loads_again() -> None:
     state, effects = run(L, Retire("reconfigured", removed=False, idle=True))
     assert effects == (CancelLoad("reconfigured"),)
     state, effects = run(state, SpawnFailed(cancelled=True))
-    assert state == ModelState(U) and effects[-1] == StartLoad()
+    assert state == ModelState(U, load_pending=True) and effects[-1] == StartLoad()
 
 
 def test_informational_events_are_published_as_effects() -> None:
@@ -335,16 +373,21 @@ def test_informational_events_are_published_as_effects() -> None:
     assert published(effects)[0] == ("download_failed", {"error": "boom"})
     assert published(run(U, Queued(2, 3.5))[1]) == [
         ("queued", {"position": 2, "expected_wait_s": 3.5})]
-    assert published(run(OK, ReplicaStarted(7, 2))[1]) == [
-        ("replica_restarted", {"pid": 7, "replicas": 2})]
+    state, effects = run(ModelState(OK, replicas=(R1,), starting=(R2.child,)), ReplicaStarted(R2))
+    assert published(effects) == [("replica_restarted", {"pid": 8, "replicas": 2})]
+    assert state.replicas == (R1, R2) and state.starting == ()
+    assert published(run(U, Listed())[1]) == [("model_status", {"status": "unloaded"})]
+    assert published(run(U, Forgotten())[1]) == [("model_remove", {})]
 
 
-def test_an_unresponsive_replica_is_killed_through_the_lifecycle() -> None:
-    child = object()
-    state, effects = run(OK, ReplicaUnresponsive(child, 7, "frozen"))
-    assert state == ModelState(OK)
+def test_an_unresponsive_replica_is_taken_out_and_killed_through_the_lifecycle() -> None:
+    state, effects = run(ModelState(OK, replicas=(R1, R2)), ReplicaUnresponsive(R1, "frozen"))
+    assert state == ModelState(OK, replicas=(R2,))
     assert published(effects) == [("unresponsive", {"pid": 7, "reason": "frozen"})]
-    assert KillReplica(child, "frozen") in effects
+    assert KillReplica(R1, "frozen") in effects
+    assert run(state, ReplicaUnresponsive(R1, "frozen")) == (state, ())  # already out
+    state, effects = run(state, ReplicaExited(R1, -9, 1.0))  # its exit: a crash, R2 serves
+    assert state.status is OK and state.replicas == (R2,) and ReplaceReplicas() in effects
 
 
 def test_load_progress_is_published_once_per_change_and_cleared_after_the_load() -> None:
@@ -359,16 +402,80 @@ def test_load_progress_is_published_once_per_change_and_cleared_after_the_load()
 
 
 def test_unload_stops_a_loaded_model_and_cancels_a_load_waiting_for_it() -> None:
-    state, effects = run(OK, Unload())
-    assert state.status is S
-    assert effects[0] == CancelLoad("unloaded") and StopChildren("unloaded") in effects
+    state, effects = run(ModelState(OK, replicas=(R1, R2)), Unload())
+    assert state.status is S and state.replicas == () and state.stopping == (R1, R2)
+    assert effects[0] == CancelLoad("unloaded")
+    assert StopChildren("unloaded", (R1, R2)) in effects
     assert published(effects) == [("stopping", {"status": "loaded", "reason": "unloaded"})]
+    state, _ = run(state, Stopped(clean=True))
+    assert state.stopping == () and state.status is U
 
 
 def test_unload_cancels_a_download_or_load() -> None:
     assert run(D, Unload()) == (ModelState(D), (CancelDownload(), CancelLoad("unloaded")))
     assert run(L, Unload()) == (ModelState(L), (CancelLoad("unloaded"),))
-    assert run(U, Unload()) == (ModelState(U), (CancelLoad("unloaded"),))  # a queued load
+    queued = ModelState(U, load_pending=True)
+    assert run(queued, Unload()) == (queued, (CancelLoad("unloaded"),))
+
+
+def test_an_explicit_unload_of_a_model_that_does_not_run_is_refused() -> None:
+    assert run(U, Unload()) == (ModelState(U), (Refuse(NOT_RUNNING),))
+    assert run(S, Unload()) == (ModelState(S), (Refuse(NOT_RUNNING),))
+    # a load waiting for the old child to stop is cancelled
+    assert run(ModelState(S, load_pending=True), Unload())[1] == (CancelLoad("unloaded"),)
+    # deleting a cache model unloads it whatever it does
+    assert run(U, Unload(explicit=False)) == (ModelState(U), (CancelLoad("unloaded"),))
+
+
+def test_an_explicit_load_runs_only_from_unloaded_and_clears_a_crash_loop() -> None:
+    for status in (D, L, OK, S):
+        assert run(status, LoadWanted(explicit=True)) == (ModelState(status),
+                                                          (Refuse(ALREADY_RUNNING),))
+    looping = ModelState(U, failed=True, failures_in_row=LIMIT, crash_loop=True)
+    state, effects = run(looping, LoadWanted(explicit=True))
+    assert effects == (StartLoad(on_demand=False),)
+    assert state == ModelState(U, failed=True, load_pending=True)
+    # a load that requests started becomes explicit: it goes on when they leave
+    state, effects = run(ModelState(U, load_pending=True, load_on_demand=True),
+                         LoadWanted(explicit=True))
+    assert effects == () and state == ModelState(U, load_pending=True)
+
+
+def test_a_request_starts_one_load_and_is_refused_in_a_crash_loop() -> None:
+    state, effects = run(U, LoadWanted(on_demand=True))
+    assert effects == (StartLoad(on_demand=True),)
+    assert state == ModelState(U, load_pending=True, load_on_demand=True)
+    assert run(state, LoadWanted(on_demand=True)) == (state, ())  # one load task
+    # a model that is loaded but draining or stopping: the load waits for the old child
+    state, effects = run(ModelState(S), LoadWanted(on_demand=True))
+    assert effects == (StartLoad(on_demand=True),) and state.load_pending
+    looping = ModelState(U, crash_loop=True, failures_in_row=LIMIT)
+    assert run(looping, LoadWanted(on_demand=True)) == (looping, (Refuse(CRASH_LOOP),))
+    assert run(looping, LoadWanted()) == (looping, (Refuse(CRASH_LOOP),))  # startup, reload
+    state, _ = run(ModelState(U, load_pending=True, load_on_demand=True), LoadEnded())
+    assert state == ModelState(U)
+
+
+def test_a_reconfigured_model_in_a_crash_loop_is_not_restarted() -> None:
+    retiring = ModelState(OK, restart_after_stop=True, crash_loop=True, draining=True,
+                          stop_when_idle="reconfigured", replicas=(R1,))
+    state, effects = run(retiring, ReplicaExited(R1, 1, 1.0))
+    assert state.status is U and not state.load_pending and StartLoad() not in effects
+
+
+def test_children_pass_from_starting_to_serving_to_stopping() -> None:
+    state, _ = run(L, ChildStarted(R1.child))
+    state, _ = run(state, ChildStarted(R2.child))
+    state, _ = run(state, ChildGone(R2.child))  # its port was taken: it never served
+    assert state.starting == (R1.child,)
+    state, _ = run(state, Ready((R1,), 12.5, {"id": "m"}))
+    assert (state.starting, state.replicas, state.loaded_at) == ((), (R1,), 12.5)
+    assert state.info == {"id": "m"}
+    state, effects = run(state, Stop("idle"))
+    assert (state.replicas, state.stopping) == ((), (R1,))
+    assert StopChildren("idle", (R1,)) in effects
+    state, _ = run(state, Stopped(clean=True))
+    assert (state.stopping, state.info, state.loaded_at) == ((), None, None)
 
 
 def test_unload_drops_the_restart_of_a_reconfiguration() -> None:

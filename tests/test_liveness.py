@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -64,7 +65,7 @@ def serving_model(port: int, client: httpx.AsyncClient) -> tuple[ModelRuntime, C
     preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}))
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED))
     child = ChildProcess("m", ["llama-server"], port, runtime.logs, client)
-    runtime.replicas = [Replica(child)]
+    runtime.state = replace(runtime.state, replicas=tuple([Replica(child)]))
     return runtime, child
 
 

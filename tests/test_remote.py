@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -201,7 +202,7 @@ async def test_gone_after_missed_probes() -> None:
         await remote.wait_ready(5.0)
         runtime = ModelRuntime(ModelPreset(id="m", args=MappingProxyType({}), upstream=url),
                                LogRing(10), state=ModelState(status=Status.LOADED))
-        runtime.replicas = [Replica(remote)]
+        runtime.state = replace(runtime.state, replicas=tuple([Replica(remote)]))
         reasons: list[str] = []
 
         def unresponsive(model: ModelRuntime, child: object, why: str) -> None:

@@ -9,6 +9,7 @@ printed with what it broke and the end of its trace, and reproduces exactly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Iterator
@@ -104,3 +105,33 @@ def test_random_schedules_keep_every_invariant() -> None:
     assert not failures, (f"{len(failures)} failing schedules (first seeds shown; rerun one "
                           f"with LLAMA_ROUTER_SIM_SEED=N LLAMA_ROUTER_SIM_SCHEDULES=1):\n\n"
                           + "\n\n".join(describe(s) for s in failures))
+
+
+def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
+    """A load task cancelled before its first step never runs its body; the lifecycle still
+    learns it ended (``LoadEnded``), so the next request starts a new load instead of
+    awaiting the cancelled one for ever."""
+    from simloop import VirtualTimeLoop
+
+    sim = Simulation(0, config=scenario_config(), script=[])
+
+    async def scenario() -> None:
+        sup = sim.build()
+        runtime = sup.models["a"]
+        first = sup._ensure_load_task(runtime, on_demand=True)
+        assert runtime.state.load_pending and runtime.state.load_on_demand
+        sup._cancel_unwanted_load(runtime)  # nobody waits: cancelled before its first step
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert first.cancelled() and not runtime.state.load_pending
+        second = sup._ensure_load_task(runtime, on_demand=False)
+        assert second is not first and runtime.state.load_pending
+        await second
+        assert runtime.serving and not runtime.state.load_pending
+        await sup.close()
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()
