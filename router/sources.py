@@ -207,7 +207,7 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
         _add_aliases(model, merged, aliases, problems)
     if problems:
         raise PresetsInvalid(problems)
-    for model_id in _cache_entries_backing_dedup_presets(final):
+    for model_id in _cache_entries_backing_dedup_presets(final, table):
         final[model_id] = replace(final[model_id], listed=False)
     warnings = (*dir_warnings, *(w for f in files for w in f.warnings))
     return Catalogue(final, aliases, warnings)
@@ -226,19 +226,40 @@ def _add_aliases(model: ModelPreset, merged: dict[str, ModelPreset], aliases: di
             aliases[alias] = model.id
 
 
-def _cache_entries_backing_dedup_presets(models: dict[str, ModelPreset]) -> set[str]:
+# llama-server's options for a model file from the Hugging Face cache, by their environment
+# names (as llama.cpp's own deduplication names them, server-models.cpp): (repo, file in it).
+_HF_SOURCES = (("LLAMA_ARG_HF_REPO", "LLAMA_ARG_HF_FILE"),
+               ("LLAMA_ARG_SPEC_DRAFT_HF_REPO", "LLAMA_ARG_SPEC_DRAFT_MODEL"))
+
+
+def _hf_source_keys(table: FlagTable) -> list[tuple[str, str | None]]:
+    """The preset keys (canonical spellings: ``hf-repo``, ``hf-repo-draft``) of each
+    ``_HF_SOURCES`` pair this llama-server has."""
+    keys: list[tuple[str, str | None]] = []
+    for repo_env, file_env in _HF_SOURCES:
+        repo, file = table.by_canonical(repo_env), table.by_canonical(file_env)
+        if repo is not None:
+            keys.append((repo.key, file.key if file is not None else None))
+    return keys
+
+
+def _cache_entries_backing_dedup_presets(models: dict[str, ModelPreset],
+                                         table: FlagTable) -> set[str]:
     """Ids of the HF-cache entries whose files a ``dedup-cache-models`` preset uses through
-    ``hf-repo`` or ``spec-draft-hf`` (llama.cpp hides them from its model list)."""
+    ``hf-repo`` or the draft's ``spec-draft-hf`` (in whichever spelling, in its section or
+    ``[*]``): llama.cpp hides them from its model list."""
+    sources = _hf_source_keys(table)
     used: set[str] = set()
     for model in models.values():
         if not model.dedup_cache_models or model.source == "cache":
             continue
-        if model.hf_repo and model.model_path:
-            used.add(model.model_path)
-        draft = model.args.get("spec-draft-hf")
-        if draft:
+        for repo_key, file_key in sources:
+            repo = model.args.get(repo_key)
+            if not repo:
+                continue
             with contextlib.suppress(ResolveError):
-                hit = resolve_cached(HfRef.parse(draft), None)
+                hit = resolve_cached(HfRef.parse(repo),
+                                     model.args.get(file_key) if file_key else None)
                 if hit is not None:
                     used.add(str(hit[1][0]))
     return {model_id for model_id, model in models.items()

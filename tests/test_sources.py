@@ -331,3 +331,56 @@ def test_a_name_that_is_not_utf8_gets_a_safe_id(tmp_path: Path, help_table: Flag
 def test_safe_id(name: str, expected: str) -> None:
     assert safe_id(name) == expected
     safe_id(name).encode("utf-8")
+
+
+# --- dedup-cache-models ------------------------------------------------------------------------
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Hugging Face cache laid out as huggingface-hub writes it (``models--OWNER--REPO/
+    snapshots/REVISION/FILE``): a main model in two quants and a draft model in two files."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    for repo, files in (("org--main", ("main-Q8_0.gguf", "main-Q4_K_M.gguf")),
+                        ("org--draft", ("draft-Q8_0.gguf", "draft-small-Q4_0.gguf"))):
+        for name in files:
+            write(cache / f"models--{repo}" / "snapshots" / "abc123" / name, "gguf")
+    return cache
+
+
+def _listed(text: str, tmp_path: Path, table: FlagTable) -> set[str]:
+    presets = write(tmp_path / "dedup.ini", text)
+    catalogue = build_catalogue([presets], [], table)
+    return {model_id for model_id, model in catalogue.models.items() if model.listed}
+
+
+CACHE_IDS = {"org/main:Q8_0", "org/main:Q4_K_M", "org/draft:Q8_0", "org/draft:Q4_0"}
+
+
+@pytest.mark.parametrize("draft_key", ["spec-draft-hf", "hfd", "hfrd", "hf-repo-draft",
+                                       "LLAMA_ARG_SPEC_DRAFT_HF_REPO"])
+@pytest.mark.parametrize("where", ["section", "[*]"])
+def test_dedup_cache_models_hides_the_main_and_the_draft_entries(
+        hf_cache: Path, tmp_path: Path, help_table: FlagTable, draft_key: str,
+        where: str) -> None:
+    """The draft's cache entry is hidden whatever the spelling of its key, with the option
+    in the model's section or in ``[*]``; the other quants stay listed, and every entry
+    stays in the catalogue (usable by its id)."""
+    option = "dedup-cache-models = true\n"
+    text = ("[*]\n" + (option if where == "[*]" else "")
+            + "[mine]\nhf-repo = org/main:Q8_0\n"
+            + f"{draft_key} = org/draft:Q8_0\n" + (option if where == "section" else ""))
+    assert _listed(text, tmp_path, help_table) == {"mine", "org/main:Q4_K_M", "org/draft:Q4_0"}
+    assert _listed(text.replace("true", "false"), tmp_path, help_table) == {"mine", *CACHE_IDS}
+
+
+def test_dedup_cache_models_follows_the_drafts_file_and_a_draft_in_defaults(
+        hf_cache: Path, tmp_path: Path, help_table: FlagTable) -> None:
+    """``spec-draft-model`` with ``spec-draft-hf`` names the file in the draft's repo (as
+    ``hf-file`` does for ``hf-repo``); a draft in ``[*]`` is every model's draft."""
+    text = ("[*]\ndedup-cache-models = true\nspec-draft-hf = org/draft\n"
+            "spec-draft-model = draft-small-Q4_0.gguf\n[mine]\nhf-repo = org/main\n"
+            "hf-file = main-Q4_K_M.gguf\n")
+    assert _listed(text, tmp_path, help_table) == {"mine", "org/main:Q8_0", "org/draft:Q8_0"}
