@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from . import clock
+from .childenv import child_environment
 from .cpus import CpuShare
 from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
@@ -49,12 +50,6 @@ output_log = logging.getLogger("router.child.output")
 _LLAMA_LEVELS = {"W": logging.WARNING, "E": logging.ERROR, "D": logging.DEBUG}
 
 PR_SET_PDEATHSIG = 1
-# Never passed to a child: API keys and TLS files (the router holds them), and Hugging Face
-# credentials (the router downloads; a child never needs them).
-SECRET_ENV_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-                              "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "HF_TOKEN",
-                              "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"})
-SECRET_ENV_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
 _LISTENING_MARKER = "listening on http"
 CHILD_STATE_PREFIX = b"cmd_child_to_router:state:"
 EXIT_COMMAND = b"cmd_router_to_child:exit\n"
@@ -138,12 +133,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def child_environment() -> dict[str, str]:
-    """The router's environment minus every API key and TLS secret."""
-    return {k: v for k, v in os.environ.items()
-            if k not in SECRET_ENV_NAMES and not k.startswith(SECRET_ENV_PREFIXES)}
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

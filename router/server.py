@@ -25,7 +25,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from . import gpus
+from . import childenv, gpus
 from .app import State, create_app
 from .cors import CorsPolicy
 from .events import EventBus
@@ -99,6 +99,11 @@ def prepare(settings: Settings) -> Prepared:
     catalogue = build_catalogue(settings.presets, settings.models_dir, table, overrides)
     for warning in catalogue.warnings:
         log.warning("%s", warning)
+    ignored = childenv.ignored()
+    if ignored:
+        log.warning("not passed to llama-server children: %s (options come from presets: the "
+                    "same LLAMA_ARG_* names are preset keys, in [*] for every model)",
+                    ", ".join(ignored))
     devices = gpus.detect()
     try:
         gpu_budgets = gpus.budgets(settings.gpu_memory_budget, devices)

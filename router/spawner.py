@@ -28,6 +28,7 @@ import httpx
 from . import clock
 from .accounting import TRANSIENT_ERRNOS
 from .backend import Backend
+from .childenv import child_environment
 from .cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
 from .errors import LoadFailed
 from .events import EventBus
@@ -38,7 +39,6 @@ from .presets import ModelPreset
 from .process import (
     ChildExited,
     ChildProcess,
-    child_environment,
     free_port,
     load_progress,
     progress_rank,
