@@ -32,7 +32,8 @@ def _serve_parser(sub: Any) -> None:
                    help=argparse.SUPPRESS)
     p.add_argument("--models-dir", action="append", type=Path, default=S, metavar="DIR",
                    help="directory of GGUF models (llama.cpp layout); repeatable")
-    p.add_argument("--host", default=S, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default=S, help="addresses to listen on, comma separated: IPv4, "
+                   "IPv6 (::1), :: or host names (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=S, help="port to listen on (default 8080)")
     p.add_argument("--models-max", type=int, default=S, metavar="N",
                    help="most models loaded at once, <= 0 for no limit (default 4)")

@@ -40,6 +40,7 @@ from .install import (
     find_llama_server,
     find_webui,
 )
+from .listen import bind
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .memory import format_size
 from .metrics import RouterMetrics
@@ -323,17 +324,26 @@ class RouterServer(uvicorn.Server):
 
 
 def serve(settings: Settings) -> None:
+    """Prepare, bind every listen address (``listen``: a ``ListenError`` before any child
+    starts), then serve until a signal ends it."""
     prepared = prepare(settings)
+    open_files = raise_soft_limit()
+    listeners = bind(settings.hosts(), settings.port)
+    log.info("listening on %s", ", ".join(listeners.urls), extra={"event": "listening"})
+    if settings.port == 0:  # children are told the port the router got
+        prepared.settings = settings = settings.model_copy(update={"port": listeners.port})
     notifier = Notifier()
     app = build_app(prepared, notifier)
-    open_files = raise_soft_limit()
     cap = connection_cap(open_files, settings.models_max)
     log.info("up to %d client connections at once (%d file descriptors)", cap, open_files)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+    config = uvicorn.Config(app, host=settings.hosts()[0], port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             http=EnvelopeHttpToolsProtocol.configured(
                                 cap=cap, body_timeout_s=settings.body_timeout),
                             timeout_graceful_shutdown=math.ceil(
                                 settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)
-    RouterServer(config, app, notifier).run()
+    try:
+        RouterServer(config, app, notifier).run(sockets=listeners.sockets)
+    finally:
+        listeners.close()

@@ -50,7 +50,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLAMA_ROUTER_", extra="forbid")
 
-    host: str = DEFAULT_HOST
+    host: str = Field(DEFAULT_HOST, description="addresses to listen on, comma separated "
+                      "(listen.py)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     presets: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     models_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
@@ -131,6 +132,24 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # LLAMA_ROUTER_WEBUI_PATH= in an env file
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        """``LLAMA_ROUTER_HOST=`` (empty, as in an env file) is unset; otherwise the list
+        must hold an address (``listen.parse_hosts``)."""
+        from .listen import parse_hosts
+
+        if value == "":
+            return DEFAULT_HOST
+        parse_hosts(value)  # a ValueError becomes a validation error naming it
+        return value
+
+    def hosts(self) -> list[str]:
+        """The addresses to listen on (``listen.parse_hosts``)."""
+        from .listen import parse_hosts
+
+        return parse_hosts(self.host)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from router.forward import proxy
+from router.listen import url_host
 from router.process import free_port
 
 TESTS = Path(__file__).parent
@@ -100,8 +101,9 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     """A router subprocess on ``host`` (another loopback address: another "machine") and
     ``port`` (default: a free one); ``open_files`` caps its file descriptors (``ulimit -n``);
     ``launcher`` runs Python (default: this interpreter)."""
-    port = port or free_port(host)
-    log_path = tmp_path / f"router-{host}-{port}.log"
+    first = host.split(",")[0].strip().strip("[]")  # a list of addresses: URLs use the first
+    port = port or free_port(first)
+    log_path = tmp_path / f"router-{first}-{port}.log"
     argv = [*(launcher or [sys.executable]), "-m", "router.cli", "serve", "--host", host,
             "--port", str(port), *args]
     if child_args:
@@ -112,7 +114,7 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
                                 preexec_fn=None if open_files is None else
                                 (lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
                                                             (open_files, open_files))))
-    router = RouterProcess(proc, f"http://{host}:{port}", log_path)
+    router = RouterProcess(proc, f"http://{url_host(first)}:{port}", log_path)
     try:
         deadline = time.monotonic() + STARTUP_DEADLINE_S
         while True:
