@@ -85,6 +85,13 @@ def _serve_parser(sub: Any) -> None:
                    "install-llama-server)")
     p.add_argument("--webui-path", type=Path, default=S, metavar="DIR",
                    help="serve the web UI built in DIR (with index.html) instead")
+    p.add_argument("--default-model", default=S, metavar="NAME",
+                   help="send requests that name no model (llama-server's own clients: "
+                   "/completion, /tokenize, ...) to this model, an id or alias (default: the "
+                   "router's only model when it has exactly one; docs/api.md#the-default-model)")
+    p.add_argument("--unknown-model-to-default", action="store_true", default=S,
+                   help="also send requests naming a model nobody serves (gpt-3.5-turbo, "
+                   "...) to the default model, instead of a 404")
     p.add_argument("--cors-origins", default=S, metavar="ORIGINS",
                    help="what pages of other origins may use, a comma list: * (default: any "
                    "page, inference routes), localhost (pages of this machine, inference "

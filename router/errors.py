@@ -57,9 +57,9 @@ class BadRequest(RouterError):
 
 
 class ModelMissing(BadRequest):
-    def __init__(self) -> None:
+    def __init__(self, hint: str = "") -> None:
         super().__init__('model name is missing from the request: set "model" in the JSON body, '
-                         'the "model" form field, or ?model= on GET')
+                         'the "model" form field, or ?model= on GET' + hint)
 
 
 class MalformedBody(BadRequest):

@@ -2,7 +2,9 @@
 its model (JSON body ``model``, multipart ``model`` field, or ``?model=``), so every
 llama-server endpoint, including ones newer than this router, passes through. A GET or HEAD
 without a model that is ``/`` or a file of llama.cpp's web UI (``webui.py``) gets that file
-instead of the 404 it would get otherwise.
+instead of the 404 it would get otherwise; any other GET or HEAD without a model gets the
+404, except the child's own GET endpoints (``paths.CHILD_GET_PATHS``), which go to the
+default model (``defaults``) like every other request without a model, or get the 400.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from .errors import (
     BadRequest,
     ClientGone,
     MethodNotAllowed,
-    ModelMissing,
     ModelNotFound,
     NotFound,
     RouterError,
@@ -145,9 +146,9 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         if webui is not None and method in ("GET", "HEAD") and await webui.answer(
                 scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
             return
-        if method == "GET" and scope["path"] not in CHILD_GET_PATHS:
+        if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
             raise NotFound("File Not Found")
-        raise ModelMissing()
+        model = request.default_to(state.default.for_request(sup))  # else a 400 naming it
     budget = _budget(request)  # the supervisor caps it by the model's own wait budget
     key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
     peers = state.peers
@@ -165,10 +166,21 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
             return
     try:
         runtime = resolve_in_scope(sup, key_scope, model)  # a read-only view
-    except ModelNotFound:
+    except ModelNotFound as exc:
+        if request.defaulted:  # the default model is not this key's: never named to it
+            raise NotFound('no model is named in the request, and the default model is not '
+                           'one this API key may use: set "model" (GET /v1/models lists '
+                           'them)') from None
         if peers is not None:
             raise_if_elsewhere(peers, model, request)
-        raise
+        fallback = state.default.for_unknown(sup)  # --unknown-model-to-default
+        if fallback is None:
+            raise
+        model = request.default_to(fallback)
+        try:
+            runtime = resolve_in_scope(sup, key_scope, model)
+        except ModelNotFound:
+            raise exc from None  # not this key's either: the 404 of the name it gave
     request.model_id = runtime.preset.id
     autoload = _autoload(request.params, sup.settings.models_autoload)
     keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)

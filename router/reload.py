@@ -24,6 +24,7 @@ from typing import Any
 
 import watchfiles
 
+from . import defaults
 from .events import EventBus
 from .flags import FlagTable, Option
 from .presets import PresetsInvalid
@@ -106,6 +107,9 @@ class Reloader:
         emptied = None if allow_empty else self._emptied(catalogue)
         if emptied is not None:
             return self._reject([emptied], trigger)
+        if (no_default := defaults.check(self.settings.default_model, catalogue)) is not None:
+            return self._reject([f"{no_default}; keeping the previous configuration"],
+                                trigger)
         self.error = None
         for warning in catalogue.warnings:
             log.warning("%s", warning)

@@ -56,6 +56,9 @@ class RequestContext:
       the router itself (``paths.is_local``);
     * ``model``: the model the request names: the JSON body's ``model`` or the multipart
       ``model`` field (POST, PUT, PATCH, once ``read``), else ``?model=``; None for none;
+      for a proxied request, the default model instead when it names none, or (opt-in) a
+      model nobody serves (``default_to``; ``defaulted`` says so, ``named`` keeps what it
+      named);
     * ``via``: the instance ids of the routers it passed through (``x-llama-router-via``, every
       such header), ``conv_id``: its ``X-Conversation-Id``;
     * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
@@ -66,8 +69,9 @@ class RequestContext:
       (the peer that served it).
     """
 
-    __slots__ = ("body", "headers", "key_hash", "key_scope", "local", "method", "model", "model_id",
-                 "node", "params", "parsed", "path", "queue_s", "via")
+    __slots__ = ("body", "defaulted", "headers", "key_hash", "key_scope", "local", "method",
+                 "model", "model_id", "named", "node", "params", "parsed", "path", "queue_s",
+                 "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -94,9 +98,20 @@ class RequestContext:
         self.model_id = ""
         self.queue_s: float | None = None
         self.node = ""
+        self.defaulted = False
+        self.named: str | None = None
 
     def __repr__(self) -> str:  # never the credentials
         return f"<RequestContext {self.method} {self.path[:80]} model={self.model!r}>"
+
+    def default_to(self, default: str) -> str:
+        """Route this request to the default model ``default`` (``defaults.DefaultModel``
+        chose it): it names none, or names one nobody serves. The name it gave stays in
+        ``named``; the body is forwarded as it came."""
+        self.named = self.model
+        self.model = default
+        self.defaulted = True
+        return default
 
     def credential(self) -> bytes:
         """The API key presented: ``Authorization: Bearer K`` (any other Authorization value

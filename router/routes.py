@@ -48,10 +48,13 @@ async def health(request: Request) -> Response:
 
 async def props(request: Request) -> Response:
     """The router's ``/props``; the configuration's errors (file paths) and the peers (their
-    addresses) only for a key with full access (admin for every model)."""
+    addresses) only for a key with full access (admin for every model); the default model
+    only for a key that may use it."""
     state = _state(request)
     settings = state.supervisor.settings
-    full = key_scope_of(request.scope) is None
+    key_scope = key_scope_of(request.scope)
+    full = key_scope is None
+    default_id, default_from = _default_model(state, key_scope)
     return JSONResponse({
         "role": "router", "max_instances": settings.models_max,
         "models_autoload": settings.models_autoload, "model_alias": "llama-router",
@@ -60,9 +63,22 @@ async def props(request: Request) -> Response:
         "config_error": state.reloader.error if full else None,
         "llama_router": {**state.supervisor.budgets(), "node": state.node,
                          "instance": state.peers.instance if state.peers is not None else "",
+                         "default_model": default_id, "default_model_from": default_from,
                          **({"peers": state.peers.describe()} if full and state.peers
                             is not None and state.peers.configured else {})},
     })
+
+
+def _default_model(state: State, key_scope: KeyScope | None) -> tuple[str | None, str | None]:
+    """The default model's id and where it comes from (``defaults``), as this key may see
+    them: (None, None) when there is none, or it is not the key's."""
+    found = state.default.resolve(state.supervisor)
+    if found is None:
+        return None, None
+    view = state.supervisor.view(found[0])
+    if view is None or (key_scope is not None and not key_scope.allows_model(view)):
+        return None, None
+    return found
 
 
 async def feature_disabled(request: Request) -> Response:
@@ -95,6 +111,10 @@ async def list_models(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     data = [m.entry(state.started) for m in sup.views() if m.preset.listed
             and (key_scope is None or key_scope.allows_model(m))]
+    default_id, _ = _default_model(state, key_scope)
+    for entry in data:
+        if entry["id"] == default_id:
+            entry["default"] = True  # where requests without a model go (``defaults``)
     skipped: list[dict[str, str]] = []
     if state.peers is not None and state.peers.peers:
         data = merged_listing(data, state.peers, state.node, key_scope)
@@ -212,6 +232,10 @@ async def delete_model(request: Request) -> Response:
     if runtime.preset.source != "cache":
         raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
                          "Hugging Face cache: remove it from its preset or directory instead")
+    default = _state(request).default
+    if default.name is not None and sup.model_id(default.name) == runtime.id:
+        raise BadRequest(f"model '{runtime.id}' is the default model (--default-model): "
+                         "restart the router with another default before removing it")
     await sup.unload(runtime.id, explicit=False)
     paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
     freed = await asyncio.to_thread(delete_cached, paths)

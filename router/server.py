@@ -25,7 +25,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from . import childenv, gpus
+from . import childenv, defaults, gpus
 from .app import State, create_app
 from .cors import CorsPolicy
 from .events import EventBus
@@ -105,6 +105,11 @@ def prepare(settings: Settings) -> Prepared:
         log.warning("not passed to llama-server children: %s (options come from presets: the "
                     "same LLAMA_ARG_* names are preset keys, in [*] for every model)",
                     ", ".join(ignored))
+    if (problem := defaults.check(settings.default_model, catalogue)) is not None:
+        raise ConfigurationError(problem)
+    if settings.unknown_model_to_default and settings.default_model is None:
+        log.warning("--unknown-model-to-default without --default-model: unknown names go to "
+                    "the router's only model, and get a 404 once it has several")
     devices = gpus.detect()
     try:
         gpu_budgets = gpus.budgets(settings.gpu_memory_budget, devices)

@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     peer_dns_interval: float = Field(DEFAULT_PEER_DNS_INTERVAL_S, gt=0,
                                      description="seconds between resolutions of --peer-dns")
     peer_prefix: bool = Field(False, description="list peers' models as NODE/MODEL")
+    default_model: str | None = Field(
+        None, description="the model (id or alias) that requests naming none go to; without "
+        "it, a router with exactly one model uses that one (defaults.py)")
+    unknown_model_to_default: bool = Field(
+        False, description="send proxied requests naming a model nobody serves to the default "
+        "model instead of answering 404")
     cors_origins: str = Field(DEFAULT_CORS_ORIGINS, description="what pages of other origins "
                               "may use: *, localhost (inference), origins named one by one "
                               "(every route), or none (cors.py)")
@@ -128,7 +134,7 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("webui_path", mode="before")
+    @field_validator("webui_path", "default_model", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value  # LLAMA_ROUTER_WEBUI_PATH= in an env file

@@ -11,6 +11,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .defaults import DefaultModel
 from .errors import RouterError, ShuttingDown
 from .events import EventBus
 from .logs import LogRing
@@ -76,6 +77,10 @@ class State:
         self.reloader = reloader
         self.peers = peers  # None in tests that build a State by hand
         self.node = peers.node if peers is not None else ""
+        settings = supervisor.settings
+        self.default = DefaultModel(settings.default_model,
+                                    unknown_to_default=settings.unknown_model_to_default,
+                                    peered=bool(settings.peer or settings.peer_dns))
         self.conversations = ConversationOwners()  # resumable streams: which child has each
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -26,7 +26,7 @@ from support import start_router, wait_until
 
 from router.errors import Unavailable
 from router.flags import FlagTable
-from router.paths import LISTING_PATHS, is_local
+from router.paths import CHILD_GET_PATHS, LISTING_PATHS, is_local
 from router.requests import RequestContext
 from router.server import Prepared, build_app
 from router.settings import Settings
@@ -49,8 +49,9 @@ class Recorded:
 
 
 @pytest.fixture
-async def router(tmp_path: Path, help_table: FlagTable
+async def router(tmp_path: Path, help_table: FlagTable, request: pytest.FixtureRequest
                  ) -> AsyncIterator[tuple[Starlette, Recorded]]:
+    """The app over alpha and beta; ``request.param``: more settings (a default model)."""
     text = "version = 1\n"
     for name in MODELS:
         (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
@@ -65,7 +66,7 @@ async def router(tmp_path: Path, help_table: FlagTable
     key_file.write_text(f"{INFER_KEY} models=alpha role=infer\n")
     config = Settings(presets=[presets], llama_server=tmp_path / "never-started",
                       api_key=[ADMIN_KEY], api_key_file=key_file, models_autoload=False,
-                      webui_path=webui)
+                      webui_path=webui, **getattr(request, "param", {}))
     catalogue = build_catalogue([presets], [], help_table, [])
     prepared = Prepared(config, tmp_path / "never-started", help_table, [], catalogue,
                         config.all_api_keys(), "test", webui=webui)
@@ -174,6 +175,50 @@ async def test_the_key_check_and_the_router_agree_on_model_and_role(
     proxied = not is_local(plain_path, params)  # type: ignore[arg-type]
     expected = [model] if proxied and model in MODELS else []
     assert recorded.acquired == expected, (path, query, answer.text)
+
+
+DEFAULTS = [{"default_model": "beta"},
+            {"default_model": "beta", "unknown_model_to_default": True}]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=paths(), query=queries(), method=st.sampled_from(["GET", "HEAD", "POST"]))
+@pytest.mark.parametrize("router", DEFAULTS, indirect=True, ids=["default", "unknown-too"])
+async def test_a_default_model_is_taken_only_where_no_model_is_named(
+        router: tuple[Starlette, Recorded], path: str, query: str, method: str) -> None:
+    """With a default model (beta): a proxied request that names no model (however its
+    query spells an empty or absent one) goes to beta, except GET and HEAD on paths that are
+    not a child's own GET endpoints (the web UI's files, unknown paths: never a model);
+    /props, /metrics and the listings stay the router's. A key limited to alpha never
+    reaches beta through the default. Unknown names go to beta only when asked to."""
+    app, recorded = router
+    unknown_too = app.state.router.default.unknown_to_default
+    params = decoded(query)
+    model = params.get("model") or None
+    plain_path = httpx.URL("http://router" + path).path
+    proxied = not is_local(plain_path, params)  # type: ignore[arg-type]
+
+    recorded.acquired.clear()
+    answer = await ask(app, method, path, query, ADMIN_KEY)
+    if not proxied:
+        expected = []
+    elif model is None:
+        reaches = method == "POST" or plain_path in CHILD_GET_PATHS
+        expected = ["beta"] if reaches else []
+    elif model in MODELS:
+        expected = [model]
+    else:
+        expected = ["beta"] if unknown_too else []
+    assert recorded.acquired == expected, (method, path, query, answer.text)
+    if proxied and not expected and model is None and method == "POST":
+        pytest.fail("a POST without a model must reach the default")
+
+    recorded.acquired.clear()
+    answer = await ask(app, method, path, query, INFER_KEY)
+    assert set(recorded.acquired) <= {"alpha"}, (method, path, query, recorded.acquired)
+    if proxied and model is None and recorded.acquired == [] and answer.status_code == 404:
+        assert "beta" not in answer.text  # the default's name is not told to this key
 
 
 @pytest.mark.parametrize(("target", "model"), [
