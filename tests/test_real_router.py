@@ -135,8 +135,8 @@ def test_client_disconnect_frees_the_slot(tmp_path: Path, presets: Path) -> None
 def test_client_disconnect_closes_the_connection_of_a_non_streamed_request(
         tmp_path: Path, presets: Path) -> None:
     """No response has started yet, so only the router's disconnect watch can notice. It
-    closes its connection to the child (llama-server b11434 still finishes a non-streamed
-    generation; servers that check their connection stop) and releases the request."""
+    closes its connection to the child (which then stops generating:
+    ``test_cancellation_real.py``) and releases the request."""
     request = json.dumps({"model": "long", "max_tokens": 8000, "ignore_eos": True,
                           "messages": [{"role": "user", "content": "Go on"}]}).encode()
     with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
