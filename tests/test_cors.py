@@ -396,3 +396,48 @@ def test_preflights_and_the_childs_cors_headers_against_llama_server(
         unload = client.post("/models/unload", headers=headers, json={"model": "alpha"})
         assert refused(unload)
         assert status("alpha") == "loaded"
+
+
+INFERENCE_ROUTES = ("/v1/chat/completions", "/chat/completions", "/v1/completions",
+                    "/completions", "/completion", "/v1/responses", "/responses",
+                    "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank",
+                    "/v1/reranking", "/reranking", "/v1/messages", "/v1/messages/count_tokens",
+                    "/infill", "/tokenize", "/detokenize", "/apply-template",
+                    "/v1/audio/transcriptions", "/audio/transcriptions", "/v1/props",
+                    "/lora-adapters")
+
+
+@pytest.mark.real
+def test_every_inference_route_answers_a_preflight_as_llama_server_does(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """Over llama-server's inference routes, with and without ``?model=``: the same status
+    and methods as the child itself answers; the origin as ``--cors-origins *`` decides
+    (``*``, no credentials) and ``Authorization`` allowed besides llama-server's ``*``
+    (docs/api.md#browsers-and-cors). No preflight loads a model."""
+    presets = write_presets(tmp_path / "cors.ini",
+                            f"[alpha]\nmodel = {tiny_models['alpha']}\nctx-size = 256\n"
+                            "load-on-startup = true\n"
+                            f"[beta]\nmodel = {tiny_models['beta']}\nctx-size = 256\n")
+    with start_router(tmp_path, "--presets", str(presets)) as router, \
+            router.client() as client:
+        (child,) = router.children()
+        argv = child.cmdline()
+        port = argv[argv.index("--port") + 1]
+        for path in INFERENCE_ROUTES:
+            for method in ("POST", "GET"):
+                headers = {**PREFLIGHT_CHAT, "Access-Control-Request-Method": method}
+                direct = httpx.options(f"http://127.0.0.1:{port}{path}", headers=headers)
+                for target in (path, path + "?model=beta"):
+                    routed = client.options(target, headers=headers)
+                    if method == "POST" and path in ("/v1/props", "/lora-adapters"):
+                        assert direct.status_code == 200  # a write that changes the model
+                        assert refused(routed), target  # for everyone: never cross-site
+                        continue
+                    assert routed.status_code == direct.status_code == 200, target
+                    assert routed.headers["access-control-allow-methods"] == \
+                        direct.headers["access-control-allow-methods"], target
+                    assert routed.headers["access-control-allow-origin"] == "*"
+                    assert "access-control-allow-credentials" not in routed.headers
+                    assert routed.headers["access-control-allow-headers"] == "Authorization, *"
+        beta = {m["id"]: m for m in client.get("/models").json()["data"]}["beta"]
+        assert beta["status"]["value"] == "unloaded"
