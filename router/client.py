@@ -8,6 +8,7 @@ the API key comes from ``--api-key`` or ``LLAMA_ROUTER_API_KEY``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any, TextIO
 import httpx
 
 from .memory import format_size
+from .sse import EventTooLarge, iter_events
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -163,14 +165,25 @@ def cmd_unload(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> i
     return _report(result, f"{args.model}: unloaded", args, out)
 
 
-def _sse(client: httpx.Client, path: str, params: dict[str, str]) -> Iterator[str]:
+def _sse(response: httpx.Response) -> Iterator[str]:
+    """The data of each event the router streams (``sse.iter_events``: an endless line
+    ends the command with an error, never fills its memory)."""
+    try:
+        for event in iter_events(response.iter_bytes()):
+            yield event.data
+    except EventTooLarge as exc:
+        raise ClientError(f"the router's event stream broke off: {exc}") from None
+
+
+@contextlib.contextmanager
+def _stream(client: httpx.Client, path: str, params: dict[str, str]
+            ) -> Iterator[httpx.Response]:
+    """An event stream of the router's, its error answer raised as a ``ClientError``."""
     with client.stream("GET", path, params=params) as response:
         if response.status_code >= 400:
             response.read()
             _check(response)
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                yield line[len("data: "):]
+        yield response
 
 
 def cmd_logs(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
@@ -184,20 +197,21 @@ def cmd_logs(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int
         history()
         return 0
     # Subscribe first, then print the history: no line falls between the two.
-    with client.stream("GET", "/logs/stream", params=params) as response:
-        if response.status_code >= 400:
-            response.read()
-            _check(response)
+    with _stream(client, "/logs/stream", params) as response:
         history()
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                out.write(line[len("data: "):] + "\n")
-                out.flush()
+        for line in _sse(response):
+            out.write(line + "\n")
+            out.flush()
     return 0
 
 
 def cmd_events(client: httpx.Client, args: argparse.Namespace, out: TextIO) -> int:
-    for payload in _sse(client, "/models/sse", {}):
+    with _stream(client, "/models/sse", {}) as response:
+        return _print_events(_sse(response), args, out)
+
+
+def _print_events(payloads: Iterator[str], args: argparse.Namespace, out: TextIO) -> int:
+    for payload in payloads:
         if args.json:
             out.write(payload + "\n")
         else:
