@@ -18,13 +18,17 @@ after its misses it is marked gone instead of killed, and handled as a crash the
 
 A child the CPU gate has paused for its turn (``cpugate``) is not answering either: a probe
 that ends while it is paused is not counted.
+
+``Misses`` is the count of health checks missed in a row, kept here for children and remote
+upstreams and by ``peerhealth`` for peer routers: one rule for "stopped answering".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
+from typing import Generic, TypeVar
 
 from .backend import Backend
 from .lifecycle import Status
@@ -34,6 +38,36 @@ from .runtime import ModelRuntime
 log = logging.getLogger("router.liveness")
 
 Unresponsive = Callable[[ModelRuntime, Backend, str], None]
+K = TypeVar("K")
+
+
+class Misses(Generic[K]):
+    """Health checks missed in a row by each thing checked that is missing them."""
+
+    def __init__(self) -> None:
+        self._missed: dict[K, int] = {}
+
+    def __getitem__(self, key: K) -> int:
+        """Checks ``key`` missed in a row (0: it answered the last one)."""
+        return self._missed.get(key, 0)
+
+    def miss(self, key: K) -> int:
+        """One more check missed by ``key``: how many in a row now."""
+        missed = self._missed[key] = self._missed.get(key, 0) + 1
+        return missed
+
+    def answered(self, key: K) -> int:
+        """``key`` answered: start again from 0; how many it had missed."""
+        return self._missed.pop(key, 0)
+
+    def forget(self, key: K) -> None:
+        """Count ``key`` afresh from 0 (it was dealt with)."""
+        self._missed.pop(key, None)
+
+    def keep(self, keys: Container[K]) -> None:
+        """Forget every key not in ``keys`` (no longer checked)."""
+        for key in [k for k in self._missed if k not in keys]:
+            del self._missed[key]
 
 
 class Liveness:
@@ -45,12 +79,11 @@ class Liveness:
         self.misses = misses
         self._is_paused = is_paused
         self._on_unresponsive = on_unresponsive  # (model, child, why): kill it
-        # Health checks missed in a row by each serving child that is missing them.
-        self._missed: dict[Backend, int] = {}
+        self._missed: Misses[Backend] = Misses()  # by each serving child
 
     def missed(self, child: Backend) -> int:
         """Health checks ``child`` missed in a row (0: it answered the last one)."""
-        return self._missed.get(child, 0)
+        return self._missed[child]
 
     async def run(self, models: Callable[[], Iterable[ModelRuntime]]) -> None:
         """Probe every serving child each ``interval``; runs until cancelled."""
@@ -63,27 +96,25 @@ class Liveness:
     async def probe_round(self, models: Iterable[ModelRuntime]) -> None:
         targets = [(runtime, replica.child) for runtime in models
                    if runtime.status is Status.LOADED for replica in runtime.replicas]
-        serving = {child for _, child in targets}
-        for child in [c for c in self._missed if c not in serving]:  # gone: forget it
-            del self._missed[child]
+        self._missed.keep({child for _, child in targets})  # the others are gone: forgotten
         await asyncio.gather(*(self._probe(runtime, child) for runtime, child in targets))
 
     async def _probe(self, runtime: ModelRuntime, child: Backend) -> None:
         problem = await child.probe(self.timeout)
         if problem is None:
-            missed = self._missed.pop(child, 0)
+            missed = self._missed.answered(child)
             if missed:
                 log.info("answers again after %d missed health checks", missed,
                          extra={"model": runtime.id, "pid": child.pid})
             return
         if self._is_paused(child) or child.returncode is not None:
             return  # its turn is elsewhere (cpugate), or it exited: the exit watcher has it
-        missed = self._missed[child] = self._missed.get(child, 0) + 1
+        missed = self._missed.miss(child)
         log.warning("health check %d/%d failed: %s", missed, self.misses,
                     problem, extra={"event": "health_missed", "model": runtime.id,
                                     "pid": child.pid})
         if missed >= self.misses and runtime.status is Status.LOADED:
-            del self._missed[child]
+            self._missed.forget(child)
             if isinstance(child, RemoteUpstream):
                 self._on_unresponsive(runtime, child, (
                     f"upstream {child.url} stopped answering: {missed} "

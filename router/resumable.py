@@ -23,8 +23,10 @@ and model move it to the replica that serves the new request, as before). Withou
 every request has the same (empty) owner.
 
 A conversation a gateway sent to a peer (``nodes``) is owned by that peer: resumes, lookups
-and stops for it go to the peer (with the peer key) while it is up, and the peer finds its own
-child the same way.
+and stops for it go to the peer through the hop (``hop``: the peer key, the via chain,
+deadlines, a bounded answer) while it is up, and the peer finds its own child the same way; a
+request that passed through that peer already is never sent back to it (as for an id nobody
+uses).
 
 The table is bounded: the least recently used conversations are forgotten first.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -44,11 +47,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from . import hop
 from .backend import Backend
-from .errors import BadRequest, MalformedBody, NestedTooDeeply, NotFound, RouterError, Unavailable
-from .peers import Peer
+from .errors import (
+    BadRequest,
+    MalformedBody,
+    NestedTooDeeply,
+    NotFound,
+    RouterError,
+    Unavailable,
+    UpstreamError,
+)
+from .peer import Peer
 from .proxy import relay, upstream_headers
-from .requests import VIA_HEADER, context, parse_json
+from .requests import RequestContext, context, parse_json
 
 if TYPE_CHECKING:
     from .state import Shutdown
@@ -58,6 +70,7 @@ Owner = Backend | Peer  # the child that serves a conversation, or the peer it w
 
 DEFAULT_CAPACITY = 10_000
 CHILD_TIMEOUT_S = 5.0
+MAX_LOOKUP_BYTES = 1 << 20  # a peer's answer to a lookup
 
 
 class ConversationTaken(RouterError):
@@ -124,15 +137,17 @@ def serves(supervisor: Supervisor) -> Callable[[str, Owner], bool]:
 
 
 def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
-                   conv_id: str, key: str) -> tuple[str, Owner] | None:
-    """The owning model and child of ``key``'s conversation, if that child still serves (or
-    peer, if it is up)."""
-    found = owners.owner(conv_id, key)
+                   conv_id: str, request: RequestContext) -> tuple[str, Owner] | None:
+    """The owning model and child of the request's key's conversation, if that child still
+    serves (or peer, if it is up and the request did not pass through it)."""
+    found = owners.owner(conv_id, request.key_hash)
     if found is None:
         return None
     model, child = found
     if child is None or not serves(supervisor)(model, child):
         return None
+    if isinstance(child, Peer) and hop.passed(child, request):
+        return None  # never sent back round a loop of routers
     return model, child
 
 
@@ -155,25 +170,22 @@ class StreamResume:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         conv_id = _conv_id(request)
-        key = context(scope).key_hash
-        running = _running_owner(self.owners, self.supervisor, conv_id, key)
+        ctx = context(scope)
+        running = _running_owner(self.owners, self.supervisor, conv_id, ctx)
         if running is None:
-            found = self.owners.owner(conv_id, key)
+            found = self.owners.owner(conv_id, ctx.key_hash)
             view = self.supervisor.view(found[0]) if found else None
             if view is not None and view.loading:
                 raise Unavailable("Stream owner model is loading, retry later",
                                          headers={"Retry-After": "1"})
             raise NotFound("Stream not found or expired")
         model, child = running
-        params = context(scope).params
+        params = ctx.params
         query = QueryParams({"conv_id": conv_id, **(
             {"from": params["from"]} if "from" in params else {})})
         if isinstance(child, Peer):  # the peer finds its child
-            via = ",".join((*context(scope).via, child.own_instance))
-            headers = [*(h for h in upstream_headers(scope["headers"]) if h[0] != VIA_HEADER),
-                       *child.auth, (VIA_HEADER, via.encode("latin-1"))]
-            await relay(child.connections, "GET", f"/v1/stream?{query}".encode(), headers, b"",
-                        receive=receive, send=send, shutdown=self.shutdown)
+            await hop.relay(child, scope, ctx, receive, send, "GET",
+                            f"/v1/stream?{query}".encode(), b"", shutdown=self.shutdown)
             return
         lease = self.supervisor.lease_child(model, child)
         if lease is None:
@@ -197,20 +209,26 @@ async def lookup(request: Request, supervisor: Supervisor, owners: ConversationO
     except (MalformedBody, AttributeError, TypeError):
         return JSONResponse([])
     per_child: dict[Owner, list[str]] = {}
-    key = context(request.scope).key_hash
+    ctx = context(request.scope)
     for conv_id in ids:
-        running = _running_owner(owners, supervisor, conv_id, key)
+        running = _running_owner(owners, supervisor, conv_id, ctx)
         if running is not None:
             per_child.setdefault(running[1], []).append(conv_id)
 
     async def ask(child: Owner, wanted: list[str]) -> list[Any]:
-        url, headers = _where(child)
         try:
-            response = await client.post(url + "/v1/streams/lookup", headers=headers,
-                                         json={"conversation_ids": wanted},
-                                         timeout=CHILD_TIMEOUT_S)
-            sessions = response.json() if response.status_code == 200 else []
-        except (httpx.HTTPError, ValueError):
+            if isinstance(child, Peer):
+                status, raw = await hop.ask(
+                    child, "POST", b"/v1/streams/lookup",
+                    json.dumps({"conversation_ids": wanted}).encode(), request=ctx,
+                    deadline=CHILD_TIMEOUT_S, limit=MAX_LOOKUP_BYTES)
+            else:
+                response = await client.post(child.base_url + "/v1/streams/lookup",
+                                             json={"conversation_ids": wanted},
+                                             timeout=CHILD_TIMEOUT_S)
+                status, raw = response.status_code, response.content
+            sessions = json.loads(raw) if status == 200 else []
+        except (httpx.HTTPError, UpstreamError, ValueError):
             return []
         return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
 
@@ -223,19 +241,17 @@ async def stop(request: Request, supervisor: Supervisor, owners: ConversationOwn
     """``DELETE /v1/stream``: the owning child stops the stream; the mapping is forgotten.
     Another key's stream is left alone, with the same 204."""
     conv_id = _conv_id(request)
-    key = context(request.scope).key_hash
-    running = _running_owner(owners, supervisor, conv_id, key)
-    owners.forget(conv_id, key)
+    ctx = context(request.scope)
+    running = _running_owner(owners, supervisor, conv_id, ctx)
+    owners.forget(conv_id, ctx.key_hash)
     if running is not None:
-        url, headers = _where(running[1])
-        with contextlib.suppress(httpx.HTTPError):  # the child is gone: so is its stream
-            await client.delete(url + "/v1/stream", headers=headers,
-                                params={"conv_id": conv_id}, timeout=CHILD_TIMEOUT_S)
+        owner = running[1]
+        target = f"/v1/stream?{QueryParams({'conv_id': conv_id})}"
+        if isinstance(owner, Peer):
+            with contextlib.suppress(UpstreamError):  # the peer is gone: so is its stream
+                await hop.ask(owner, "DELETE", target.encode(), request=ctx,
+                              deadline=CHILD_TIMEOUT_S, limit=MAX_LOOKUP_BYTES)
+        else:
+            with contextlib.suppress(httpx.HTTPError):  # the child is gone: so is its stream
+                await client.delete(owner.base_url + target, timeout=CHILD_TIMEOUT_S)
     return Response(status_code=204, media_type="application/json")
-
-
-def _where(owner: Owner) -> tuple[str, dict[str, str]]:
-    """The base URL to ask the owner at, and the headers to ask with (a peer's key)."""
-    if isinstance(owner, Peer):
-        return owner.url, {k: v for k, v in owner.probe_headers.items() if k != "connection"}
-    return owner.base_url, {}

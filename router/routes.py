@@ -19,21 +19,15 @@ from starlette.types import Receive, Scope, Send
 
 from . import dashboard, sse
 from .activity import activity_totals, list_activity
+from .catalogue import across_nodes, merged_listing
 from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
 from .errors import BadRequest, ModelMissing, RouterError, UpstreamError, envelope
+from .hop import came_through, forward_admin, loop_error, scrape
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, merge_child_metrics, only_models, render_merged
-from .nodes import (
-    across_nodes,
-    admin_targets,
-    came_through,
-    forward_admin,
-    local_model,
-    loop_error,
-    merged_listing,
-    scrape_peers,
-)
+from .nodes import local_model
+from .placement import admin_targets
 from .presets import ModelPreset
 from .requests import context
 from .resumable import StreamResume
@@ -148,11 +142,11 @@ async def _on_peers(request: Request, action: str, name: str,
         return None
     ctx = context(request.scope)
     if came_through(ctx, peers.instance):  # it came back: never relayed again
-        raise loop_error(ctx, peers, f"this {action} of model '{name}'")
+        raise loop_error(ctx, peers.node, peers.instance, f"this {action} of model '{name}'")
     holders = peers.holders(name, ctx.via)  # never back to a router it passed through
     if not holders and not asked:
         if ctx.via and peers.holders(name) and state.supervisor.model_id(name) is None:
-            raise loop_error(ctx, peers, f"this {action} of model '{name}'")
+            raise loop_error(ctx, peers.node, peers.instance, f"this {action} of model '{name}'")
         return None
     if asked is not None and not isinstance(asked, str):
         raise BadRequest('"node" must be a node name (GET /models shows them)')
@@ -175,7 +169,7 @@ async def _on_peers(request: Request, action: str, name: str,
                 status = exc.status
             continue
         code, answer = await forward_admin(peer, f"/models/{action}", payload or {}, name,
-                                           ctx, peers.instance)
+                                           ctx)
         results[peer.node] = answer
         if code >= 400:
             status = code
@@ -371,7 +365,7 @@ async def metrics(request: Request) -> Response:
     body = await state.metrics.exposition(state.supervisor, state.client)
     if state.peers is not None and state.peers.peers:  # every node's, with a node label
         texts = [({"node": state.node}, body.decode()),
-                 *await scrape_peers(state.peers, context(request.scope))]
+                 *await scrape(state.peers, context(request.scope))]
         body = "".join(render_merged(merge_child_metrics(texts))).encode()
     key_scope = key_scope_of(request.scope)
     if key_scope is not None and key_scope.pattern is not None:  # only its models' series

@@ -1,0 +1,269 @@
+"""The peers' models: each peer's listing, kept live by following its events, and the one
+``/models`` entry of a model across nodes.
+
+A peer's models come from its ``GET /models`` (ids unchanged; ``NODE/ID`` with
+``--peer-prefix``), through the hop (``hop.ask``) and bounded: a listing over
+``MAX_LISTING_BYTES`` or with more than ``MAX_LISTING_MODELS`` models is refused whole
+(``ListingRefused``), logged, and the peer is not used, its reason shown in ``/props`` and
+``/models``. Its states are kept live by following its ``/models/sse`` (``follow``, through
+``hop.stream`` and ``sse.aiter_events``: a line or an event over 1 MiB gives the stream up,
+the peer's stream is shown broken, and the next health check follows again); each of its
+events is relayed on this router's ``/models/sse`` with ``"node"`` added.
+
+A model that several nodes list (peers, and this router) is one model with replicas across
+machines: ``merge_entries`` makes its one entry, ``across_nodes`` its status in events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from . import hop
+from .errors import UpstreamError
+from .placement import LOADED, LOADING
+from .sse import EventTooLarge, aiter_events
+
+if TYPE_CHECKING:
+    from .keys import KeyScope
+    from .peer import Peer
+    from .peers import Peers
+    from .supervisor import Supervisor
+
+log = logging.getLogger("router.peers")
+
+MAX_LISTING_BYTES = 16 << 20  # a peer's /models answer
+MAX_LISTING_MODELS = 10_000  # models in it
+REFUSED = "listing refused: "  # how the reason of a peer whose listing was refused starts
+
+
+class ListingRefused(ValueError):
+    """A peer's ``/models`` over the caps: the peer is not used (the message says why)."""
+
+
+async def import_models(peer: Peer) -> None:
+    """The peer's listing, as its models (``ListingRefused`` over the caps)."""
+    try:
+        status, raw = await hop.ask(peer, "GET", b"/models", deadline=peer.timeout * 2,
+                                    limit=MAX_LISTING_BYTES)
+    except hop.TooLarge:
+        raise _refused(peer, f"its /models answer is over {MAX_LISTING_BYTES >> 20} MiB, "
+                             "the most a peer's listing may hold") from None
+    if status != 200:
+        raise ValueError(f"GET /models answered {status}")
+    data = json.loads(raw).get("data")
+    if not isinstance(data, list):
+        raise ValueError("no data list")
+    if len(data) > MAX_LISTING_MODELS:
+        raise _refused(peer, f"its /models lists {len(data)} models, more than the "
+                             f"{MAX_LISTING_MODELS} a peer may list")
+    models: dict[str, dict[str, Any]] = {}
+    ids: dict[str, str] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        peer_id = entry["id"]
+        local = peer.local_id(peer_id)
+        entry = _foreign(entry, peer.own_instance)
+        if entry is None:
+            continue  # this router's own model, listed back by a peer that fronts it
+        entry.setdefault("node", peer.node)
+        entry["id"] = local
+        models[local] = entry
+        ids[local] = peer_id
+    gone = peer.models.keys() - models.keys()
+    peer.models, peer.peer_ids = models, ids
+    for model_id in gone:
+        peer.events.publish_payload({"model": model_id, "event": "status_change",
+                                     "node": peer.node,
+                                     "data": {"status": "unloaded", "removed": True}})
+
+
+def _refused(peer: Peer, why: str) -> ListingRefused:
+    log.warning("peer %s: listing refused, peer not used: %s", peer.url, why,
+                extra={"event": "peer_listing_refused"})
+    return ListingRefused(REFUSED + why)
+
+
+def import_soon(peer: Peer) -> None:
+    """Import the peer's models again, in the background (once at a time)."""
+    if peer.resync is None or peer.resync.done():
+        peer.resync = asyncio.create_task(_import_quietly(peer))
+
+
+async def _import_quietly(peer: Peer) -> None:
+    try:
+        await import_models(peer)
+    except ListingRefused as exc:
+        peer.mark_down(str(exc))
+    except (UpstreamError, ValueError, TypeError, AttributeError):
+        pass  # the next events or health check try again
+
+
+def follow(peer: Peer) -> None:
+    peer.follower = asyncio.create_task(_follow_quietly(peer), name=f"peer-sse:{peer.url}")
+
+
+async def _follow_quietly(peer: Peer) -> None:
+    try:
+        await follow_events(peer)
+    except EventTooLarge as exc:
+        peer.events_problem = f"its /models/sse was given up: {exc}"
+        log.warning("peer %s: %s (the next health check follows it again)", peer.node,
+                    peer.events_problem, extra={"event": "peer_events_broken"})
+    except Exception as exc:  # the next check follows again
+        log.warning("peer %s: events stopped: %r", peer.node, exc)
+
+
+async def follow_events(peer: Peer) -> None:
+    """Follow the peer's ``/models/sse`` until it ends (the next probe follows again)."""
+    with contextlib.suppress(UpstreamError):
+        async with hop.stream(peer, "GET", b"/models/sse", deadline=peer.timeout) as response:
+            if response.status != 200:
+                return
+            # Subscribed: import again, so that nothing between the first import and the
+            # subscription is missed.
+            with contextlib.suppress(UpstreamError, ValueError, TypeError, AttributeError):
+                await import_models(peer)
+            async for event in aiter_events(response.next_chunk):
+                with contextlib.suppress(ValueError):
+                    apply(peer, json.loads(event.data))
+                peer.events_problem = ""
+
+
+def apply(peer: Peer, event: Any) -> None:
+    """One of the peer's events: update the model table and relay it, with its node and
+    the via chain (``"via"``: the instance ids it came through). An event that came
+    through this router already (routers that front each other) is dropped."""
+    if not isinstance(event, dict) or not isinstance(event.get("model"), str):
+        return
+    via = event.get("via")
+    via = [v for v in via if isinstance(v, str)] if isinstance(via, list) else []
+    if peer.own_instance in via:
+        return
+    peer_id = event["model"]
+    if peer_id == "*":
+        if event.get("event") == "events_dropped":
+            import_soon(peer)
+        return
+    model_id = peer.local_id(peer_id)
+    data: dict[str, Any] = event["data"] if isinstance(event.get("data"), dict) else {}
+    entry = peer.models.get(model_id)
+    if entry is None:
+        import_soon(peer)  # a model the peer did not list before
+    elif isinstance(data.get("status"), str):
+        status = entry.get("status")
+        if isinstance(status, dict):
+            status["value"] = data["status"]
+        else:
+            entry["status"] = {"value": data["status"]}
+    peer.events.publish_payload({**event, "model": model_id,
+                                 "node": event.get("node", peer.node),
+                                 "via": [*via, peer.via]})
+
+
+# --------------------------------------------------------------------- across nodes
+
+def _foreign(entry: dict[str, Any], own_instance: str) -> dict[str, Any] | None:
+    """A peer's ``/models`` entry without this router's own node (a peer that fronts this
+    router lists its models back); None when nothing else is left. The status is then the
+    best of the nodes left."""
+    nodes = entry.get("nodes")
+    if isinstance(nodes, list):
+        kept = [n for n in nodes if not (isinstance(n, dict)
+                                          and n.get("instance") == own_instance)]
+        if not kept:
+            return None
+        if len(kept) < len(nodes):
+            entry["nodes"] = kept
+            values = [n.get("status") for n in kept
+                      if isinstance(n, dict) and not n.get("unavailable")]
+            status = entry.get("status")
+            if isinstance(status, dict):
+                status["value"] = LOADED if LOADED in values else LOADING if LOADING in values \
+                    else next((v for v in values if isinstance(v, str)), "unloaded")
+        return entry
+    return None if entry.get("instance") == own_instance else entry
+
+
+def merge_entries(model_id: str, peers: list[Peer], local: dict[str, Any] | None,
+                  own_node: str, own_instance: str = "") -> dict[str, Any]:
+    """The one ``/models`` entry for a model that ``peers`` (and maybe this router, whose
+    entry is ``local``) list: the local entry or the first available peer's, with ``node``
+    (where it is) or ``nodes`` (each node and its status) and the best status of all."""
+    nodes: list[dict[str, Any]] = []
+    if local is not None:
+        nodes.append({"node": own_node, "instance": own_instance,
+                      "status": local["status"]["value"]})
+    for peer in peers:
+        nodes.append({"node": peer.node, "instance": peer.instance,
+                      "status": peer.status_of(model_id),
+                      **({} if peer.up else {"unavailable": True, "message": peer.reason})})
+    available = [n for n in nodes if not n.get("unavailable")]
+    if local is not None:
+        entry = copy.deepcopy(local)
+    else:
+        source = next((p for p in peers if p.up), peers[0])
+        entry = copy.deepcopy(source.models[model_id])
+        entry["id"] = model_id
+    status: dict[str, Any] = entry["status"] if isinstance(entry.get("status"), dict) else {}
+    entry["status"] = status
+    if not available:
+        status.update(value="unloaded", unavailable=True,
+                      message="; ".join(f"node {n['node']}: {n.get('message')}" for n in nodes))
+    else:
+        values = [n["status"] for n in available]
+        status["value"] = LOADED if LOADED in values else \
+            LOADING if LOADING in values else values[0]
+    if len(nodes) == 1:
+        entry["node"] = nodes[0]["node"]
+        entry["instance"] = nodes[0]["instance"]
+    else:
+        entry.pop("node", None)
+        entry.pop("instance", None)
+        entry["nodes"] = nodes
+    return entry
+
+
+def merged_listing(local: list[dict[str, Any]], peers: Peers, node: str,
+                   key_scope: KeyScope | None) -> list[dict[str, Any]]:
+    """``/models`` with peers: this router's entries (with ``node`` and ``instance``), merged
+    with the same models on peers, then the models only peers list (those the key may
+    see)."""
+    listing = peers.listing()
+    merged = []
+    for entry in local:
+        holders = listing.pop(entry["id"], None)
+        merged.append(merge_entries(entry["id"], holders, entry, node, peers.instance)
+                      if holders else {**entry, "node": node, "instance": peers.instance})
+    for model_id, holders in listing.items():
+        if key_scope is None or key_scope.allows(model_id):
+            merged.append(merge_entries(model_id, holders, None, node, peers.instance))
+    return merged
+
+
+def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
+                 ) -> dict[str, Any]:
+    """``event`` as ``/models/sse`` sends it: for a model on several nodes, its ``status``
+    is the model's across them (as ``/models`` lists it: a node unloading it does not make a
+    model that another node serves look unloaded), the node's own in ``node_status``."""
+    data = event.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
+        return event
+    model = event["model"]
+    holders = [p for p in peers.peers.values() if p.up and model in p.models]
+    local = supervisor.view(model)
+    if len(holders) + (local is not None) < 2:
+        return event
+    statuses = [p.status_of(model) for p in holders]
+    if local is not None:
+        statuses.append(local.status.public)
+    best = LOADED if LOADED in statuses else LOADING if LOADING in statuses \
+        else data["status"]
+    if best == data["status"]:
+        return event
+    return {**event, "data": {**data, "status": best, "node_status": data["status"]}}

@@ -1,0 +1,125 @@
+"""A broken or hostile peer against a real gateway router (a subprocess; the peer is a
+stand-in in a thread of the test): a 100 MiB ``/models/sse`` line without a line end leaves
+the gateway's memory bounded and gives up that peer's stream, not the gateway; a 57 MB
+``/models`` listing is refused with its reason and the gateway's own ``/models`` stays fast.
+Figures: build/reliability/."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from standin_peer import StandInPeer
+from support import start_router, wait_until
+
+pytestmark = pytest.mark.process
+
+FIGURES = Path(__file__).resolve().parent.parent / "build" / "reliability"
+DEADLINE_S = 60.0
+
+
+def record(name: str, figures: dict[str, object]) -> None:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    (FIGURES / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def stand_in_thread(models: dict[str, str]) -> Iterator[tuple[StandInPeer,
+                                                             asyncio.AbstractEventLoop]]:
+    loop = asyncio.new_event_loop()
+    stand_in = StandInPeer("hostile", models, instance="hostile-instance")
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(stand_in.__aenter__(), loop).result(10)
+    try:
+        yield stand_in, loop
+    finally:
+        async def shut() -> None:
+            await stand_in.__aexit__()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def peers_of(url: str) -> list[dict[str, object]]:
+    peers: list[dict[str, object]] = httpx.get(url + "/props", timeout=10).json()[
+        "llama_router"]["peers"]
+    return peers
+
+
+def test_an_endless_event_line_leaves_the_gateway_bounded(tmp_path: Path) -> None:
+    with stand_in_thread({"m": "loaded"}) as (stand_in, loop), \
+            start_router(tmp_path, "--peer", stand_in.url, "--liveness-interval", "0.5") \
+            as gateway:
+        assert wait_until(lambda: peers_of(gateway.url)[0]["up"], DEADLINE_S), gateway.log()
+        process = psutil.Process(gateway.proc.pid)
+        before = process.memory_info().rss
+        stand_in.endless_line = 100 << 20
+        loop.call_soon_threadsafe(stand_in.events.put_nowait, {"model": "m", "event": "x"})
+        peak = before
+        deadline = time.monotonic() + DEADLINE_S
+        subscribed = stand_in.subscriptions
+        # Several rounds: each follow of its events reads up to the cap and gives up.
+        while stand_in.subscriptions < subscribed + 4 and time.monotonic() < deadline:
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.05)
+        peak = max(peak, process.memory_info().rss)
+        assert stand_in.subscriptions >= subscribed + 4, gateway.log()
+        (peer,) = peers_of(gateway.url)
+        record("peer_endless_event_line", {
+            "line_bytes_offered": 100 << 20, "rounds": stand_in.subscriptions - subscribed,
+            "bytes_the_peer_got_out": stand_in.sent,
+            "gateway_rss_before_mib": round(before / 2**20, 1),
+            "gateway_rss_peak_mib": round(peak / 2**20, 1)})
+        assert peak - before < 48 << 20, (before, peak)  # 110 MiB when the line was read whole
+        assert peer["up"] is True  # the peer is fine; its stream was given up
+        assert "its /models/sse was given up: a line longer than 1048576 bytes" in \
+            str(peer["events"])
+        assert "given up" in gateway.log()
+        assert httpx.get(gateway.url + "/models", timeout=10).json()["data"][0]["id"] == "m"
+
+
+def test_a_huge_listing_is_refused_and_models_stays_fast(tmp_path: Path) -> None:
+    entry = {"id": "", "object": "model", "status": {"value": "loaded"}, "pad": "p" * 500}
+    listing = json.dumps({"object": "list", "data": [
+        {**entry, "id": f"model-{i}"} for i in range(100_000)]}).encode()
+    assert len(listing) > 57_000_000
+    with stand_in_thread({}) as (stand_in, _):
+        stand_in.listing = listing
+        with start_router(tmp_path, "--peer", stand_in.url, "--liveness-interval", "0.5") \
+                as gateway:
+            assert wait_until(lambda: "listing refused" in str(peers_of(gateway.url)[0].get(
+                "reason")), DEADLINE_S), gateway.log()
+            (peer,) = peers_of(gateway.url)
+            assert peer["up"] is False and peer["models"] == 0
+            assert peer["reason"] == ("listing refused: its /models answer is over 16 MiB, "
+                                      "the most a peer's listing may hold")
+            times = []
+            with httpx.Client(base_url=gateway.url, timeout=10) as client:
+                for _ in range(20):  # while the peer keeps offering it
+                    started = time.perf_counter()
+                    answer = client.get("/models").json()
+                    times.append(time.perf_counter() - started)
+            assert answer["data"] == []
+            assert answer["skipped_peers"] == [{"url": stand_in.url,
+                                                "reason": peer["reason"]}]
+            assert "listing refused, peer not used" in gateway.log()
+            record("peer_huge_listing", {
+                "listing_bytes": len(listing), "models_in_it": 100_000,
+                "gateway_models_median_ms": round(sorted(times)[10] * 1000, 2),
+                "gateway_models_max_ms": round(max(times) * 1000, 2)})
+            assert max(times) < 2.0, times  # 6 s each when the listing was taken whole
