@@ -164,6 +164,7 @@ class Executor:
             case CancelLoad(reason):
                 task = runtime.load_task
                 if task is not None and not task.done():
+                    log.info("load cancelled: %s", reason, extra={"model": runtime.id})
                     task.cancel(reason)  # its waiters learn why (``Loader.load``, ``acquire``)
             case CancelDownload():
                 self.cancel_download(runtime)

@@ -47,6 +47,9 @@ any         LoadWanted           POST /models/load (explicit): refused unless un
                                  in a crash loop; else starts the load task
 any         LoadEnded            the load task ended (loaded, failed or cancelled)
 any         ChildStarted/Gone    a child of a load or replacement started / is gone
+any         NobodyWaits          the last waiting request left: cancels a load requests
+                                 started that does not spawn or download yet
+any         Closing              shutdown: cancels a download or load; loads refused
 unloaded    Listed / Forgotten   added at run time / dropped (published)
 =========== ==================== ==================================================
 
@@ -111,6 +114,7 @@ class ModelState:
     # Its one load task (``Loader.load``) exists: queued, waiting for an old child, spawning.
     load_pending: bool = False
     load_on_demand: bool = False  # that load was started by requests, not an explicit load
+    closing: bool = False  # the router shuts down: loads are cancelled, none starts
 
 
 # ----------------------------------------------------------------------------- events
@@ -292,6 +296,18 @@ class ChildGone:
 
 
 @dataclass(frozen=True, slots=True)
+class NobodyWaits:
+    """The last request waiting for the model left. A load those requests started is
+    cancelled unless it already spawns (or downloads): it would only evict someone for
+    nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """The router shuts down: cancel a download or load; no load starts any more."""
+
+
+@dataclass(frozen=True, slots=True)
 class Listed:
     """The model was added at run time (``POST /models``): published as unloaded."""
 
@@ -304,7 +320,8 @@ class Forgotten:
 Event = (Download | DownloadProgress | Downloaded | DownloadFailed | Queued | Admitted
          | LoadProgress | Ready | SpawnFailed | ReplicaStarted | ReplicaUnresponsive | Stop
          | Stopped | Idle | Drain | Undrain | Retire | ReplicaExited | ReplicaFailed | Reset
-         | Unload | LoadWanted | LoadEnded | ChildStarted | ChildGone | Listed | Forgotten)
+         | Unload | LoadWanted | LoadEnded | ChildStarted | ChildGone | Listed | Forgotten
+         | NobodyWaits | Closing)
 EVENT_TYPES: tuple[type, ...] = Event.__args__
 
 
@@ -336,6 +353,7 @@ class StartLoad:
 ALREADY_RUNNING = "already running"
 NOT_RUNNING = "not running"
 CRASH_LOOP = "crash loop"
+CLOSING = "closing"  # the router shuts down: no load starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +366,8 @@ class Refuse:
 
 UNLOADED = "unloaded"  # the reason of an explicit unload: its stop, its cancelled load
 RECONFIGURED = "reconfigured"
+UNWANTED = "nobody waits"  # the reason a load started by requests is cancelled
+SHUTDOWN = "shutdown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,7 +481,9 @@ def _after_run(state: ModelState) -> tuple[ModelState, tuple[Effect, ...]]:
 
 def _start_load(s: ModelState, *, on_demand: bool) -> Result:
     """Start the model's one load task, or make the pending one explicit (not on demand: it
-    goes on when no request waits for it any more)."""
+    goes on when no request waits for it any more). Nothing once the router closes."""
+    if s.closing:
+        return s, ()
     if s.load_pending:
         return (s if on_demand or not s.load_on_demand
                 else replace(s, load_on_demand=False)), ()
@@ -659,6 +681,8 @@ def _reset(s: ModelState, e: Reset, limit: int) -> Result:
 
 
 def _load_wanted(s: ModelState, e: LoadWanted, limit: int) -> Result:
+    if s.closing:
+        return s, (Refuse(CLOSING),)
     if e.explicit:
         if s.status is not Status.UNLOADED:
             return s, (Refuse(ALREADY_RUNNING),)
@@ -666,6 +690,18 @@ def _load_wanted(s: ModelState, e: LoadWanted, limit: int) -> Result:
     elif s.crash_loop and not s.load_pending:
         return s, (Refuse(CRASH_LOOP),)
     return _start_load(s, on_demand=e.on_demand)
+
+
+def _nobody_waits(s: ModelState, e: NobodyWaits, limit: int) -> Result:
+    if (s.load_pending and s.load_on_demand
+            and s.status in (Status.UNLOADED, Status.LOADED, Status.STOPPING)):
+        return s, (CancelLoad(UNWANTED),)
+    return s, ()
+
+
+def _closing(s: ModelState, e: Closing, limit: int) -> Result:
+    return replace(s, closing=True, restart_after_stop=False), (CancelDownload(),
+                                                                CancelLoad(SHUTDOWN))
 
 
 def _load_ended(s: ModelState, e: LoadEnded, limit: int) -> Result:
@@ -715,6 +751,8 @@ TABLE: dict[tuple[Status, type], Callable[[ModelState, Any, int], Result]] = {
     **{(status, Reset): _reset for status in Status},
     **{(status, LoadWanted): _load_wanted for status in Status},
     **{(status, LoadEnded): _load_ended for status in Status},
+    **{(status, NobodyWaits): _nobody_waits for status in Status},
+    **{(status, Closing): _closing for status in Status},
     **{(status, ChildStarted): _child_started for status in Status},
     **{(status, ChildGone): _child_gone for status in Status},
     (U, Listed): _listed,

@@ -38,6 +38,7 @@ from .errors import (
     ModelNotLoaded,
     QueueFull,
     RouterError,
+    ShuttingDown,
     WaitBudgetExceeded,
 )
 from .events import EventBus
@@ -48,15 +49,18 @@ from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
 from .lifecycle import (
     ALREADY_RUNNING,
+    CLOSING,
     CRASH_LOOP,
     ChildGone,
     ChildStarted,
+    Closing,
     Drain,
     Forgotten,
     Idle,
     Listed,
     LoadProgress,
     LoadWanted,
+    NobodyWaits,
     Refuse,
     Reset,
     Retire,
@@ -277,6 +281,8 @@ class Supervisor:
 
     def _refusal(self, runtime: ModelRuntime, refused: Refuse) -> RouterError:
         """What a client is told about a command the lifecycle refused."""
+        if refused.reason == CLOSING:
+            return ShuttingDown("the router is shutting down and starts no new loads")
         if refused.reason == CRASH_LOOP:
             failure = runtime.failure
             last = f" (last: {failure.message})" if failure else ""
@@ -287,14 +293,10 @@ class Supervisor:
         return BadRequest(f"model '{runtime.id}' {what} (status: {runtime.status.value})")
 
     def _cancel_unwanted_load(self, runtime: ModelRuntime) -> None:
-        """A load started by requests that nobody waits for any more, and that has not
-        spawned anything yet (it waits for the model's old child to stop, sits out a backoff
-        or queues for admission), is cancelled: it would only evict someone for nothing."""
-        task = runtime.load_task
-        if (task is not None and not task.done() and runtime.load_on_demand
-                and runtime.status in (Status.UNLOADED, Status.LOADED, Status.STOPPING)):
-            log.info("load cancelled: no request waits for it", extra={"model": runtime.id})
-            task.cancel()
+        """The last request waiting for the model left (``NobodyWaits``): a load they started
+        that has not spawned anything yet (it waits for the model's old child to stop, sits
+        out a backoff or queues for admission) is cancelled."""
+        self.executor.apply(runtime, NobodyWaits())
 
     def _load_again(self, runtime: ModelRuntime) -> None:
         with contextlib.suppress(LoadFailed):
@@ -428,13 +430,11 @@ class Supervisor:
             if task is not None:
                 task.cancel()
         await self.cpu_gate.close()  # continue every paused child before stopping them
-        downloads = [self.executor.cancel_download(r) for r in self.models.values()]
-        loads = [r.load_task for r in self.models.values()
-                 if r.load_task is not None and not r.load_task.done()]
-        loads += [task for task in downloads if task is not None]
-        for task in loads:
-            task.cancel()
-        await asyncio.gather(*loads, return_exceptions=True)
+        busy = [task for r in self.models.values() for task in (r.download_task, r.load_task)
+                if task is not None and not task.done()]
+        for runtime in list(self.models.values()):
+            self.executor.apply(runtime, Closing())  # cancels them; no load starts from now
+        await asyncio.gather(*busy, return_exceptions=True)
         for runtime in self.models.values():
             self.executor.stop(runtime, "shutdown")
         stops = [r.stop_task for r in self.models.values() if r.stop_task is not None]

@@ -66,6 +66,7 @@ MODEL_IDS = ("a", "b", "c", "d")
 MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget
 ANSWER_SLACK_S = 0.5  # a refused request is answered within its budget plus this
 SETTLE_S = 120.0  # after the last request, everything must be quiet within this
+SHUTDOWN_GRACE_S = 5.0  # the shutdown grace of ``build``'s settings
 
 # Public statuses a model's events may go through (``lifecycle``): the next status allowed.
 NEXT_STATUS = {
@@ -296,6 +297,10 @@ class Simulation:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        # A quarter of the schedules shut down while their traffic still runs (its own
+        # generator: the other draws of a seed stay what they were).
+        self.shutdown_live = (self.script is None
+                              and random.Random(self.seed * 7919 + 1).random() < 0.25)
         if self.config is None:
             self.config = Config.draw(self.rng)
         self._status: dict[str, str] = {}
@@ -409,7 +414,10 @@ class Simulation:
                 result = step()
                 if asyncio.iscoroutine(result):
                     self._spawn(result)
-            await self._settle()
+            if self.shutdown_live:
+                await self._close_live()
+            else:
+                await self._settle()
         finally:
             loop.on_quiescent = None
             for task in self._tasks:
@@ -425,6 +433,28 @@ class Simulation:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _close_live(self) -> None:
+        """Shut down with the traffic still running: every request ends (served, or refused
+        with the shutdown's 503), no load starts any more, and no child outlives the close."""
+        self.log("shutdown with requests in flight or waiting")
+        grace_end = clock.now() + SHUTDOWN_GRACE_S  # as ``server.py``: requests may finish
+        while self._tasks and clock.now() < grace_end:
+            await asyncio.wait(set(self._tasks), timeout=grace_end - clock.now())
+        for child in self.children:  # the grace is over: ``Shutdown.end`` ends every relay
+            if child.serving:
+                child.break_requests("shutdown")
+        await self.sup.close()
+        deadline = clock.now() + SETTLE_S
+        while self._tasks and clock.now() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=deadline - clock.now())
+        pending = [r for r in self.requests if r.ended is None]
+        if pending:
+            self.violate(f"requests never answered after shutdown: "
+                         f"{[(r.id, r.model) for r in pending]}")
+        alive = [c for c in self.children if c.returncode is None]
+        if alive:
+            self.violate(f"children running after shutdown: {alive}")
 
     async def _settle(self) -> None:
         """Every request ends within its bound; then nothing is left draining or waited for."""
@@ -680,7 +710,8 @@ def describe(sim: Simulation, trace_lines: int = 40) -> str:
     head = (f"seed {sim.seed}: models {c.models}, --models-max {c.models_max}, memory budget "
             f"{c.memory_budget} (sizes {c.sizes}), replicas {c.replicas}, fairness "
             f"{c.fairness:g} s, wait budget {c.wait_budget:g} s, stop timeout "
-            f"{c.stop_timeout:g} s, liveness {c.liveness}, ttl {c.ttl:g}")
+            f"{c.stop_timeout:g} s, liveness {c.liveness}, ttl {c.ttl:g}"
+            + (", shut down with traffic running" if sim.shutdown_live else ""))
     return "\n".join([head, *sim.violations[:10], "trace (last lines):",
                       *sim.trace[-trace_lines:]])
 

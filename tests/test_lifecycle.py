@@ -10,6 +10,7 @@ import pytest
 
 from router.lifecycle import (
     ALREADY_RUNNING,
+    CLOSING,
     CRASH_LOOP,
     EVENT_TYPES,
     IGNORED,
@@ -22,6 +23,7 @@ from router.lifecycle import (
     CancelReplacement,
     ChildGone,
     ChildStarted,
+    Closing,
     Download,
     Downloaded,
     DownloadFailed,
@@ -39,6 +41,7 @@ from router.lifecycle import (
     LoadProgress,
     LoadWanted,
     ModelState,
+    NobodyWaits,
     Publish,
     Queued,
     Ready,
@@ -95,7 +98,7 @@ SAMPLES: dict[type, Event] = {
     ReplicaExited: ReplicaExited(R1, 1, 5.0), ReplicaFailed: ReplicaFailed(),
     Reset: Reset(), LoadWanted: LoadWanted(), LoadEnded: LoadEnded(),
     ChildStarted: ChildStarted(R1.child), ChildGone: ChildGone(R1.child),
-    Listed: Listed(), Forgotten: Forgotten(),
+    Listed: Listed(), Forgotten: Forgotten(), NobodyWaits: NobodyWaits(), Closing: Closing(),
 }
 
 # status x event -> the status after it; None: explicitly ignored (no change, no effects).
@@ -121,6 +124,8 @@ EXPECTED: dict[tuple[Status, type], Status | None] = {
     **{(status, ChildStarted): status for status in Status},
     **{(status, ChildGone): status for status in Status},
     (U, Listed): U, (U, Forgotten): U,
+    **{(status, NobodyWaits): status for status in Status},
+    **{(status, Closing): status for status in Status},
 }
 
 
@@ -493,3 +498,27 @@ def test_unload_while_stopping_or_queued_changes_nothing() -> None:
     assert run(U, Stop("unloaded")) == (ModelState(U), ())  # queued: the load is cancelled
     state, _ = run(S, Retire("removed", removed=True, idle=True))
     assert state == ModelState(S, removed=True)
+
+
+def test_a_load_nobody_waits_for_is_cancelled_unless_it_spawns() -> None:
+    for status in (U, OK, S):  # queued, or waiting for the model's old child
+        pending = ModelState(status, load_pending=True, load_on_demand=True)
+        assert run(pending, NobodyWaits()) == (pending, (CancelLoad("nobody waits"),))
+    for status in (D, L):  # downloading or spawning: let it finish
+        pending = ModelState(status, load_pending=True, load_on_demand=True)
+        assert run(pending, NobodyWaits()) == (pending, ())
+    explicit = ModelState(U, load_pending=True)
+    assert run(explicit, NobodyWaits()) == (explicit, ())
+
+
+def test_once_closing_no_load_starts() -> None:
+    state, effects = run(ModelState(L, load_pending=True, restart_after_stop=True), Closing())
+    assert effects == (CancelDownload(), CancelLoad("shutdown"))
+    assert state.closing and not state.restart_after_stop
+    state, _ = run(state, SpawnFailed(cancelled=True))
+    state, _ = run(state, LoadEnded())
+    for wanted in (LoadWanted(on_demand=True), LoadWanted(explicit=True), LoadWanted()):
+        assert run(state, wanted) == (state, (Refuse(CLOSING),))
+    retiring, _ = run(replace(state, status=OK), Retire("reconfigured", removed=False, idle=True))
+    _, effects = run(retiring, Stopped(clean=True))
+    assert StartLoad() not in effects  # a reload during shutdown restarts nothing

@@ -29,6 +29,10 @@ WEDGE_SEED = 32
 # replacement still starting was cancelled by the last replica's crash, and the router's stop
 # did not wait for the cancelled task to stop the child it had started.
 ORPHAN_SEED = 5026783
+# The schedule in which shutting down with the traffic still running left a child behind: a
+# request still waiting when the router closed started a new load after the close had
+# cancelled the old one.
+SHUTDOWN_ORPHAN_SEED = 275
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +79,11 @@ def test_the_seed_that_found_the_swap_wedge() -> None:
 def test_the_seed_that_found_an_orphan_at_shutdown() -> None:
     sim = run_schedule(ORPHAN_SEED)
     assert not sim.violations, describe(sim)
+
+
+def test_the_seed_that_found_a_load_started_during_shutdown() -> None:
+    sim = run_schedule(SHUTDOWN_ORPHAN_SEED)
+    assert sim.shutdown_live and not sim.violations, describe(sim)
 
 
 def test_swap_while_busy_answers_both_waiters() -> None:
