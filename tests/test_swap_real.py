@@ -340,6 +340,9 @@ def test_chat_ui_pattern(tmp_path: Path, llama_server: Path, smollm2: Path,
 SOAK_MODELS = ("alpha", "beta", "gamma", "long")
 SOAK_WAIT_BUDGET_S = 8.0
 HANG_BOUND_S = 30.0  # past its wait budget, a request must have been answered by then
+# A non-streamed answer arrives only once generated: its bound adds the generation at this
+# slowest rate (a tiny model on a busy 2-core machine; 6,000 tokens took over 30 s).
+SLOWEST_TOKENS_PER_S = 20.0
 KINDS = {  # kind: weight
     "short": 5, "long": 2, "stream": 3, "stream-long": 2, "stream-leave": 2, "give-up": 1}
 
@@ -357,8 +360,10 @@ def soak_request(url: str, rng: random.Random) -> tuple[str, str, float, Request
     if kind.startswith("stream"):
         body["stream"] = True
     waits = budget or SOAK_WAIT_BUDGET_S
+    generating = 0.0 if kind.startswith("stream") else tokens / SLOWEST_TOKENS_PER_S
     request = Request(url, body, headers=headers,
-                      timeout=rng.uniform(0.2, 2.0) if kind == "give-up" else waits + HANG_BOUND_S,
+                      timeout=(rng.uniform(0.2, 2.0) if kind == "give-up"
+                               else waits + HANG_BOUND_S + generating),
                       read_events=rng.randint(1, 5) if kind == "stream-leave" else None)
     return model, kind, waits, request
 
