@@ -82,7 +82,7 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
-PHASES = ("main", "real", "multiturn", "sharing")
+PHASES = ("main", "relay", "real", "multiturn", "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
@@ -146,6 +146,11 @@ class Config:
     conversations: int = 4  # concurrent conversations of the multi-turn phase
     turns: int = 3  # turns per conversation (the first one is not a follow-up)
     multiturn_reps: int = 1  # runs of the multi-turn workload per target
+    # The relay phase (benchmarks.relay): concurrent streams per run, events per run (all
+    # streams together), interleaved rounds; None: the phase's defaults
+    relay_streams: tuple[int, ...] | None = None
+    relay_events: int | None = None
+    relay_rounds: int | None = None
 
 
 # --------------------------------------------------------------------------- processes
@@ -1239,6 +1244,17 @@ def run_bench(cfg: Config) -> dict[str, Any]:
             results = bench.run()
             bench.stop_targets()
             took("main")
+        if "relay" in cfg.phases:
+            from . import relay
+
+            settings = relay.Settings.quick() if cfg.quick else relay.Settings()
+            if cfg.relay_streams:
+                settings.streams = settings.ceiling_streams = cfg.relay_streams
+            settings.events = cfg.relay_events or settings.events
+            settings.rounds = cfg.relay_rounds or settings.rounds
+            settings.profile = cfg.profile
+            phases["relay"] = relay.run_phase(bench, settings)
+            took("relay")
         if "real" in cfg.phases and cfg.real_rounds > 0:
             from . import realmodel  # imports this module
 
@@ -1311,7 +1327,9 @@ def print_report(report: dict[str, Any]) -> None:
     if "table" in report:
         print(report["table"])
         print()
-    for name, title in (("real_model", "Real model (SmolLM2-135M-Instruct Q4_1):"),
+    for name, title in (("relay", "Relaying streamed tokens (tiny model, parallel = N, "
+                                  "threads = 1):"),
+                        ("real_model", "Real model (SmolLM2-135M-Instruct Q4_1):"),
                         ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):")):
         phase = report.get(name)
         if phase is None:
@@ -1383,6 +1401,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="turns per conversation of the multi-turn phase (default 3)")
     parser.add_argument("--multiturn-reps", type=int,
                         help="runs of the multi-turn workload per target (default 1; 0 skips)")
+    parser.add_argument("--relay-streams",
+                        help="comma list of concurrent streams of the relay phase "
+                        "(default 8,64,256)")
+    parser.add_argument("--relay-events", type=int,
+                        help="events per run of the relay phase, all streams together "
+                        "(default 8192; the ceiling's: 120000)")
+    parser.add_argument("--relay-rounds", type=int,
+                        help="interleaved rounds of the relay phase (default 3)")
     parser.add_argument("--router-log-level",
                         help="start llama-router with this --log-level (default: none given, "
                         "so its default, info)")
@@ -1429,6 +1455,19 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             if value < (0 if name in ("real_rounds", "multiturn_reps") else 1):
                 parser.error(f"--{name.replace('_', '-')} is out of range")
+            setattr(cfg, name, value)
+    if args.relay_streams is not None:
+        try:
+            cfg.relay_streams = tuple(int(n) for n in args.relay_streams.split(","))
+        except ValueError:
+            parser.error("--relay-streams: a comma list of numbers")
+        if not cfg.relay_streams or min(cfg.relay_streams) < 1:
+            parser.error("--relay-streams: each at least 1")
+    for name in ("relay_events", "relay_rounds"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{name.replace('_', '-')} must be positive")
             setattr(cfg, name, value)
     if args.turns is not None and args.turns < 2:
         parser.error("--turns must be 2 or more (follow-up turns are measured)")

@@ -1,9 +1,11 @@
-"""Smoke test of the benchmark harness (``python -m benchmarks.bench --quick``): it runs end to end
+"""Smoke tests of the benchmark harness (``python -m benchmarks.bench --quick``): it runs end to end
 against the real llama-server and reports every metric for all three targets. No timing
-assertions: the numbers depend on the machine."""
+assertions: the numbers depend on the machine. And the relay phase's own pieces in process: the
+stream client's de-chunking and event counting, and the stand-in child it counts against."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench import COLUMNS
-
-pytestmark = pytest.mark.real
+from benchmarks import standin, streamclient
+from benchmarks.bench import COLUMNS, DIRECT, LLAMACPP, ROUTER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +35,7 @@ def run_quick_bench(tmp_path: Path, timeout: float, *args: str
     return result, report
 
 
+@pytest.mark.real
 def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> None:
     result, report = run_quick_bench(tmp_path, 150, "--phases", "main")
 
@@ -53,6 +55,7 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
     assert "real_model" not in report and "multiturn" not in report
 
 
+@pytest.mark.real
 def test_real_model_and_multiturn_phases_report_their_targets(tmp_path: Path,
                                                               llama_server: Path) -> None:
     """The SmolLM2 phases at quick settings (``make test`` installs SmolLM2)."""
@@ -82,6 +85,7 @@ def test_real_model_and_multiturn_phases_report_their_targets(tmp_path: Path,
     assert "Multi-turn conversations" in result.stdout
 
 
+@pytest.mark.real
 def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
     result, report = run_quick_bench(tmp_path, 240, "--only-sharing", "--stall-bound", "5")
     sharing = report["sharing"]["results"]
@@ -93,3 +97,88 @@ def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -
     assert set(replicas) >= {"router_placement", "threads_1_by_hand"}
     assert {"pair_tiny", "lone_tiny", "replicas"} <= set(report["targets"])
     assert "Models generating at the same time" in result.stdout
+
+
+@pytest.mark.real
+def test_relay_phase_measures_each_router_and_loses_no_event(tmp_path: Path,
+                                                            llama_server: Path) -> None:
+    result, report = run_quick_bench(tmp_path, 240, "--phases", "relay")
+    assert "metrics" not in report  # no main phase
+    relay = report["relay"]["results"]
+    (child,) = relay["child"]  # --quick: 8 streams
+    assert child["streams"] == 8
+    for column in COLUMNS:
+        summary = child["summary"][column]
+        # every stream's tokens, its role event and its last event
+        assert summary["events"] == 8 * (child["tokens_per_stream"] + 2), column
+        assert summary["events_per_s"] > 0 and summary["server_us_per_event"] > 0, column
+    ceiling = relay["ceiling"]["summary"]
+    assert {(r["mode"], r["column"]) for r in ceiling} == {
+        (mode, column) for mode in ("paced", "burst") for column in (DIRECT, ROUTER)}
+    for row in ceiling:
+        assert row["received"] == row["sent"] > 0, row
+        assert row["server_us_per_event"] > 0 and row["peak_rss_mb"] > 0, row
+    assert report["targets"]["relay_no_loss"]["met"] is True
+    assert report["targets"]["relay_cpu_per_event"]["met"] in (True, False)
+    assert "Relaying streamed tokens" in result.stdout
+    assert LLAMACPP in child["runs"]
+
+
+# --------------------------------------------------------------------------- in process
+
+def chunked(payload: bytes, sizes: list[int]) -> bytes:
+    out, pos = b"", 0
+    for size in sizes:
+        out += b"%x\r\n%s\r\n" % (size, payload[pos:pos + size])
+        pos += size
+    return out + b"0\r\n\r\n"
+
+
+def test_chunked_decoder_and_event_counter_take_any_split() -> None:
+    payload = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n"
+    body = chunked(payload, [5, 20, len(payload) - 25])
+    for split in range(len(body) + 1):
+        decoder = streamclient.ChunkedDecoder()
+        events, done = streamclient.Counter(streamclient.EVENT), \
+            streamclient.Counter(streamclient.DONE)
+        events.feed(b"\n")
+        done.feed(b"\n")
+        got = b""
+        for piece in (body[:split], body[split:]):
+            out = decoder.feed(piece)
+            events.feed(out)
+            done.feed(out)
+            got += out
+        assert got == payload, split
+        assert decoder.done, split
+        assert (events.count, done.count) == (3, 1), split
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_stream_client_receives_every_event_the_standin_writes(paced: bool) -> None:
+    async def scenario() -> tuple[dict[str, object], dict[str, object]]:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(standin.serve(port, started))
+        await started
+        try:
+            body = {"model": "m", "stream": True, "max_tokens": 50, "standin_paced": paced}
+            result = await streamclient.run(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                            4, json.dumps(body).encode())
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            stats = json.loads((await reader.read()).split(b"\r\n\r\n", 1)[1])
+            writer.close()
+            return result, stats
+        finally:
+            serving.cancel()
+
+    result, stats = asyncio.run(scenario())
+    assert result["errors"] == 0
+    assert result["events"] == 4 * 52 and result["done"] == 4  # role, 50 tokens, last; [DONE]
+    assert stats["events"] == 4 * 53 == result["events"] + result["done"]  # type: ignore[operator]
+    gaps = result["gap_ms"]
+    assert isinstance(gaps, dict) and gaps["n"] == 4 * 52  # each event after the first
