@@ -171,6 +171,9 @@ async def relay(peer: Peer, scope: Scope, request: RequestContext, receive: Rece
                              body, receive=receive, send=send, shutdown=shutdown,
                              fail_over=fail_over)
     except UpstreamError as exc:
+        if not peer.up:  # found frozen (or gone) while it was in flight: that is why
+            raise UpstreamError(f"node {peer.node} ({peer.url}) stopped answering: "
+                                f"{peer.reason}") from None
         cause = exc.__cause__
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else exc.message
         peer.unreachable(reason)

@@ -27,7 +27,8 @@ Contract:
   opened in the background: the next request, often another stream, finds one ready.
 * A reused connection that closes before any byte of the response arrives is retried once on
   a fresh connection: llama-server closes keep-alive connections after every stream and after
-  its idle timeout, and such a request never reached it.
+  its idle timeout, and such a request never reached it. One that ``abort_all`` ended is not:
+  the server behind it was found gone or frozen, and a fresh connection would hang as well.
 * Errors are ``UpstreamError`` (502): ``connect`` failures, a connection lost before the
   headers, a ``101 Switching Protocols`` (the hop relays HTTP only), and ``BrokenBody`` for a
   body cut off after the headers were relayed.
@@ -123,6 +124,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.given_up = False  # aborted by ``abort_all``: the server behind it is gone
         self.idle_since = 0.0
         self.on_lost = on_lost  # called once, when a connection that was made closes
         self._loop = asyncio.get_running_loop()
@@ -417,7 +419,8 @@ class ChildConnections:
                 await conn.headers_received()
             except ConnectionClosed as exc:
                 conn.abort()
-                if reused and not exc.received_any and not (cancel and cancel.cancelled):
+                if reused and not exc.received_any and not conn.given_up and \
+                        not (cancel and cancel.cancelled):
                     fresh = True  # a stale keep-alive connection: once more, on a new one
                     continue
                 raise
@@ -445,6 +448,7 @@ class ChildConnections:
             self.ended = error
             self._closed = True
         for conn in list(self._made):
+            conn.given_up = True  # never retried on a fresh one: that would hang as well
             conn.abort()
 
     # -- pool ---------------------------------------------------------------------------------
