@@ -102,6 +102,8 @@ class FlagTable:
         while i < len(argv):
             arg = argv[i]
             name, eq, inline = arg.partition("=")
+            if name.startswith("--"):  # as llama-server reads them: --n_predict is --n-predict
+                name = name.replace("_", "-")
             found = self.lookup(name.lstrip("-")) if arg.startswith("-") else None
             if found is None:
                 raise ValueError(f"unknown llama-server argument {arg!r}")

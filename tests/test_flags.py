@@ -188,6 +188,19 @@ def test_parse_argv_negative_flag(help_table: FlagTable) -> None:
     assert [(o.key, v) for o, v in parsed] == [("kv-unified", "false")]
 
 
+def test_parse_argv_long_spelling_with_underscores(help_table: FlagTable) -> None:
+    """llama-server reads ``_`` as ``-`` in long options (llama.cpp's test suite passes
+    ``--backend_sampling``); short ones, values and inline values keep theirs."""
+    parsed = help_table.parse_argv(["--backend_sampling", "--n_predict", "8", "--ctx_size=64",
+                                    "--samplers", "top_k;top_p", "--no_kv_unified"])
+    assert [(o.key, v) for o, v in parsed] == [
+        ("backend-sampling", "true"), ("n-predict", "8"), ("ctx-size", "64"),
+        ("samplers", "top_k;top_p"), ("kv-unified", "false"),
+    ]
+    with pytest.raises(ValueError, match="unknown"):
+        help_table.parse_argv(["-n_predict", "8"])
+
+
 def test_parse_argv_mixed(help_table: FlagTable) -> None:
     parsed = help_table.parse_argv(["-kvu", "-c", "1024", "--embeddings", "--no-webui",
                                     "--samplers", "top_k;top_p"])
