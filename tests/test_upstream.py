@@ -285,6 +285,28 @@ async def test_cancel_aborts_a_request_waiting_for_its_answer() -> None:
     assert server.connections == 1  # not retried
 
 
+async def test_a_reused_connection_aborted_by_abort_all_is_not_retried() -> None:
+    """A server found frozen: ``abort_all`` ends the request waiting on a reused keep-alive
+    connection, and the pool does not send it again on a fresh one (that would hang too)."""
+    async def answer_first_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(ok(b"first"))
+        await server.read_request(reader)  # frozen: the next one is never answered
+        await reader.read()
+
+    async with serve(answer_first_only) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        assert await fetch(pool, b"/first") == b"first"
+        server.got_request.clear()
+        sending = asyncio.ensure_future(pool.send("POST", b"/x", [], b"{}"))
+        await asyncio.wait_for(server.got_request.wait(), TIMEOUT)  # on the reused one
+        pool.abort_all()
+        with pytest.raises(UpstreamError):
+            await asyncio.wait_for(sending, TIMEOUT)
+    assert server.connections == 1  # not retried
+
+
 async def test_expired_idle_connection_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve(answer_each) as server:
         pool = ChildConnections("127.0.0.1", server.port)
