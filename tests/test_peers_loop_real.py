@@ -148,7 +148,6 @@ def bounded(kind: str, a: RouterProcess, b: RouterProcess) -> Iterator[None]:
     assert closed_after - closed_before <= CLOSED_BOUND, FIGURES_BY_KIND[kind]
     for router in (a, b):
         assert router.proc.poll() is None
-        assert "passed through this router" not in router.log()  # nothing came back round
 
 
 def test_out_of_the_box_each_lists_the_other(
