@@ -22,7 +22,10 @@ class Changes:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Until the next ``notify()``, or ``timeout`` seconds (None: no limit)."""
+        """Until the next ``notify()``, or ``timeout`` seconds (None: no limit). A cancellation
+        always propagates: not ``asyncio.wait_for``, which on Python 3.11 swallows one that
+        comes as the event is set (a cancelled load then planned for ever)."""
         event = self._event
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()

@@ -17,6 +17,7 @@ effects they return, and runs what produces the events of a serving model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable, Coroutine
@@ -237,7 +238,8 @@ class Executor:
         try:
             await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share)
         except BaseException as exc:
-            await asyncio.shield(self.stop_started(runtime, children))
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_the_end(self.stop_started(runtime, children))
             if not isinstance(exc, Exception):  # cancelled: the model is stopping
                 raise
             runtime.failure = failure_from(exc)
@@ -289,6 +291,24 @@ def failure_from(exc: BaseException) -> Failure:
     if isinstance(exc, LoadFailed):
         return Failure(exc.message, None, [])
     return Failure(f"could not start llama-server: {exc}", None, [])
+
+
+async def to_the_end(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run ``cleanup`` (stopping children a start left) to its end even if the caller is
+    cancelled meanwhile, then let that cancellation through: a second cancel must not skip
+    the rest of the caller's cleanup (the lifecycle event after it) nor leave a child behind."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _task(coro: Any, name: str) -> asyncio.Task[Any]:

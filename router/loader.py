@@ -24,7 +24,7 @@ from .backend import Backend
 from .changes import Changes
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed
-from .executor import Executor, consume_exception, failure_from
+from .executor import Executor, consume_exception, failure_from, to_the_end
 from .lifecycle import (
     UNLOADED,
     Admitted,
@@ -88,10 +88,16 @@ class Loader:
         try:
             await self._spawn(runtime, children)
         except BaseException as exc:
-            await asyncio.shield(self._executor.stop_started(runtime, children))
-            if isinstance(exc, asyncio.CancelledError):
+            cancelled_again = False
+            try:  # a second cancel (an unload, then the shutdown) waits for this too
+                await to_the_end(self._executor.stop_started(runtime, children))
+            except asyncio.CancelledError:
+                cancelled_again = True
+            if cancelled_again or isinstance(exc, asyncio.CancelledError):
                 self._executor.apply(runtime, SpawnFailed(cancelled=True))
-                raise
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise asyncio.CancelledError from exc
             runtime.failure = failure_from(exc)
             log.error("load failed: %s", runtime.failure.message,
                       extra={"event": "load_failed", "model": runtime.id})

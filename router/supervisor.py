@@ -217,8 +217,9 @@ class Supervisor:
                 remaining = deadline - clock.now()
                 if remaining <= 0:
                     raise self._budget_exceeded(runtime, seconds)
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), remaining)
+                try:  # not asyncio.wait_for: on 3.11 it may swallow this request's cancel
+                    async with asyncio.timeout(remaining):
+                        await asyncio.shield(task)
                 except TimeoutError:
                     raise self._budget_exceeded(runtime, seconds) from None
                 except asyncio.CancelledError:
