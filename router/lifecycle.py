@@ -366,7 +366,7 @@ class Refuse:
 
 UNLOADED = "unloaded"  # the reason of an explicit unload: its stop, its cancelled load
 RECONFIGURED = "reconfigured"
-UNWANTED = "nobody waits"  # the reason a load started by requests is cancelled
+UNWANTED = "no request waits for it"  # why a load started by requests is cancelled
 SHUTDOWN = "shutdown"
 
 

@@ -503,7 +503,7 @@ def test_unload_while_stopping_or_queued_changes_nothing() -> None:
 def test_a_load_nobody_waits_for_is_cancelled_unless_it_spawns() -> None:
     for status in (U, OK, S):  # queued, or waiting for the model's old child
         pending = ModelState(status, load_pending=True, load_on_demand=True)
-        assert run(pending, NobodyWaits()) == (pending, (CancelLoad("nobody waits"),))
+        assert run(pending, NobodyWaits()) == (pending, (CancelLoad("no request waits for it"),))
     for status in (D, L):  # downloading or spawning: let it finish
         pending = ModelState(status, load_pending=True, load_on_demand=True)
         assert run(pending, NobodyWaits()) == (pending, ())

@@ -33,6 +33,9 @@ ORPHAN_SEED = 5026783
 # request still waiting when the router closed started a new load after the close had
 # cancelled the old one.
 SHUTDOWN_ORPHAN_SEED = 275
+# The schedule in which a load cancelled as a change was notified went on planning admission
+# for ever (asyncio.wait_for on Python 3.11 swallowed the cancel) and the shutdown waited for it.
+SWALLOWED_CANCEL_SEED = 978
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +87,11 @@ def test_the_seed_that_found_an_orphan_at_shutdown() -> None:
 def test_the_seed_that_found_a_load_started_during_shutdown() -> None:
     sim = run_schedule(SHUTDOWN_ORPHAN_SEED)
     assert sim.shutdown_live and not sim.violations, describe(sim)
+
+
+def test_the_seed_that_found_a_swallowed_cancel() -> None:
+    sim = run_schedule(SWALLOWED_CANCEL_SEED)
+    assert not sim.violations, describe(sim)
 
 
 def test_swap_while_busy_answers_both_waiters() -> None:
