@@ -358,8 +358,9 @@ class ChildProcess:
             # Poll again after the interval, or at once when the child logs that it listens
             # (once: the event is cleared so a child that never turns healthy is not polled
             # in a busy loop).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._listening.wait(), HEALTH_POLL_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):  # not wait_for: it may swallow a cancel
+                async with asyncio.timeout(HEALTH_POLL_INTERVAL_S):
+                    await self._listening.wait()
             self._listening.clear()
 
     async def probe(self, timeout: float) -> str | None:
