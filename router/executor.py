@@ -17,7 +17,6 @@ effects they return, and runs what produces the events of a serving model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from collections.abc import Callable, Coroutine
@@ -238,8 +237,8 @@ class Executor:
         try:
             await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share)
         except BaseException as exc:
-            with contextlib.suppress(asyncio.CancelledError):
-                await to_the_end(self.stop_started(runtime, children))
+            # Cancelled meanwhile (the model is stopping): the cancel goes on after the stop.
+            await to_the_end(self.stop_started(runtime, children))
             if not isinstance(exc, Exception):  # cancelled: the model is stopping
                 raise
             runtime.failure = failure_from(exc)

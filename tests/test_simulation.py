@@ -36,6 +36,9 @@ SHUTDOWN_ORPHAN_SEED = 275
 # The schedule in which a load cancelled as a change was notified went on planning admission
 # for ever (asyncio.wait_for on Python 3.11 swallowed the cancel) and the shutdown waited for it.
 SWALLOWED_CANCEL_SEED = 978
+# The schedule in which a replica's replacement, cancelled while stopping the child whose start
+# failed, went on to report the failure after its model had unloaded.
+REPLACEMENT_CANCEL_SEED = 3013787
 
 
 @pytest.fixture(autouse=True)
@@ -91,6 +94,11 @@ def test_the_seed_that_found_a_load_started_during_shutdown() -> None:
 
 def test_the_seed_that_found_a_swallowed_cancel() -> None:
     sim = run_schedule(SWALLOWED_CANCEL_SEED)
+    assert not sim.violations, describe(sim)
+
+
+def test_the_seed_that_found_a_replacement_outliving_its_cancel() -> None:
+    sim = run_schedule(REPLACEMENT_CANCEL_SEED)
     assert not sim.violations, describe(sim)
 
 
