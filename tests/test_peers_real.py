@@ -333,7 +333,10 @@ def test_a_conversation_follows_its_prompt_cache_across_nodes(
                 "model": "shared", "messages": follow_up, "max_tokens": 4})
             assert second.status_code == 200, second.text
             assert second.json()["timings"]["cache_n"] > 0  # its prefix was cached there
-        assert requests_served(home, "shared") == 3  # both turns and the stream
+        # Both turns and the stream; the stream counts once its end (the client closed it)
+        # reaches the node's router.
+        assert wait_until(lambda: requests_served(home, "shared") == 3, HANG_GUARD_S), \
+            requests_served(home, "shared")
         assert requests_served(other, "shared") == 0
         metrics = client.get("/metrics").text
     assert any(line.startswith("llamarouter_replica_routing_total{")
