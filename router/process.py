@@ -4,7 +4,7 @@ Contract:
 
 * ``start()`` spawns the binary in its own process group (``start_new_session``) with
   ``PR_SET_PDEATHSIG = SIGKILL`` on Linux, so a router killed with SIGKILL takes its children
-  with it.
+  with it (``spawn``: without forking the router).
 * Child mode: the child runs with ``LLAMA_SERVER_ROUTER_PORT`` set, as llama.cpp's own router
   starts its children. llama-server then reports its state on stdout as lines
   ``cmd_child_to_router:state:{"state": ..., "payload": ...}`` (load progress per stage, and
@@ -12,9 +12,12 @@ Contract:
   (never to the log); every other line of either stream is read into a ``LogRing`` and the
   router's log (prefixed with the model id). stdin is a pipe held open for the child's life:
   a ready child exits when it reads EOF, so it also ends when the router is gone.
-* ``wait_ready(timeout)`` polls ``GET /health`` every ``HEALTH_POLL_INTERVAL_S`` until 200
-  (at once when the child says it listens or is ready), racing the process's exit; it raises
-  ``ChildExited`` or ``ChildTimeout`` (the caller stops it).
+* ``wait_ready(timeout)`` returns when the child's ``ready`` line arrives (llama-server
+  writes it after its HTTP server listens and it has marked itself ready, so ``/health``
+  would answer 200: no round trip to confirm it), or when ``GET /health``, polled every
+  ``HEALTH_POLL_INTERVAL_S`` (at once when the child logs that it listens), answers 200: a
+  binary without child mode. It races the process's exit; it raises ``ChildExited`` or
+  ``ChildTimeout`` (the caller stops it).
 * ``stop(timeout)`` writes llama.cpp's exit command (``cmd_router_to_child:exit``) to the
   child's stdin and closes it (a ready child in child mode waits for that, even after
   SIGTERM), sends SIGTERM to the group, waits ``timeout``, then SIGKILLs the group, and
@@ -25,13 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from .childenv import child_environment
 from .cpus import CpuShare
 from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
+from .spawn import Spawned, spawn
 from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
 
 log = logging.getLogger("router.child")
@@ -49,7 +51,6 @@ output_log = logging.getLogger("router.child.output")
 # llama.cpp log lines look like "0.00.003.284 W srv  llama_server: ..."; keep their level.
 _LLAMA_LEVELS = {"W": logging.WARNING, "E": logging.ERROR, "D": logging.DEBUG}
 
-PR_SET_PDEATHSIG = 1
 _LISTENING_MARKER = "listening on http"
 CHILD_STATE_PREFIX = b"cmd_child_to_router:state:"
 EXIT_COMMAND = b"cmd_router_to_child:exit\n"
@@ -135,12 +136,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def http_error_text(exc: httpx.HTTPError) -> str:
     """An HTTP failure in a few words for a message: its type, and its text if it has one."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -184,8 +179,9 @@ class ChildProcess:
         self.on_state = on_state
         # The child's own /v1/models entry, from its ``ready`` line (child mode only).
         self.ready_info: dict[str, Any] | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Spawned | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
+        self._ready = asyncio.Event()  # the child wrote its ready line: it serves
         self._connections: ChildConnections | None = None
         self._max_connections = max_connections
         self._readers: list[asyncio.Task[None]] = []
@@ -221,10 +217,7 @@ class ChildProcess:
             await self._connections.aclose()
 
     async def start(self) -> None:
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self._env, start_new_session=True,
-            preexec_fn=_die_with_parent)
+        self._proc = await spawn(self.argv, self._env)
         self.started_at = clock.now()
         log.info("spawned", extra={"event": "spawned", "model": self.model_id,
                                    "pid": self._proc.pid, "port": self.port})
@@ -303,7 +296,7 @@ class ChildProcess:
         if state == "ready":
             if payload:  # waking from sleep sends {}
                 self.ready_info = payload
-            self._listening.set()  # health answers now: poll at once
+            self._ready.set()
         if self.on_state is not None:
             try:
                 self.on_state(state, payload)
@@ -324,17 +317,17 @@ class ChildProcess:
         """Wait up to ``timeout`` s for health; ``total`` is the whole budget, for messages."""
         exit_task = asyncio.ensure_future(self.wait_exit())
         poll_task = asyncio.ensure_future(self._poll_health())
+        ready_task = asyncio.ensure_future(self._ready.wait())
         try:
-            done, _ = await asyncio.wait({exit_task, poll_task}, timeout=timeout,
+            done, _ = await asyncio.wait({exit_task, poll_task, ready_task}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
-            poll_task.cancel()
-            exit_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poll_task
-            with contextlib.suppress(asyncio.CancelledError):
-                await exit_task
-        if poll_task in done and not poll_task.cancelled() and poll_task.exception() is None:
+            for task in (poll_task, exit_task, ready_task):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if ready_task in done or (poll_task in done and not poll_task.cancelled()
+                                  and poll_task.exception() is None):
             self._batch_output = True  # serving: its output is read in batches
             return
         if exit_task in done:

@@ -25,7 +25,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from . import childenv, defaults, gpus
+from . import childenv, defaults, gpus, spawn
 from .app import State, create_app
 from .cors import CorsPolicy
 from .events import EventBus
@@ -110,6 +110,9 @@ def prepare(settings: Settings) -> Prepared:
     if settings.unknown_model_to_default and settings.default_model is None:
         log.warning("--unknown-model-to-default without --default-model: unknown names go to "
                     "the router's only model, and get a 404 once it has several")
+    if spawn.death_wrapper() is None:  # probed now, not at the first load
+        log.info("children start with a preexec_fn (no setpriv --pdeathsig or pidfd here): "
+                 "each spawn forks the router")
     devices = gpus.detect()
     try:
         gpu_budgets = gpus.budgets(settings.gpu_memory_budget, devices)

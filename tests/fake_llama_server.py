@@ -17,7 +17,8 @@ Fault knobs (all optional):
   --crash-on-request   os._exit(3) when the first inference request (completion, chat, infill,
                        embeddings) arrives, before any reply
   --ignore-sigterm     SIGTERM is ignored (SIG_IGN), so only SIGKILL (or SIGINT) stops it
-  --fail-health        /health stays 503 forever; the other endpoints work normally
+  --fail-health        /health stays 503 forever and no ready line is written (a child stuck
+                       loading, as far as a router can tell); the other endpoints work normally
   --token-delay S      seconds between generated tokens (default 0.0)
   --exit-on-start N    print a model-load error to stderr and exit with code N at once
 
@@ -762,7 +763,8 @@ class FakeServer(uvicorn.Server):
             f"n_ctx_slot = {self.state.n_ctx}")
         notify_router("loading", {**LOAD_STAGE, "value": 1.0})
         log("main: model loaded")
-        notify_router("ready", model_entry(self.state))
+        if not self.state.args.fail_health:
+            notify_router("ready", model_entry(self.state))
         log(f"main: server is listening on http://{host}:{port} - starting the main loop")
         log("srv  update_slots: all slots are idle")
 

@@ -379,6 +379,19 @@ def test_sigkill_of_the_router_takes_its_children(tmp_path: Path, presets: Path)
         assert wait_until(lambda: not any(alive(p.pid) for p in children), timeout=2.0)
 
 
+def test_sigkill_of_the_router_takes_a_paused_child(tmp_path: Path, presets: Path) -> None:
+    # A ready child also ends on the end of its stdin; a paused one (CPU sharing stops
+    # children with SIGSTOP) cannot read it: only the parent-death signal ends it.
+    with start_router(tmp_path, "--presets", str(presets)) as router, router.client() as client:
+        assert client.post("/v1/chat/completions",
+                           json={"model": "alpha", **CHAT}).status_code == 200
+        child = next(p for p in router.children() if "llama-server" in p.name())
+        child.suspend()
+        router.proc.send_signal(signal.SIGKILL)
+        router.proc.wait()
+        assert wait_until(lambda: not alive(child.pid), timeout=5.0)
+
+
 def test_load_on_startup_and_autoload_off(tmp_path: Path, tiny_models: dict[str, Path],
                                           llama_server: Path) -> None:
     presets = presets_for(tmp_path, tiny_models)
