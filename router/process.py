@@ -14,10 +14,11 @@ Contract:
   a ready child exits when it reads EOF, so it also ends when the router is gone.
 * ``wait_ready(timeout)`` returns when the child's ``ready`` line arrives (llama-server
   writes it after its HTTP server listens and it has marked itself ready, so ``/health``
-  would answer 200: no round trip to confirm it), or when ``GET /health``, polled every
-  ``HEALTH_POLL_INTERVAL_S`` (at once when the child logs that it listens), answers 200: a
-  binary without child mode. It races the process's exit; it raises ``ChildExited`` or
-  ``ChildTimeout`` (the caller stops it).
+  would answer 200: no round trip to confirm it). Until the child's first state line shows
+  it runs in child mode, ``GET /health`` is polled every ``HEALTH_POLL_INTERVAL_S`` (at once
+  when the child logs that it listens), and a 200 counts too: a binary without child mode.
+  It races the process's exit; it raises ``ChildExited`` or ``ChildTimeout`` (the caller
+  stops it).
 * ``stop(timeout)`` writes llama.cpp's exit command (``cmd_router_to_child:exit``) to the
   child's stdin and closes it (a ready child in child mode waits for that, even after
   SIGTERM), sends SIGTERM to the group, waits ``timeout``, then SIGKILLs the group, and
@@ -182,6 +183,7 @@ class ChildProcess:
         self._proc: Spawned | None = None
         self._listening = asyncio.Event()  # the child said it is listening: poll now
         self._ready = asyncio.Event()  # the child wrote its ready line: it serves
+        self._child_mode = False  # it wrote a state line: its ready line says when it serves
         self._connections: ChildConnections | None = None
         self._max_connections = max_connections
         self._readers: list[asyncio.Task[None]] = []
@@ -293,6 +295,7 @@ class ChildProcess:
             log.warning("unreadable state line from the child: %s", exc,
                         extra={"model": self.model_id})
             return
+        self._child_mode = True
         if state == "ready":
             if payload:  # waking from sleep sends {}
                 self.ready_info = payload
@@ -338,8 +341,11 @@ class ChildProcess:
                            self.logs.tail(20))
 
     async def _poll_health(self) -> None:
+        """Until ``/health`` answers 200. A child that wrote a state line is in child mode: it
+        is polled no more (each poll costs the router and the loading child CPU time, ~10 ms
+        a load on 2 cores), its ready line ends ``wait_ready``."""
         url = self.base_url + "/health"
-        while True:
+        while not self._child_mode:
             try:
                 # No keep-alive: an idle pooled connection makes llama-server slow to exit.
                 response = await self._client.get(url, timeout=2.0,
@@ -355,6 +361,7 @@ class ChildProcess:
                 async with asyncio.timeout(HEALTH_POLL_INTERVAL_S):
                     await self._listening.wait()
             self._listening.clear()
+        await self._ready.wait()
 
     async def probe(self, timeout: float) -> str | None:
         """A liveness check (``liveness``): None if ``/health`` answered 200 within

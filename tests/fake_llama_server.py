@@ -27,7 +27,8 @@ otherwise); the tokenizer is one token per UTF-8 byte; requests beyond the slot 
 default) wait for a free slot, as in the real server; errors use llama.cpp's envelope
 ``{"error":{"code":N,"message":...,"type":...}}``. Like the real server, embeddings need
 ``--embeddings`` and that flag disables completions (501 not_supported_error otherwise), /metrics
-needs ``--metrics``. GET /fake/info reports pid, argv, env var names and in-flight requests.
+needs ``--metrics``. GET /fake/info reports pid, argv, env var names, in-flight requests and
+how many health requests it answered.
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ class State:
     predicted_seconds: float = 0.0
     n_decode: int = 0
     busy_slot_sum: int = 0  # sum over decode steps of busy slots, for n_busy_slots_per_decode
+    health_requests: int = 0  # requests to /health and /v1/health, loading or not
 
     def loading(self) -> bool:
         return time.monotonic() - T0 < float(self.args.startup_delay)
@@ -639,7 +641,8 @@ def build_app(state: State) -> ASGIApp:
     async def fake_info(_: Request) -> Response:
         return JSONResponse({"pid": os.getpid(), "argv": sys.argv, "env_keys": sorted(os.environ),
                              "in_flight": state.in_flight, "busy_slots": len(state.busy),
-                             "loading": state.loading(), "model_id": state.model_id})
+                             "loading": state.loading(), "model_id": state.model_id,
+                             "health_requests": state.health_requests})
 
     async def not_found(_: Request, __: Exception) -> Response:
         return error_response(404, "File Not Found", "not_found_error")
@@ -690,6 +693,8 @@ class Gate:
         key = args.api_key
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+        if path in ("/health", "/v1/health"):
+            self.state.health_requests += 1  # also those answered "Loading model"
         try:
             if key and path not in PUBLIC_PATHS and given != key:
                 resp: ASGIApp = error_response(401, "Invalid API Key", "authentication_error")

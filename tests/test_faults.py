@@ -46,6 +46,40 @@ def test_child_that_never_becomes_healthy_fails_after_the_load_timeout(tmp_path:
         assert not [p for p in router.children() if alive(p.pid)]
 
 
+def child_info(router) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The one fake child's ``/fake/info``."""
+    [child] = [p for p in router.children() if "--port" in p.cmdline()]
+    argv = child.cmdline()
+    port = argv[argv.index("--port") + 1]
+    info: dict[str, object] = httpx.get(f"http://127.0.0.1:{port}/fake/info", timeout=10).json()
+    return info
+
+
+def test_a_child_in_child_mode_is_not_polled_while_it_loads(tmp_path: Path) -> None:
+    # Its ready line says when it serves; a /health poll every 20 ms would take CPU time
+    # from the load (about 50 polls in this one's second of loading).
+    with serve(tmp_path, "--startup-delay", "1", args=("--liveness-interval", "0")) as router, \
+            router.client() as client:
+        assert client.post("/v1/chat/completions", json={"model": "m", **CHAT}).status_code == 200
+        assert child_info(router)["health_requests"] <= 1  # type: ignore[operator]
+
+
+def test_a_child_without_child_mode_is_ready_when_health_answers(tmp_path: Path) -> None:
+    # A llama-server that writes no state lines (a build without child mode): /health decides.
+    fake = fake_binary(tmp_path, "--startup-delay", "0.5")
+    plain = tmp_path / "plain-llama-server"
+    plain.write_text(f"#!/bin/sh\nunset LLAMA_SERVER_ROUTER_PORT\nexec '{fake}' \"$@\"\n")
+    plain.chmod(0o755)
+    with start_router(tmp_path, "--llama-server", str(plain), "--presets",
+                      str(presets(tmp_path)), "--liveness-interval", "0") as router, \
+            router.client() as client:
+        assert client.post("/v1/chat/completions", json={"model": "m", **CHAT}).status_code == 200
+        info = child_info(router)
+        assert "LLAMA_SERVER_ROUTER_PORT" not in info["env_keys"]  # type: ignore[operator]
+        assert info["health_requests"] >= 1  # type: ignore[operator]
+        assert router.models()["m"]["status"]["value"] == "loaded"
+
+
 def test_child_that_exits_while_loading_reports_code_and_last_line(tmp_path: Path) -> None:
     with serve(tmp_path, "--exit-on-start", "7") as router, router.client() as client:
         response = client.post("/v1/chat/completions", json={"model": "m", **CHAT})
