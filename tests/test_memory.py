@@ -11,9 +11,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support import wait_until
 
 pytest.importorskip("gguf")
 
+from router import memory
 from router.memory import (
     BASE_OVERHEAD_BYTES,
     Estimate,
@@ -338,6 +340,35 @@ def test_measure_rss_includes_children() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.process
+def test_measure_rss_counts_grandchildren_and_what_threads_started() -> None:
+    # A grandchild, and a child of a thread other than the main one (while that thread runs):
+    # Linux lists each thread's children on its own (/proc/PID/task/TID/children).
+    code = ("import subprocess, sys, threading, time\n"
+            "subprocess.Popen(['sh', '-c', 'sleep 30 & wait'])\n"
+            "threading.Thread(target=lambda: (subprocess.Popen(['sleep', '31']),\n"
+            "                                 time.sleep(30))).start()\n"
+            "time.sleep(30)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        proc = psutil.Process(parent.pid)
+        assert wait_until(lambda: len(proc.children(recursive=True)) == 3, timeout=10)
+        with subprocess.Popen(["sleep", "32"]) as other:  # not a descendant
+            try:
+                expected = {p.pid for p in proc.children(recursive=True)}
+                assert {p.pid for p in memory._descendants(proc)} == expected
+                rss = measure_rss(parent.pid)
+                assert rss is not None
+                assert rss >= sum(p.memory_info().rss for p in [proc, *proc.children()])
+            finally:
+                other.kill()
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
 
 
 @pytest.mark.process
