@@ -36,7 +36,14 @@ from .paths import (
     CHILD_GET_PATHS,
     METHODS,
 )
-from .proxy import ResponseAborted, for_remote, relay, upstream_headers, wait_disconnect
+from .proxy import (
+    ResponseAborted,
+    direct_body,
+    for_remote,
+    relay,
+    upstream_headers,
+    wait_disconnect,
+)
 from .requests import WAIT_BUDGET_HEADER, RequestContext, context
 from .resumable import serves
 from .state import Shutdown, State
@@ -210,7 +217,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
                                        preset.upstream_model,
                                        request.headers.get(b"content-type", b""))
         await relay(lease.child.connections, method, _target(scope), headers, body,
-                    receive=receive, send=send, shutdown=shutdown)
+                    receive=receive, send=send, shutdown=shutdown, direct=direct_body(scope))
     finally:
         lease.release()
 

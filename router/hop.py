@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive, Scope, Send
 
 from .errors import RouterError, UpstreamError, envelope
+from .proxy import direct_body, upstream_headers
 from .proxy import relay as relay_response
-from .proxy import upstream_headers
 from .requests import VIA_HEADER, RequestContext
 from .upstream import Cancel, UpstreamResponse
 
@@ -169,7 +169,7 @@ async def relay(peer: Peer, scope: Scope, request: RequestContext, receive: Rece
     try:
         await relay_response(peer.connections, method, target, _headers(peer, request, headers),
                              body, receive=receive, send=send, shutdown=shutdown,
-                             fail_over=fail_over)
+                             fail_over=fail_over, direct=direct_body(scope))
     except UpstreamError as exc:
         if not peer.up:  # found frozen (or gone) while it was in flight: that is why
             raise UpstreamError(f"node {peer.node} ({peer.url}) stopped answering: "

@@ -26,6 +26,15 @@ trickling a body nobody will read. At shutdown the deadline shrinks to
 Over ``connection_cap`` open connections (``fdlimit``) a new one gets a 503 envelope with
 ``Retry-After`` and is closed before its request is read.
 
+A streamed response's body can also go out without the ASGI ``send`` chain: ``body_writer``
+gives the app a ``BodyWriter`` for its request, which writes a body chunk to the client's
+transport at once, framed as uvicorn frames it, from any callback (``proxy`` writes from the
+child connection's ``data_received``: no task switch per relayed event). It only takes a chunk
+when uvicorn's ``send`` would write it at once (the response started with chunked framing, not
+HEAD, not complete, the client connected and not backed up); otherwise it says no and the app
+uses ``send``, which waits for the client as before. The response's start and end always go
+through ``send``.
+
 Tested against uvicorn's ``httptools_impl`` in the versions ``pyproject.toml`` allows (it is
 private API: a new minor version is tested before the bound moves).
 """
@@ -33,8 +42,14 @@ private API: a new minor version is tested before the bound moves).
 from __future__ import annotations
 
 import asyncio
+import weakref
+from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from .errors import envelope_bytes
 from .requests import BODY_TIMED_OUT
@@ -53,6 +68,39 @@ HEAD_TIMEOUT = (f"the request's start line and headers did not arrive within "
 def body_timeout_message(timeout_s: float) -> str:
     return (f"the request body stopped arriving: nothing for {timeout_s:g} s; the connection "
             "is closed")
+
+
+# The ASGI scope's entry holding the request's ``BodyWriter`` (``body_writer``).
+BODY_WRITER = "llama_router.body_writer"
+
+
+class BodyWriter:
+    """Writes one response's body chunks straight to the client's transport (see the module
+    docstring). Holds its request's cycle weakly: the scope holds the writer."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def write(self, body: bytes) -> bool:
+        """Write ``body`` (not empty) as the next chunk of the response now, exactly as
+        uvicorn's ``send`` would, if it would write it at once; False, writing nothing, if
+        not (the caller sends it with ``send``, which waits as it must)."""
+        cycle = self._cycle()
+        if (cycle is None or cycle.chunked_encoding is not True or cycle.flow.write_paused
+                or cycle.disconnected or cycle.response_complete
+                or cycle.transport.is_closing()):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+
+def body_writer(scope: Any) -> BodyWriter | None:
+    """The request's ``BodyWriter``; None where the server is not this module's (tests that
+    call the ASGI app directly) or the request is HEAD (uvicorn writes no body for it)."""
+    writer: BodyWriter | None = scope.get(BODY_WRITER)
+    return writer
 
 
 OVER_CAP = ("the router is at its limit of open connections (its file descriptors are kept "
@@ -98,9 +146,12 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         before = self.cycle
         super().on_headers_complete()
-        if self.cycle is not before:  # a request to serve (not an upgrade): its body is due
+        cycle = self.cycle
+        if cycle is not before:  # a request to serve (not an upgrade): its body is due
             self._body_seen = self.loop.time()
             self._arm_body_timer(self._body_timeout())
+            if cycle.scope["method"] != "HEAD":
+                cycle.scope[BODY_WRITER] = BodyWriter(cycle)  # type: ignore[literal-required]
 
     def on_body(self, body: bytes) -> None:
         if not self.cycle.response_complete:  # once answered, the rest has one deadline

@@ -117,19 +117,16 @@ class RequestMetricsMiddleware:
         request = scope[CONTEXT] = RequestContext(scope)
         started = time.perf_counter()
         status = 0  # until the response starts
-        first = 0.0  # when the first non-empty body chunk went out
-        # The last two non-empty body chunks (a stream ends with its last event, then
-        # "data: [DONE]"), for the token count. The streaming hot path: no copies here.
-        previous = last = b""
+        # The body chunks are recorded in the context (``RequestContext.sent``): those sent
+        # here, and those a relay writes to the client directly (``proxy.DirectBody``).
+        sent = request.sent
 
         async def send_wrapper(message: Any) -> None:
-            nonlocal status, first, previous, last
+            nonlocal status
             if message["type"] == "http.response.body":
                 body = message.get("body")
                 if body:
-                    if not first:
-                        first = time.perf_counter()
-                    previous, last = last, body
+                    sent(body)
             elif message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
@@ -156,7 +153,10 @@ class RequestMetricsMiddleware:
             if BODY_TIMED_OUT in scope:  # the HTTP server answered 408 instead (``http11``)
                 status = 408
             ended = time.perf_counter()
-            tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
+            # The last two chunks (a stream ends with its last event, then "data: [DONE]"),
+            # for the token count.
+            last, first = request.sent_last, request.first_sent
+            tail = request.sent_before[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
             self._observe(request, status, ended - started,
                           first - started if first else None, tail)
 

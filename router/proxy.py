@@ -8,7 +8,10 @@
   behind too, and so do its CORS headers (``Access-Control-*``: the router answers for
   itself, ``cors``). ``strip_hop_by_hop`` is the one place that does it, for both directions.
 * The response is relayed chunk by chunk as the child writes it (no decoding, no buffering),
-  except a small body of known length, which goes out in one piece.
+  except a small body of known length, which goes out in one piece. A streamed body goes
+  straight from the child's connection to the client's (``DirectBody``: written from the
+  child connection's protocol callback, no task switch per event) while the client keeps up,
+  and through the ASGI ``send``, which waits for it, while it does not.
 * A client that disconnects while its request is still running (noticed within
   ``WATCH_AFTER_S`` plus a loop turn) has its connection to the child closed, which makes
   llama-server stop generating and free its slot. Requests that finish sooner never pay for
@@ -35,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
-from .requests import with_multipart_model
+from .http11 import body_writer
+from .requests import CONTEXT, RequestContext, with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -85,6 +89,41 @@ class FailOver(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(f"answered {status}")
         self.status = status
+
+
+class DirectBody:
+    """A relay's way around the ASGI ``send`` chain for a streamed body (``upstream``'s
+    sink): writes a chunk to the client's transport at once (``http11.BodyWriter``) and
+    records it in the request's context as the metrics middleware records what passes its
+    ``send`` (``RequestContext.sent``); False when the writer cannot take it now.
+
+    Contract: no middleware between the server and the proxy changes a response's body
+    (they read it, or add headers to its start); one that must would have to turn this off.
+    """
+
+    __slots__ = ("_sent", "_write", "request")
+
+    def __init__(self, write: Callable[[bytes], bool], request: RequestContext) -> None:
+        self._write = write
+        self._sent = request.sent
+        self.request = request
+
+    def __call__(self, body: bytes) -> bool:
+        if self._write(body):
+            self._sent(body)
+            return True
+        return False
+
+
+def direct_body(scope: Any) -> DirectBody | None:
+    """The request's ``DirectBody``, where its server offers a ``BodyWriter`` (``http11``)
+    and the edge made its context (``middleware``); None elsewhere (the ASGI ``send`` then
+    carries every chunk)."""
+    writer = body_writer(scope)
+    request = scope.get(CONTEXT)
+    if writer is None or request is None:
+        return None
+    return DirectBody(writer.write, request)
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -144,8 +183,10 @@ def _connection_options(value: bytes, drop: frozenset[bytes], named: set[bytes] 
 async def relay(connections: ChildConnections, method: str, target: bytes,
                 headers: list[tuple[bytes, bytes]], body: bytes, *, receive: Receive,
                 send: Send, shutdown: Shutdown | None = None,
-                fail_over: frozenset[int] = frozenset()) -> None:
-    """Send the request to the child and relay its response to the client.
+                fail_over: frozenset[int] = frozenset(),
+                direct: DirectBody | None = None) -> None:
+    """Send the request to the child and relay its response to the client; a streamed
+    body through ``direct`` while the client keeps up, when given (``direct_body``).
 
     A response whose status is in ``fail_over`` is not relayed: ``FailOver`` is raised
     instead (its connection is closed), so that the caller can try another node.
@@ -179,7 +220,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             response.release()
             raise FailOver(response.status)
         try:
-            await _relay_response(response, send, cancel, shutdown, connections)
+            await _relay_response(response, send, cancel, shutdown, connections, direct)
         finally:
             response.release()
     finally:
@@ -189,7 +230,8 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
 
 
 async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel,
-                          shutdown: Shutdown | None, connections: ChildConnections) -> None:
+                          shutdown: Shutdown | None, connections: ChildConnections,
+                          direct: DirectBody | None) -> None:
     headers = strip_hop_by_hop(response.headers, RESPONSE_DROP)
     is_sse = response.event_stream
     length = response.header(b"content-length")
@@ -212,11 +254,15 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
         present = {k for k, _ in headers}
         headers += [(k, v) for k, v in SSE_EXTRA_HEADERS if k not in present]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    chunk: bytes | None = b""  # the last one relayed, when the body breaks
+    if direct is not None:
+        response.relay_to(direct)
+    chunk: bytes | None = b""  # the last one relayed here, when the body breaks
     try:
         while (chunk := await response.next_chunk()) is not None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as exc:
+        if direct is not None:  # what went out last, here or directly
+            chunk = direct.request.sent_last
         if cancel.cancelled:
             if shutdown is None or not shutdown.over.is_set():
                 return  # the client went away

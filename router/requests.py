@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import QueryParams
@@ -66,12 +67,16 @@ class RequestContext:
       keys: what owns the resumable streams it starts),
       ``body`` and ``parsed`` (the JSON object) once read, ``model_id`` (the resolved id,
       for metrics and the activity record), ``queue_s`` (its wait for the model), ``node``
-      (the peer that served it).
+      (the peer that served it);
+    * the response as it went out (``sent``: every non-empty body chunk, through the ASGI
+      ``send`` or a direct ``http11.BodyWriter``): ``first_sent`` (``perf_counter`` of its
+      first chunk, 0 before it) and its last two chunks (``sent_before``, ``sent_last``),
+      which the metrics middleware reads for the time to first byte and the token count.
     """
 
-    __slots__ = ("body", "defaulted", "headers", "key_hash", "key_scope", "local", "method",
-                 "model", "model_id", "named", "node", "params", "parsed", "path", "queue_s",
-                 "via")
+    __slots__ = ("body", "defaulted", "first_sent", "headers", "key_hash", "key_scope", "local",
+                 "method", "model", "model_id", "named", "node", "params", "parsed", "path",
+                 "queue_s", "sent_before", "sent_last", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -100,6 +105,15 @@ class RequestContext:
         self.node = ""
         self.defaulted = False
         self.named: str | None = None
+        self.first_sent = 0.0
+        self.sent_before = self.sent_last = b""
+
+    def sent(self, body: bytes) -> None:
+        """A non-empty chunk of the response body went out. O(1), no copies: the streaming
+        hot path calls it for every chunk."""
+        if not self.first_sent:
+            self.first_sent = time.perf_counter()
+        self.sent_before, self.sent_last = self.sent_last, body
 
     def __repr__(self) -> str:  # never the credentials
         return f"<RequestContext {self.method} {self.path[:80]} model={self.model!r}>"

@@ -59,7 +59,7 @@ from .errors import (
     UpstreamError,
 )
 from .peer import Peer
-from .proxy import relay, upstream_headers
+from .proxy import direct_body, relay, upstream_headers
 from .requests import RequestContext, context, parse_json
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class StreamResume:
         try:
             await relay(child.connections, "GET", f"/v1/stream?{query}".encode(),
                         upstream_headers(scope["headers"]), b"", receive=receive, send=send,
-                        shutdown=self.shutdown)
+                        shutdown=self.shutdown, direct=direct_body(scope))
         finally:
             lease.release()
 

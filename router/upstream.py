@@ -29,6 +29,13 @@ Contract:
   a fresh connection: llama-server closes keep-alive connections after every stream and after
   its idle timeout, and such a request never reached it. One that ``abort_all`` ended is not:
   the server behind it was found gone or frozen, and a fresh connection would hang as well.
+* The body is read with ``next_chunk``, or, once the relay hands the response a sink
+  (``UpstreamResponse.relay_to``), written by the sink from the connection's own protocol
+  callback, as it arrives: no future and no task switch per chunk. What arrives in one read
+  goes to the sink in one piece. The sink may refuse a chunk (the client is backed up): that
+  chunk and every later one queue for ``next_chunk`` until the relay has taken and sent the
+  queue, so the order never changes; the relay's ``next_chunk`` wakes only for a queued
+  chunk, the body's end or its failure.
 * Errors are ``UpstreamError`` (502): ``connect`` failures, a connection lost before the
   headers, a ``101 Switching Protocols`` (the hop relays HTTP only), and ``BrokenBody`` for a
   body cut off after the headers were relayed.
@@ -148,6 +155,9 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._body_waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[bytes], bool] | None = None  # see ``UpstreamResponse.relay_to``
+        self._direct: list[bytes] = []  # for the sink, from the read in progress
+        self._handed = False  # ``next_chunk`` returned a chunk its caller may still be sending
 
     def begin(self, request: bytes, head_only: bool) -> None:
         assert self.transport is not None
@@ -161,7 +171,9 @@ class _Connection(asyncio.Protocol):
         await self._headers_done
 
     async def next_chunk(self) -> bytes | None:
-        """The body received since the last call (waiting for some), or None at its end."""
+        """The body received since the last call (waiting for some), or None at its end.
+        Calling it again says the chunk it returned last has been sent on."""
+        self._handed = False
         while not self._chunks:
             if self.complete:
                 return None
@@ -176,6 +188,7 @@ class _Connection(asyncio.Protocol):
         chunk = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
+        self._handed = True
         if self._paused and self.transport:  # all taken: read on
             self._paused = False
             self.transport.resume_reading()
@@ -210,6 +223,17 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError(f"the model's llama-server sent a malformed response: "
                                      f"{exc}"))
             self.abort()
+        finally:
+            if self._direct:  # the body of this read, for the sink: before anyone wakes
+                self._to_sink()
+
+    def _to_sink(self) -> None:
+        direct = self._direct
+        body = direct[0] if len(direct) == 1 else b"".join(direct)
+        direct.clear()
+        sink = self.sink
+        if sink is None or not sink(body):
+            self._queue(body)
 
     def eof_received(self) -> bool | None:
         if self.until_eof and self.error is None:  # a clean close ends such a body
@@ -262,6 +286,13 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.complete:  # a HEAD response's announced body: not part of the answer
             return
+        if self.sink is not None and not self._chunks and not self._handed:
+            self._direct.append(body)  # to the sink once this read is parsed (``_to_sink``)
+            return
+        self._queue(body)
+
+    def _queue(self, body: bytes) -> None:
+        """Keep ``body`` for ``next_chunk``."""
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > READ_HIGH_WATER and not self._paused and self.transport:
@@ -336,6 +367,14 @@ class UpstreamResponse:
                 return value
         return None
 
+    def relay_to(self, sink: Callable[[bytes], bool]) -> None:
+        """From now on, give each piece of the body to ``sink`` as it arrives, from the
+        connection's protocol callback; ``sink`` returns False when it cannot take it now
+        (then ``next_chunk`` returns it, and every later piece until the queue was taken).
+        ``next_chunk`` still reports the end and failures, and must be called until it
+        returns None or raises: the caller owns the exchange as before."""
+        self._conn.sink = sink
+
     async def next_chunk(self) -> bytes | None:
         """The next piece of the body as the child wrote it; None at its end."""
         try:
@@ -354,6 +393,7 @@ class UpstreamResponse:
         self._conn.abort()
 
     def release(self) -> None:
+        self._conn.sink = None
         self._pool._release(self._conn)
 
 

@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
 import router.middleware as middleware_module
+import router.requests as requests_module
 from router.activity import TAIL_BYTES, Activity, Record, generated_tokens
 from router.app import create_app
 from router.dashboard import DASHBOARD_PATHS
@@ -124,8 +125,9 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(middleware_module, "time", types.SimpleNamespace(
-        perf_counter=fake.perf_counter, time=fake.time))
+    now = types.SimpleNamespace(perf_counter=fake.perf_counter, time=fake.time)
+    monkeypatch.setattr(middleware_module, "time", now)
+    monkeypatch.setattr(requests_module, "time", now)  # when a body chunk went out
     return fake
 
 

@@ -598,3 +598,41 @@ async def test_valid_headers_with_any_other_bytes_in_values_pass_through() -> No
     head = server.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
     assert head[2:6] == [b"x-tab: a\tb", b"x-latin: caf\xe9", b"x-colon: a: b",
                          b"X-Mixed-Case!#$%&'*+.^_`|~9: "]
+
+
+async def test_a_sink_never_overtakes_a_chunk_the_relay_still_holds() -> None:
+    """Chunks go to the relay's sink as they arrive; one the sink refused goes through
+    ``next_chunk``, and while the relay holds it (sending it on) every later chunk queues
+    behind it: the client gets them in order. Once the relay asks again with nothing queued,
+    the sink takes them directly again."""
+    conn = upstream._Connection()
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                       b"transfer-encoding: chunked\r\n\r\n")
+    await conn.headers_received()
+    sent: list[bytes] = []
+    accepting = False
+
+    def sink(body: bytes) -> bool:
+        if accepting:
+            sent.append(body)
+        return accepting
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data)
+
+    conn.sink = sink
+    conn.data_received(chunk(b"1"))  # refused (the client is backed up): queued
+    held = await conn.next_chunk()
+    assert held == b"1" and sent == []
+    accepting = True  # the client caught up while the relay was still sending "1"
+    conn.data_received(chunk(b"2"))
+    assert sent == [], "a later chunk overtook the one the relay holds"
+    sent.append(held)  # the relay's send of "1" completes
+    assert await conn.next_chunk() == b"2"
+    sent.append(b"2")
+    waiting = asyncio.create_task(conn.next_chunk())  # asks again: nothing queued
+    await asyncio.sleep(0)
+    conn.data_received(chunk(b"3") + chunk(b"4"))  # one read: one piece, to the sink
+    assert sent == [b"1", b"2", b"34"] and not waiting.done()
+    conn.data_received(b"0\r\n\r\n")
+    assert await asyncio.wait_for(waiting, TIMEOUT) is None
