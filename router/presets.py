@@ -117,6 +117,9 @@ class ModelPreset:
     upstream: str | None = None
     upstream_model: str | None = None
     upstream_key: str | None = field(default=None, repr=False)
+    # upstream-connections: connections open to the upstream at once, at most (None: as to a
+    # child with llama-server's default HTTP threads, ``runtime.ModelRuntime.max_connections``).
+    upstream_connections: int | None = None
 
     @property
     def model_path(self) -> str | None:
@@ -338,9 +341,10 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "upstream": (_parse_upstream, "upstream"),
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),
+    "upstream-connections": (_parse_count, "upstream_connections"),
 }
 # Keys of a remote upstream: never defaults in [*], and only with ``upstream``.
-UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file")
+UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file", "upstream-connections")
 _PRESET_ONLY_ENV = {"__PRESET_" + k.upper().replace("-", "_"): k for k in PRESET_ONLY}
 
 

@@ -172,7 +172,10 @@ class ModelRuntime:
 
     @property
     def max_connections(self) -> int:
-        """Proxied connections to one child at most: one per HTTP thread, less a reserve."""
+        """Proxied connections to one child at most: one per HTTP thread, less a reserve; to
+        a remote upstream, its ``upstream-connections`` when set."""
+        if self.preset.upstream_connections is not None:
+            return self.preset.upstream_connections
         return max(1, http_threads(self.preset.args) - RESERVED_HTTP_THREADS)
 
     @property

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -335,3 +337,76 @@ async def test_a_request_in_flight_ends_when_the_upstream_is_marked_gone() -> No
             await asyncio.wait_for(response.next_chunk(), HANG_GUARD_S)
         response.release()
         assert await asyncio.wait_for(remote.wait_exit(), HANG_GUARD_S) == GONE_CODE
+
+
+# ------------------------------------------------------------------- connections to it
+
+
+def test_upstream_connections_sets_the_cap_and_defaults_to_a_childs(
+        tmp_path: Path, help_table: FlagTable) -> None:
+    path = write_presets(tmp_path / "models.ini", (
+        "[wide]\nupstream = http://box:1\nupstream-connections = 200\n"
+        "[plain]\nupstream = http://box:2\n"))
+    models = build_catalogue([path], [], help_table, hf_cache=False).models
+    assert models["wide"].upstream_connections == 200
+    assert ModelRuntime(models["wide"], LogRing(10)).max_connections == 200
+    assert models["plain"].upstream_connections is None
+    assert ModelRuntime(models["plain"], LogRing(10)).max_connections == 14  # 16 threads - 2
+    for text, expected in [
+            ("[m]\nupstream = http://box:1\nupstream-connections = 0\n",
+             "models.ini:3: [m] upstream-connections: expected a whole number >= 1"),
+            ("[m]\nmodel = /dev/null\nupstream-connections = 8\n",
+             "models.ini:3: [m] upstream-connections: only for a model with 'upstream")]:
+        found = problems(tmp_path, text, help_table)
+        assert any(expected in p for p in found), found
+
+
+@pytest.mark.process
+def test_upstream_connections_lets_that_many_streams_reach_the_upstream_at_once(
+        tmp_path: Path) -> None:
+    """20 long streams through a remote with ``upstream-connections = 20`` all reach it at
+    once (the default cap, 14, would hold 6 of them in the router until others end)."""
+    port = free_port()
+    standin = subprocess.Popen([sys.executable, "-m", "benchmarks.standin", str(port)],
+                               cwd=Path(__file__).parent.parent)
+    try:
+        upstream = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _stats(upstream) is not None, HANG_GUARD_S)
+        presets = write_presets(tmp_path / "models.ini",
+                                f"[wide]\nupstream = {upstream}\nupstream-connections = 20\n")
+        with start_router(tmp_path, "--presets", str(presets)) as router:
+            body = {"model": "wide", "stream": True, "max_tokens": 100_000,
+                    "standin_paced": True, "messages": [{"role": "user", "content": "x"}]}
+            stop = threading.Event()
+
+            def one() -> None:
+                with httpx.stream("POST", router.url + "/v1/chat/completions", json=body,
+                                  timeout=HANG_GUARD_S) as response:
+                    assert response.status_code == 200
+                    for _ in response.iter_bytes():
+                        if stop.is_set():
+                            return
+
+            threads = [threading.Thread(target=one) for _ in range(20)]
+            for thread in threads:
+                thread.start()
+            try:
+                reached = wait_until(lambda: (_stats(upstream) or {}).get("streams") == 20,
+                                     HANG_GUARD_S)
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(HANG_GUARD_S)
+            assert reached, _stats(upstream)
+            assert _stats(upstream)["streams"] == 20  # type: ignore[index]
+    finally:
+        standin.kill()
+        standin.wait()
+
+
+def _stats(upstream: str) -> dict[str, int] | None:
+    try:
+        answer: dict[str, int] = httpx.get(upstream + "/stats", timeout=5).json()
+        return answer
+    except httpx.TransportError:
+        return None
