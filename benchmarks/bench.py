@@ -1184,7 +1184,7 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine_info(binary: Path) -> dict[str, Any]:
+def machine_info(binary: Path, router_src: Path | None = None) -> dict[str, Any]:
     cpu = "unknown"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1201,7 +1201,7 @@ def machine_info(binary: Path) -> dict[str, Any]:
         out = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
         wrk_version = (out.stdout + out.stderr).splitlines()[0] if out.stdout + out.stderr \
             else "unknown"
-    root = ROOT
+    root = router_src or ROOT  # the routers under test run from there
     source = str(root)
     if (root / ".git").exists():
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
@@ -1287,7 +1287,7 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         if leftovers:
             print(f"WARNING: killed leftover processes: {leftovers}", file=sys.stderr)
     report: dict[str, Any] = {
-        "machine": machine_info(binary),
+        "machine": machine_info(binary, cfg.router_src),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
         "columns": {c: LABELS[c] for c in COLUMNS},
         "details": results,

@@ -255,11 +255,11 @@ class RelayBench:
         standin_url = f"http://127.0.0.1:{port}"
         wait_healthy(standin, standin_url)
         presets = self.workdir / "ceiling.ini"
-        # As many connections to the stand-in as streams: the cap (one per HTTP thread of a
-        # llama-server, 14 by default) would otherwise pace the streams, not the router.
+        # As many connections to the stand-in as streams: the default cap (14, for a
+        # llama-server's HTTP threads) would otherwise pace the streams, not the router.
         most = max(*self.settings.ceiling_streams, self.settings.burst_streams)
         presets.write_text(f"version = 1\n\n[{STANDIN_MODEL}]\nupstream = {standin_url}\n"
-                           f"parallel = {most}\nthreads-http = {most + 2}\n")
+                           f"upstream-connections = {most}\n")
         router, url = self.bench._start_router(presets, "relay-ceiling-llama-router")
         rows: list[dict[str, Any]] = []
         profile: dict[str, Any] | None = None
