@@ -343,9 +343,19 @@ class ChildProcess:
     async def _poll_health(self) -> None:
         """Until ``/health`` answers 200. A child that wrote a state line is in child mode: it
         is polled no more (each poll costs the router and the loading child CPU time, ~10 ms
-        a load on 2 cores), its ready line ends ``wait_ready``."""
+        a load on 2 cores), its ready line ends ``wait_ready``. The first poll waits an
+        interval too: a child in child mode writes its first state line before that."""
         url = self.base_url + "/health"
-        while not self._child_mode:
+        while True:
+            # Poll after the interval, or at once when the child logs that it listens (once:
+            # the event is cleared so a child that never turns healthy is not polled in a
+            # busy loop).
+            with contextlib.suppress(TimeoutError):  # not wait_for: it may swallow a cancel
+                async with asyncio.timeout(HEALTH_POLL_INTERVAL_S):
+                    await self._listening.wait()
+            self._listening.clear()
+            if self._child_mode:
+                break
             try:
                 # No keep-alive: an idle pooled connection makes llama-server slow to exit.
                 response = await self._client.get(url, timeout=2.0,
@@ -354,13 +364,6 @@ class ChildProcess:
                     return
             except httpx.TransportError:
                 pass
-            # Poll again after the interval, or at once when the child logs that it listens
-            # (once: the event is cleared so a child that never turns healthy is not polled
-            # in a busy loop).
-            with contextlib.suppress(TimeoutError):  # not wait_for: it may swallow a cancel
-                async with asyncio.timeout(HEALTH_POLL_INTERVAL_S):
-                    await self._listening.wait()
-            self._listening.clear()
         await self._ready.wait()
 
     async def probe(self, timeout: float) -> str | None:
