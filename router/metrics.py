@@ -17,7 +17,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -42,6 +48,9 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The router process's own CPU seconds, memory and file descriptors
+        # (llamarouter_process_*): what tells when one relay process runs out of core.
+        ProcessCollector(namespace="llamarouter", registry=r)
         self.requests = Counter("llamarouter_requests", "Requests answered, by model, endpoint "
                                 "and HTTP status", ["model", "endpoint", "status"], registry=r)
         self.request_seconds = Histogram(

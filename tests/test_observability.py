@@ -51,6 +51,9 @@ def test_merged_metrics(tmp_path: Path, presets: Path) -> None:
         assert loads == {"a": 1.0, "b": 1.0}
         running = families["llamarouter_children_running"].samples[0].value
         assert running == 2
+        # The router process itself (not its children): CPU seconds, memory, descriptors.
+        assert families["llamarouter_process_cpu_seconds"].samples[0].value > 0
+        assert families["llamarouter_process_resident_memory_bytes"].samples[0].value > 1e6
         # Scraping never loads a model.
         assert router.models()["c"]["status"]["value"] == "unloaded"
         assert 'llamacpp:tokens_predicted_total{model="c"}' not in text
