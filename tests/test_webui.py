@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -710,8 +711,8 @@ def test_a_pip_download_of_another_file_is_refused(tools: Toolbox,
 @pytest.mark.process
 def test_without_pip_the_error_says_how_to_get_the_sdist(
         tools: Toolbox, monkeypatch: pytest.MonkeyPatch) -> None:
-    find_spec = install.importlib.util.find_spec
-    monkeypatch.setattr(install.importlib.util, "find_spec",
+    find_spec = importlib.util.find_spec  # the installer imports it where it checks pip
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "pip" else find_spec(name, *a))
     with pytest.raises(InstallError, match=r"pip is not installed for .*ensurepip.*--sdist FILE"):
         install.install_llama_server(log=tools.log)
