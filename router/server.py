@@ -346,6 +346,9 @@ def serve(settings: Settings) -> None:
     log.info("up to %d client connections at once (%d file descriptors)", cap, open_files)
     config = uvicorn.Config(app, host=settings.hosts()[0], port=settings.port,
                             log_level=settings.log_level, access_log=False,
+                            # Nothing reads the client's address or scheme: no rewriting
+                            # them from X-Forwarded-* (a layer on every request).
+                            proxy_headers=False,
                             http=EnvelopeHttpToolsProtocol.configured(
                                 cap=cap, body_timeout_s=settings.body_timeout),
                             timeout_graceful_shutdown=math.ceil(
