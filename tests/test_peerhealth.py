@@ -63,8 +63,10 @@ async def test_a_peer_imports_relays_and_goes_down_when_silent() -> None:
 
 async def test_a_peer_refusing_connections_finishes_what_it_has() -> None:
     events = EventBus()
+    # A long health timeout: only the refused connections may take it down (on a loaded
+    # machine a 2 s check can time out, which would be silence, and abort the stream).
     async with StandInPeer("node-a", {"m": "loaded"}) as stand_in, \
-            running_peer(stand_in, events) as peer:
+            running_peer(stand_in, events, timeout=HANG_GUARD_S) as peer:
         await wait_for(lambda: peer.up)
         response = await peer.connections.send("GET", b"/stream", [], b"")
         await stand_in.stop_listening()  # shutting down: its grace period runs
