@@ -246,3 +246,30 @@ def test_time_format_is_loggings_default() -> None:
         made = record("x")
         made.created, made.msecs = created, int((created - int(created)) * 1000) + 0.0
         assert formatter.format(made) == plain.format(made)
+
+
+def test_a_relayed_line_is_written_as_its_record_would_be() -> None:
+    """The writer thread formats relayed lines without making records: byte for byte what
+    formatting the record gives, across seconds, levels and odd messages."""
+    fast, slow = KeyValueFormatter(logs.FORMAT), KeyValueFormatter(logs.FORMAT)
+    for created in (1_700_000_000.0, 1_700_000_000.0009, 1_700_000_000.999, 1_700_000_001.5):
+        for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, 5):
+            for message in ("slot launch_slot_: id 0 | task 3", "100% done %s %(x)d", "é\tx"):
+                assert fast.format_line("router.child", level, message, created) == \
+                    slow.format(logs._record("router.child", level, message, created))
+
+
+def test_relayed_lines_through_the_writer_keep_their_text_and_order() -> None:
+    stream = io.StringIO()
+    handler = BackgroundStreamHandler(stream)
+    handler.setFormatter(KeyValueFormatter(logs.FORMAT))
+    try:
+        for i in range(50):
+            handler.relay("router.child", logging.INFO, f"line {i}")
+        handler.emit(record("after them"))
+    finally:
+        handler.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == [f"line {i}" for i in range(50)] + [
+        "after them"]
+    assert all(" INFO router.child: " in line for line in lines[:50])
