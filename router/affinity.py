@@ -10,11 +10,15 @@ that is, from 64-bit hashes alone (no request body is kept):
   one per message (role and content; other content, such as a list of parts, by its JSON),
   for a ``prompt`` one per block of ``BLOCK_CHARS`` characters (or ``BLOCK_TOKENS`` token
   ids). Key ``i`` stands for everything up to message (block) ``i``, so turn k+1 of a
-  conversation shares its first keys with turn k.
+  conversation shares its first keys with turn k. ``request_prefix`` adds what the choice by
+  cost (``pace``) weighs: how many characters of prompt each key covers, and the longest reply
+  the request allows.
 * ``PrefixTable``: the keys a replica has seen lately, least recently used first out,
   ``TABLE_KEYS`` at most.
 * ``choose``: given each replica's load and table, the replica for a request and why
-  (``PREFIX_HIT``, ``MISS``, ``OVERRIDE``).
+  (``PREFIX_HIT``, ``MISS``, ``OVERRIDE``), by load alone: the rule among nodes
+  (``placement``), and among replicas until their children have shown their speed; then
+  replicas are chosen by expected cost (``pace.by_cost``).
 
 The caller records the request's keys on the chosen replica (``PrefixTable.record``).
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 BLOCK_CHARS: Final = 512  # characters per prefix key of a text prompt
 BLOCK_TOKENS: Final = 128  # token ids per prefix key of a tokenized prompt
@@ -41,66 +45,120 @@ MISS: Final = "miss"  # no replica has seen any prefix of it: the least busy
 OVERRIDE: Final = "override"  # the holder is saturated and another has a free slot
 DECISIONS: Final = (PREFIX_HIT, MISS, OVERRIDE)
 
+CHARS_PER_TOKEN: Final = 4  # what one token id of a tokenized prompt counts as in ``sizes``
+
 _CHAT_SEED: Final = 0x6368_6174  # different seeds: a prompt never shares keys with a chat
 _TEXT_SEED: Final = 0x7465_7874
 _TOKEN_SEED: Final = 0x746F_6B73
 
 
+class Prefix(NamedTuple):
+    """A request's prompt as prefix routing sees it: its keys, the characters of prompt up to
+    each key (``sizes[i]``: messages (blocks) ``0..i``; a token id counts ``CHARS_PER_TOKEN``),
+    and its reply's length bound: ``max_tokens`` (None: unbounded) and whether the reply runs to
+    it (``ignore_eos``)."""
+
+    keys: tuple[int, ...]
+    sizes: tuple[int, ...]
+    max_tokens: int | None = None
+    to_the_end: bool = False
+
+    @property
+    def chars(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+
+NO_PREFIX: Final = Prefix((), ())
+
+
 def request_keys(body: Mapping[str, Any]) -> tuple[int, ...]:
     """The prefix keys of a parsed JSON request body; empty when it has no prompt to key
     (embeddings, tokenize, a malformed prompt: llama-server judges those itself)."""
+    return request_prefix(body).keys
+
+
+def request_prefix(body: Mapping[str, Any]) -> Prefix:
+    """The ``Prefix`` of a parsed JSON request body (no keys: ``NO_PREFIX``)."""
     messages = body.get("messages")
     if type(messages) is list:
-        return chat_keys(messages)
-    prompt = body.get("prompt")
-    if type(prompt) is str:
-        return text_keys(prompt)
-    if type(prompt) is list and prompt:
-        return token_keys(prompt)
-    return ()
+        keys, sizes = _chat(messages)
+    else:
+        prompt = body.get("prompt")
+        if type(prompt) is str:
+            keys, sizes = _text(prompt, BLOCK_CHARS)
+        elif type(prompt) is list and prompt:
+            keys, sizes = _tokens(prompt, BLOCK_TOKENS)
+        else:
+            return NO_PREFIX
+    limit = body.get("max_tokens", body.get("max_completion_tokens", body.get("n_predict")))
+    max_tokens = limit if type(limit) is int and limit >= 0 else None
+    return Prefix(keys, sizes, max_tokens,
+                  max_tokens is not None and body.get("ignore_eos") is True)
 
 
 def chat_keys(messages: list[Any]) -> tuple[int, ...]:
     """One cumulative key per message: key ``i`` hashes messages ``0..i``."""
+    return _chat(messages)[0]
+
+
+def text_keys(text: str, block: int = BLOCK_CHARS) -> tuple[int, ...]:
+    """One cumulative key per ``block`` characters (the last block may be shorter)."""
+    return _text(text, block)[0]
+
+
+def token_keys(prompt: list[Any], block: int = BLOCK_TOKENS) -> tuple[int, ...]:
+    """One cumulative key per ``block`` items of a tokenized prompt (ids, or anything else
+    llama-server takes in a list: by its JSON when it is not hashable)."""
+    return _tokens(prompt, block)[0]
+
+
+def _chat(messages: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     keys = []
+    sizes = []
     h = _CHAT_SEED
+    size = 0
     for message in messages[:MAX_KEYS]:
         if type(message) is dict:
             role = message.get("role")
             content = message.get("content")
             if type(content) is str and type(role) is str:
                 h = hash((h, role, content))
+                size += len(role) + len(content)
                 keys.append(h)
+                sizes.append(size)
                 continue
         # content as parts, or null with tool_calls: the whole message by its JSON
-        h = hash((h, _json(message)))
+        text = _json(message)
+        h = hash((h, text))
+        size += len(text)
         keys.append(h)
-    return tuple(keys)
+        sizes.append(size)
+    return tuple(keys), tuple(sizes)
 
 
-def text_keys(text: str, block: int = BLOCK_CHARS) -> tuple[int, ...]:
-    """One cumulative key per ``block`` characters (the last block may be shorter)."""
+def _text(text: str, block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     keys = []
     h = _TEXT_SEED
-    for start in range(0, min(len(text), block * MAX_KEYS), block):
+    starts = range(0, min(len(text), block * MAX_KEYS), block)
+    for start in starts:
         h = hash((h, text[start:start + block]))
         keys.append(h)
-    return tuple(keys)
+    return tuple(keys), tuple(min(start + block, len(text)) for start in starts)
 
 
-def token_keys(prompt: list[Any], block: int = BLOCK_TOKENS) -> tuple[int, ...]:
-    """One cumulative key per ``block`` items of a tokenized prompt (ids, or anything else
-    llama-server takes in a list: by its JSON when it is not hashable)."""
+def _tokens(prompt: list[Any], block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     keys = []
     h = _TOKEN_SEED
-    for start in range(0, min(len(prompt), block * MAX_KEYS), block):
+    starts = range(0, min(len(prompt), block * MAX_KEYS), block)
+    for start in starts:
         part = prompt[start:start + block]
         try:
             h = hash((h, tuple(part)))
         except TypeError:  # dicts (multimodal prompts), lists: unhashable
             h = hash((h, _json(part)))
         keys.append(h)
-    return tuple(keys)
+    return tuple(keys), tuple(min(start + block, len(prompt)) * CHARS_PER_TOKEN
+                              for start in starts)
 
 
 def _json(value: Any) -> str:
@@ -175,7 +233,13 @@ def choose(loads: Sequence[tuple[int, int]], tables: Sequence[PrefixTable],
     the least busy (``MISS``). Every replica saturated: the holder still wins; a queue there
     costs no more than one elsewhere, and its cache is there.
     """
-    matches = [table.longest(keys) for table in tables] if keys else [0] * len(loads)
+    return choose_among(loads, [table.longest(keys) for table in tables] if keys
+                        else [0] * len(loads))
+
+
+def choose_among(loads: Sequence[tuple[int, int]], matches: Sequence[int]
+                 ) -> tuple[int, Decision]:
+    """``choose``, given how many keys of the request each replica holds (``matches``)."""
     longest = max(matches, default=0)
     if longest == 0:
         return least_busy(loads), MISS

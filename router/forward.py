@@ -18,7 +18,7 @@ from typing import Any
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
 
-from .affinity import request_keys
+from .affinity import Prefix, request_prefix
 from .errors import (
     BadRequest,
     ClientGone,
@@ -190,18 +190,20 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
             raise exc from None  # not this key's either: the 404 of the name it gave
     request.model_id = runtime.preset.id
     autoload = _autoload(request.params, sup.settings.models_autoload)
-    keys: tuple[int, ...] | None = None  # the prompt's prefix keys, for replicas (``affinity``)
+    prefix: Prefix | None = None  # the prompt's prefix, for replicas (``affinity``)
     if parsed is not None and runtime.preset.prefix_routing:
-        keys = request_keys(parsed) or None
+        prefix = request_prefix(parsed)
+        if not prefix.keys:
+            prefix = None
     if conv_id:  # a resumable stream: remember whose it is, also while the model loads
         state.conversations.claim(conv_id, runtime.id, request.key_hash, running=serves(sup))
     if runtime.serving:  # hot path: no waiting, no tasks
-        lease = await sup.acquire(model, autoload=autoload, budget=budget, keys=keys)
+        lease = await sup.acquire(model, autoload=autoload, budget=budget, prefix=prefix)
     else:
         waited = time.perf_counter()
         try:
             lease = await _acquire_unless_disconnected(
-                sup.acquire(model, autoload=autoload, budget=budget, keys=keys), receive,
+                sup.acquire(model, autoload=autoload, budget=budget, prefix=prefix), receive,
                 shutdown)
         finally:  # for the activity record, also when the wait failed
             request.queue_s = queued = time.perf_counter() - waited
@@ -219,6 +221,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         await relay(lease.child.connections, method, _target(scope), headers, body,
                     receive=receive, send=send, shutdown=shutdown, direct=direct_body(scope))
     finally:
+        lease.learn(request.sent_before, request.sent_last)
         lease.release()
 
 

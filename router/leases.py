@@ -1,13 +1,17 @@
 """The hot path's bookkeeping: a request holds one replica of a serving model while it runs.
 
 ``Leases.take`` picks a replica (the one with the most free slots, or by the request's prompt
-prefix keys when it has them: ``ModelRuntime.route``) and counts the request in flight,
+prefix when it has one: ``ModelRuntime.route``) and counts the request in flight,
 without awaiting anything, so nothing can stop the model between "it serves" and "it is in
 use". ``Lease.release`` gives it back exactly once, however the request ended. The owner (the
 supervisor) hears of the transitions it acts on through callbacks: a model's first request in
 flight (``on_busy``), its last one done (``on_idle``), and the last request of a replica that
 has left its model (a crash, a replacement) done (``on_replica_done``). A routing decision by
 prefix is reported to ``on_routed`` (the metrics), when set.
+
+A request routed by prefix also holds a ``pace.Ticket`` in its replica's backlog (its expected
+work); when its response has ended, the child's ``timings`` in its last chunks (as the request's
+context kept them) teach the replica's ``Pace`` (``Lease.learn``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import clock
+from .affinity import Prefix
 from .backend import Backend
+from .pace import Ticket, parse_timings
 from .runtime import ModelRuntime, Replica
+
+TAIL_BYTES = 4096  # of each of the last two body chunks: a stream's last event, then [DONE]
 
 ModelCallback = Callable[[ModelRuntime], None]
 RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
@@ -25,22 +33,33 @@ RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
 class Lease:
     """A request's hold on one replica; ``release()`` exactly once when the response ends."""
 
-    __slots__ = ("_leases", "_released", "replica", "runtime")
+    __slots__ = ("_leases", "_released", "replica", "runtime", "ticket")
 
-    def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica) -> None:
+    def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica,
+                 ticket: Ticket | None = None) -> None:
         self._leases = leases
         self.runtime = runtime
         self.replica = replica
+        self.ticket = ticket
         self._released = False
 
     @property
     def child(self) -> Backend:
         return self.replica.child
 
+    def learn(self, before: bytes, last: bytes) -> None:
+        """For a request routed by prefix, teach its replica's ``Pace`` from the child's
+        ``timings`` in the last two chunks of its response (``RequestContext.sent_before``,
+        ``sent_last``); call before ``release``."""
+        if self.ticket is not None and last and not self._released:
+            timings = parse_timings(before[-TAIL_BYTES:] + last[-TAIL_BYTES:])
+            if timings is not None:
+                self.replica.pace.learn(timings, self.ticket.chars)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._leases.release(self.runtime, self.replica)
+            self._leases.release(self.runtime, self.replica, self.ticket)
 
 
 class Leases:
@@ -52,27 +71,33 @@ class Leases:
         self.on_routed: RoutedCallback | None = None
 
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,
-             keys: tuple[int, ...] | None = None) -> Lease:
+             prefix: Prefix | None = None) -> Lease:
         """Hold ``replica`` of a serving model for one request; default: by the prompt's
-        prefix ``keys`` (``affinity``) when given, else the least busy."""
+        ``prefix`` (``affinity``, ``pace``) when given, else the least busy."""
+        ticket = None
+        now = clock.now()
         if replica is None:
-            if keys is None:
+            if prefix is None:
                 replica = runtime.pick_replica()
             else:
-                replica, decision = runtime.route(keys)
+                replica, decision, work = runtime.route(prefix, now)
+                ticket = replica.backlog.add(work, prefix.chars, now, runtime.slots)
                 if self.on_routed is not None:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
         runtime.in_flight += 1
-        runtime.last_used = clock.now()
+        runtime.last_used = now
         if runtime.in_flight == 1:
             self._on_busy(runtime)
-        return Lease(self, runtime, replica)
+        return Lease(self, runtime, replica, ticket)
 
-    def release(self, runtime: ModelRuntime, replica: Replica) -> None:
+    def release(self, runtime: ModelRuntime, replica: Replica,
+                ticket: Ticket | None = None) -> None:
         replica.in_flight -= 1
         runtime.in_flight -= 1
-        runtime.last_used = clock.now()
+        runtime.last_used = now = clock.now()
+        if ticket is not None:
+            replica.backlog.remove(ticket, now, runtime.slots)
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._on_replica_done(replica)
         if runtime.in_flight == 0:

@@ -5,7 +5,7 @@ by phase, the pending load) changes only through ``lifecycle.transition`` (``Exe
 A model has ``replicas`` children (1 unless its
 preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
 a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
-that served the longest prefix of their prompt.
+where their first token is expected soonest, counting the prompt it has cached (``pace``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .affinity import Decision, PrefixTable, choose
+from .affinity import Decision, Prefix, PrefixTable, choose_among
 from .backend import Backend
 from .lifecycle import ModelState, Status
 from .logs import LogRing
+from .pace import Backlog, Option, Pace, by_cost
 from .presets import ModelPreset
 from .scheduler import ModelSnapshot
 
@@ -50,6 +51,10 @@ class Replica:
     # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
     # as its KV cache does.
     prefixes: PrefixTable = field(default_factory=PrefixTable)
+    # How fast its child computes prompts and replies (learned from its responses' timings),
+    # and the expected work of the prefix-routed requests it holds (``pace``).
+    pace: Pace = field(default_factory=Pace)
+    backlog: Backlog = field(default_factory=Backlog)
 
 
 def slots(args: Mapping[str, str]) -> int:
@@ -191,16 +196,25 @@ class ModelRuntime:
         """The replica with the most free slots (ties: the first)."""
         return max(self.replicas, key=lambda r: self.slots - r.in_flight)
 
-    def route(self, keys: tuple[int, ...]) -> tuple[Replica, Decision]:
-        """The replica for a request with prompt prefix ``keys`` (``affinity.choose``), which
-        then remembers them."""
+    def route(self, prefix: Prefix, now: float) -> tuple[Replica, Decision, float]:
+        """The replica for a request with prompt ``prefix``, which then remembers its keys; the
+        decision, and the request's expected work there in seconds (``pace.by_cost``; until a
+        child has shown its speed, by load: ``affinity.choose``, and 0)."""
         replicas = self.replicas
         size = self.slots
-        index, decision = choose([(r.in_flight, size) for r in replicas],
-                                 [r.prefixes for r in replicas], keys)
+        keys = prefix.keys
+        matches = [r.prefixes.longest(keys) for r in replicas]
+        choice = by_cost([Option(match, r.in_flight, size,
+                                 r.backlog.wait(now, r.in_flight, size), r.pace)
+                          for match, r in zip(matches, replicas, strict=True)], prefix)
+        if choice is None:
+            index, decision = choose_among([(r.in_flight, size) for r in replicas], matches)
+            work = 0.0
+        else:
+            index, decision, work = choice.index, choice.decision, choice.work_s
         replica = replicas[index]
         replica.prefixes.record(keys)
-        return replica, decision
+        return replica, decision, work
 
 
 def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]:

@@ -27,6 +27,7 @@ import httpx
 from . import clock, reconfig
 from .accounting import Accounting
 from .admission import Admission
+from .affinity import Prefix
 from .backend import Backend
 from .changes import Changes
 from .cpugate import CpuGate
@@ -193,13 +194,13 @@ class Supervisor:
     # ----------------------------------------------------------------- requests
 
     async def acquire(self, name: str, *, autoload: bool = True, budget: float | None = None,
-                      keys: tuple[int, ...] | None = None) -> Lease:
+                      prefix: Prefix | None = None) -> Lease:
         """Wait until the model serves (loading it if allowed) and hold a replica for one
-        request (chosen by the prompt's prefix ``keys`` if given: ``affinity``). Raises
+        request (chosen by the prompt's ``prefix`` if given: ``affinity``). Raises
         ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
         runtime = self.resolve(name)
         if runtime.serving:
-            return self.leases.take(runtime, keys=keys)
+            return self.leases.take(runtime, prefix=prefix)
         if not autoload and runtime.status is Status.UNLOADED:
             raise ModelNotLoaded(runtime.id)
         if self.total_waiting >= self.settings.max_queue:
@@ -228,7 +229,7 @@ class Supervisor:
                         raise  # this request itself was cancelled (its client went away)
                     # The load was cancelled for a reconfiguration: start over with the new
                     # configuration (an unload ends the load with LoadFailed instead).
-            return self.leases.take(runtime, keys=keys)
+            return self.leases.take(runtime, prefix=prefix)
         finally:
             runtime.waiting -= 1
             if runtime.waiting == 0:

@@ -22,13 +22,16 @@ from router.affinity import (
     BLOCK_TOKENS,
     MAX_KEYS,
     MISS,
+    NO_PREFIX,
     OVERRIDE,
     PREFIX_HIT,
+    Prefix,
     PrefixTable,
     chat_keys,
     choose,
     least_busy,
     request_keys,
+    request_prefix,
     text_keys,
     token_keys,
 )
@@ -255,21 +258,21 @@ def test_leases_route_by_keys_record_them_and_report_the_decision() -> None:
     taken = leases()
     decisions: list[tuple[str, str]] = []
     taken.on_routed = lambda model, decision: decisions.append((model, decision))
-    first, second = chat_keys(turn(1)), chat_keys(turn(2))
+    first, second = (request_prefix({"messages": turn(n)}) for n in (1, 2))
     busy = taken.take(runtime)  # least busy, unrecorded: replica 0
-    one = taken.take(runtime, keys=first)  # replica 0 is full: replica 1
+    one = taken.take(runtime, prefix=first)  # replica 0 is full: replica 1
     assert (busy.replica, one.replica) == tuple(runtime.replicas)
     assert decisions == [("hot", MISS)]
-    assert runtime.replicas[1].prefixes.longest(second) == 2
+    assert runtime.replicas[1].prefixes.longest(second.keys) == 2
     busy.release()
     one.release()
-    follow_up = taken.take(runtime, keys=second)  # both idle: least busy would say 0
+    follow_up = taken.take(runtime, prefix=second)  # both idle: least busy would say 0
     assert follow_up.replica is runtime.replicas[1]
     assert decisions[-1] == ("hot", PREFIX_HIT)
-    again = taken.take(runtime, keys=second)  # replica 1 is full now, 0 is free
+    again = taken.take(runtime, prefix=second)  # replica 1 is full now, 0 is free
     assert again.replica is runtime.replicas[0]
     assert decisions[-1] == ("hot", OVERRIDE)
-    assert runtime.replicas[0].prefixes.longest(second) == 4  # the override remembers too
+    assert runtime.replicas[0].prefixes.longest(second.keys) == 4  # the override remembers too
     assert (runtime.in_flight, [r.in_flight for r in runtime.replicas]) == (2, [1, 1])
 
 
@@ -277,7 +280,7 @@ def test_an_explicit_replica_or_no_keys_bypass_the_table() -> None:
     runtime = runtime_with(2)
     taken = leases()
     taken.on_routed = lambda model, decision: pytest.fail("no routing decision expected")
-    lease = taken.take(runtime, runtime.replicas[1], keys=(1, 2))
+    lease = taken.take(runtime, runtime.replicas[1], prefix=Prefix((1, 2), (3, 6)))
     assert lease.replica is runtime.replicas[1] and len(runtime.replicas[1].prefixes) == 0
     assert taken.take(runtime).replica is runtime.replicas[0]
 
@@ -339,24 +342,24 @@ def test_changing_the_routing_updates_in_place_without_a_restart() -> None:
 
 
 class KeySupervisor:
-    """What ``forward.proxy`` asks of a supervisor; records the keys it is given."""
+    """What ``forward.proxy`` asks of a supervisor; records the prefix it is given."""
 
     settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True)
 
     def __init__(self, preset: ModelPreset) -> None:
         self.preset = preset
-        self.keys: list[tuple[int, ...] | None] = []
+        self.keys: list[Prefix | None] = []
 
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=self.preset, serving=True)
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      keys: tuple[int, ...] | None = None) -> None:
-        self.keys.append(keys)
+                      prefix: Prefix | None = None) -> None:
+        self.keys.append(prefix)
         raise ModelNotLoaded(model)
 
 
-async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> tuple[int, ...] | None:
+async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> Prefix | None:
     sup = KeySupervisor(preset)
     app = SimpleNamespace(state=SimpleNamespace(
         router=SimpleNamespace(supervisor=sup, shutdown=Shutdown(30.0), peers=None),
@@ -384,8 +387,9 @@ async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> tuple[int, .
 async def test_the_hot_path_passes_keys_only_for_models_routed_by_prefix() -> None:
     chat = {"messages": turn(2)}
     routed = ModelPreset(id="hot", args={}, replicas=2)
-    assert await keys_passed(routed, chat) == chat_keys(turn(2))
-    assert await keys_passed(routed, {"prompt": "abc"}) == text_keys("abc")
+    assert await keys_passed(routed, chat) == request_prefix(chat)
+    assert (await keys_passed(routed, chat) or NO_PREFIX).keys == chat_keys(turn(2))
+    assert await keys_passed(routed, {"prompt": "abc"}) == Prefix(text_keys("abc"), (3,))
     assert await keys_passed(routed, {"input": "embed"}) is None  # no prompt: least busy
     least = ModelPreset(id="hot", args={}, replicas=2, replica_routing="least-busy")
     assert await keys_passed(least, chat) is None

@@ -5,12 +5,19 @@ reused from its cache, which only the replica that served the previous turn has.
 To make the two routings disagree, the first turn is sent while replica 0 is busy with a long
 stream, so it lands on replica 1; with both idle again, least-busy picks replica 0 for the
 follow-up, prefix routing replica 1.
+
+When the replica holding a conversation is busy, prefix routing weighs the expected wait there
+against computing the whole prompt on the other (``router.pace``, from the timings of the
+child's earlier replies): a stream that asks for 14,000 tokens exactly (``ignore_eos``) is a long
+wait, so the follow-up goes elsewhere; one that does not say is expected to be as short as the
+replies so far, so the follow-up waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +57,28 @@ def follow_up(messages: list[dict[str, Any]], reply: dict[str, Any]) -> list[dic
             {"role": "user", "content": "And then?"}]
 
 
+def ask_alone(router: RouterProcess, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    with router.client() as client:
+        return ask(client, messages)
+
+
+def replica_loads(router: RouterProcess) -> list[int]:
+    return [r["in_flight"] for r in router.models()["alpha"]["status"]["replicas"]]  # type: ignore[index]
+
+
 def in_flight(router: RouterProcess) -> int:
     return int(router.models()["alpha"]["status"]["in_flight"])  # type: ignore[index]
 
 
 @contextlib.contextmanager
-def holding(router: RouterProcess, messages: list[dict[str, Any]]) -> Iterator[None]:
+def holding(router: RouterProcess, messages: list[dict[str, Any]],
+            declared: bool = True) -> Iterator[None]:
     """A long stream of ``messages`` in flight (its first bytes read) until the block ends;
-    then its client goes away, and the router has let its replica go."""
+    then its client goes away, and the router has let its replica go. ``declared``: it asks
+    for exactly ``HOLD_TOKENS`` (``ignore_eos``); else only for at most that many (the tiny
+    model never ends a reply early, so it runs as long)."""
     body = {"model": "alpha", "messages": messages, "max_tokens": HOLD_TOKENS,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": declared, "stream": True}
     with router.client() as client, \
             client.stream("POST", "/v1/chat/completions", json=body) as stream:
         assert stream.status_code == 200
@@ -138,3 +157,27 @@ def test_a_saturated_replica_is_bypassed_and_the_bypass_remembered(
         third = ask(client, follow_up(second_turn, second))
         assert third["timings"]["cache_n"] >= second["usage"]["prompt_tokens"], third["timings"]
         assert decisions(router) == {"miss": 1, "prefix_hit": 2, "override": 1}
+
+
+def test_a_follow_up_waits_for_its_busy_replica_when_that_costs_less_than_its_prompt_elsewhere(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    path = presets(tmp_path, tiny_models["long"], "prefix")
+    with start_router(tmp_path, "--presets", str(path)) as router, \
+            router.client() as client:
+        first = conversation("meadows")
+        reply = ask(client, first)  # both idle: replica 0, whose timings teach its pace
+        second_turn = follow_up(first, reply)
+        # Replica 0 streams the same conversation again, without saying for how long: the
+        # router expects a reply as long as the last one (8 tokens), and a wait for it shorter
+        # than computing the conversation's ~1,000 tokens on replica 1. (llama-server does not
+        # generate past what its client has read, so the follow-up runs once the stream ends.)
+        with ThreadPoolExecutor(1) as pool:
+            with holding(router, first, declared=False):
+                pending = pool.submit(ask_alone, router, second_turn)
+                # routed (to replica 0, queued behind the stream) while the stream runs
+                assert wait_until(lambda: pending.done() or replica_loads(router) == [2, 0],
+                                  timeout=30.0), replica_loads(router)
+            second = pending.result(timeout=60.0)
+        assert decisions(router) == {"miss": 1, "prefix_hit": 2}
+        assert second["timings"]["cache_n"] >= reply["usage"]["prompt_tokens"], \
+            second["timings"]

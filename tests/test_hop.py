@@ -78,9 +78,9 @@ class FakeSupervisor:
                                serving=True)
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      keys: tuple[int, ...] | None = None) -> SimpleNamespace:
+                      prefix: object = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None)
+                               release=lambda: None, learn=lambda before, last: None)
 
 
 @contextlib.asynccontextmanager

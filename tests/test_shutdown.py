@@ -86,7 +86,7 @@ class FakeSupervisor:
                                serving=model != "loading")
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      keys: tuple[int, ...] | None = None) -> SimpleNamespace:
+                      prefix: object = None) -> SimpleNamespace:
         if model == "loading":
             self.waiting += 1
             self.waits.set()
@@ -95,7 +95,7 @@ class FakeSupervisor:
             finally:
                 self.waiting -= 1
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None)
+                               release=lambda: None, learn=lambda before, last: None)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,202 @@
+"""How soon each replica of a model would start answering a request, from what its child has
+shown of its speed (pure: no I/O; the caller passes the time). Prefix routing weighs it.
+
+A follow-up turn is cheapest on the replica that holds its conversation (``affinity``): only the
+new messages need computing. But when that replica is busy, the turn waits there, and another
+replica would compute the whole conversation again. Which costs less depends on how long the
+wait is and how fast a prompt is computed, so both are measured:
+
+* ``Timings``: what llama-server reports at the end of every completion (``"timings"``: the
+  prompt tokens it computed, ``prompt_n``, in ``prompt_ms``; those it took from its cache,
+  ``cache_n``; the tokens it generated, ``predicted_n``, in ``predicted_ms``), read from the
+  last bytes of a response (``parse_timings``).
+* ``Pace``: one replica's running estimates (exponentially weighted, ``WEIGHT`` for the newest
+  sample): seconds per character of prompt computed, seconds per generated token, tokens per
+  reply.
+* ``Backlog``: the requests a replica was given and has not answered, each with its expected
+  work (``Ticket``: computing its uncached prompt, then its reply), started in arrival order as
+  slots free (llama-server queues the rest in order): ``remaining`` is what is left of it all.
+* ``by_cost``: the replica where the request's first token is expected soonest: the wait for a
+  slot (when all its slots are taken: the backlog's remaining work over its slots) plus
+  computing the part of the prompt it has not cached. A replica whose child has reported
+  nothing yet is taken to be as fast as its siblings; with no estimate at all, None (the caller
+  keeps the rule by load, ``affinity.choose``).
+
+A reply's expected length is the request's ``max_tokens`` when it asks for exactly that many
+(``ignore_eos``), else the replica's typical reply, at most ``max_tokens``. A request that runs
+longer than expected counts as about to end until it does; its timings then teach the estimates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from .affinity import MISS, OVERRIDE, PREFIX_HIT, Decision, Prefix
+
+WEIGHT: Final = 0.3  # of the newest sample in a running estimate
+# A prompt computation shorter than this says more about fixed costs than about speed.
+MIN_PROMPT_TOKENS: Final = 64
+
+_TIMINGS = re.compile(rb'"timings"\s*:\s*\{([^{}]*)\}')
+_FIELD = re.compile(rb'"(prompt_n|prompt_ms|cache_n|predicted_n|predicted_ms)"\s*:\s*'
+                    rb'(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)')
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    prompt_n: int = 0  # prompt tokens computed
+    prompt_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens taken from the cache
+    predicted_n: int = 0  # tokens generated
+    predicted_ms: float = 0.0
+
+
+def parse_timings(tail: bytes) -> Timings | None:
+    """The last ``"timings"`` object in ``tail`` (the end of a response body or stream); None
+    when there is none. Fields missing or malformed count as 0."""
+    found = list(_TIMINGS.finditer(tail))
+    if not found:
+        return None
+    values: dict[str, float] = {}
+    for match in _FIELD.finditer(found[-1].group(1)):
+        values[match.group(1).decode()] = float(match.group(2))
+    return Timings(int(values.get("prompt_n", 0)), values.get("prompt_ms", 0.0),
+                   int(values.get("cache_n", 0)), int(values.get("predicted_n", 0)),
+                   values.get("predicted_ms", 0.0))
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else old + WEIGHT * (new - old)
+
+
+@dataclass(slots=True)
+class Pace:
+    """One replica's running estimates; None until its child has shown them."""
+
+    prompt_s_per_char: float | None = None
+    token_s: float | None = None  # per generated token
+    reply_tokens: float | None = None  # tokens per reply
+
+    def learn(self, timings: Timings, chars: int) -> None:
+        """Take in the timings of a completion whose prompt had ``chars`` characters."""
+        total = timings.prompt_n + timings.cache_n
+        if timings.prompt_n >= MIN_PROMPT_TOKENS and chars > 0 and timings.prompt_ms > 0:
+            computed = chars * timings.prompt_n / total  # the characters it did not have
+            self.prompt_s_per_char = _blend(self.prompt_s_per_char,
+                                            timings.prompt_ms / 1000.0 / computed)
+        if timings.predicted_n > 0 and timings.predicted_ms > 0:
+            self.token_s = _blend(self.token_s,
+                                  timings.predicted_ms / 1000.0 / timings.predicted_n)
+        if total > 0 or timings.predicted_n > 0:  # a completion, even of an empty reply
+            self.reply_tokens = _blend(self.reply_tokens, timings.predicted_n)
+
+    def reply_s(self, prefix: Prefix) -> float:
+        """Expected seconds to generate the request's reply (0 while unknown)."""
+        if self.token_s is None:
+            return 0.0
+        tokens = self.reply_tokens or 0.0
+        if prefix.max_tokens is not None:
+            tokens = prefix.max_tokens if prefix.to_the_end else min(tokens, prefix.max_tokens)
+        return tokens * self.token_s
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request's expected work on a replica (seconds), and when it got a slot."""
+
+    work_s: float
+    chars: int  # its prompt's, to learn from its timings
+    started: float | None = None  # None: queued in the child behind the others
+
+
+@dataclass(slots=True)
+class Backlog:
+    """The requests a replica is working on or has queued, oldest first."""
+
+    tickets: list[Ticket] = field(default_factory=list)
+
+    def add(self, work_s: float, chars: int, now: float, slots: int) -> Ticket:
+        ticket = Ticket(work_s, chars)
+        if self.running() < slots:
+            ticket.started = now
+        self.tickets.append(ticket)
+        return ticket
+
+    def remove(self, ticket: Ticket, now: float, slots: int) -> None:
+        """``ticket``'s request ended: the oldest queued one takes its slot."""
+        self.tickets.remove(ticket)
+        if self.running() < slots:
+            for queued in self.tickets:
+                if queued.started is None:
+                    queued.started = now
+                    break
+
+    def running(self) -> int:
+        return sum(t.started is not None for t in self.tickets)
+
+    def remaining(self, now: float) -> float:
+        """Seconds of expected work left: what the running requests have not done yet (0 for
+        one past its estimate) and all of the queued ones."""
+        return sum(t.work_s if t.started is None else max(0.0, t.work_s - (now - t.started))
+                   for t in self.tickets)
+
+    def wait(self, now: float, in_flight: int, slots: int) -> float:
+        """Expected seconds before a new request gets a slot: none while one is free."""
+        return 0.0 if in_flight < slots else self.remaining(now) / slots
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One replica as ``by_cost`` sees it."""
+
+    match: int  # how many of the request's keys it holds (``PrefixTable.longest``)
+    in_flight: int
+    slots: int
+    wait_s: float  # ``Backlog.wait``
+    pace: Pace
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    decision: Decision
+    first_token_s: float  # expected: the wait plus its prompt's uncached part
+    work_s: float  # expected: its uncached prompt and its reply, for its ``Ticket``
+
+
+def by_cost(options: Sequence[Option], prefix: Prefix) -> Choice | None:
+    """The replica where the request's first token is expected soonest (ties: the longest
+    prefix, then the most free slots, then the first); None while no replica's child has
+    shown its prompt speed. The decision: ``MISS`` when no replica holds a prefix of it,
+    ``PREFIX_HIT`` when the chosen one holds the longest, else ``OVERRIDE``."""
+    known = [o.pace.prompt_s_per_char for o in options if o.pace.prompt_s_per_char is not None]
+    if not known:
+        return None
+    sibling = sum(known) / len(known)
+    best: tuple[float, int, int, int] | None = None
+    for index, option in enumerate(options):
+        speed = option.pace.prompt_s_per_char
+        cached = prefix.sizes[option.match - 1] if option.match else 0
+        cost = option.wait_s + (prefix.chars - cached) * (sibling if speed is None else speed)
+        rank = (cost, -option.match, option.in_flight - option.slots, index)
+        if best is None or rank < best:
+            best = rank
+    assert best is not None
+    cost, _, _, index = best
+    chosen = options[index]
+    longest = max(o.match for o in options)
+    decision: Decision = (MISS if longest == 0 else PREFIX_HIT if chosen.match == longest
+                          else OVERRIDE)
+    pace = chosen.pace if chosen.pace.token_s is not None else _reply_pace(options)
+    return Choice(index, decision, cost, cost - chosen.wait_s + pace.reply_s(prefix))
+
+
+def _reply_pace(options: Sequence[Option]) -> Pace:
+    """A sibling's pace of generation, for a replica that has shown none."""
+    for option in options:
+        if option.pace.token_s is not None:
+            return option.pace
+    return Pace()
