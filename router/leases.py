@@ -54,7 +54,8 @@ class Lease:
         if self.ticket is not None and last and not self._released:
             timings = parse_timings(before[-TAIL_BYTES:] + last[-TAIL_BYTES:])
             if timings is not None:
-                self.replica.pace.learn(timings, self.ticket.chars)
+                self.replica.pace.learn(timings, self.ticket.chars,
+                                        self.ticket.cached_chars)
 
     def release(self) -> None:
         if not self._released:
@@ -80,8 +81,8 @@ class Leases:
             if prefix is None:
                 replica = runtime.pick_replica()
             else:
-                replica, decision, work = runtime.route(prefix, now)
-                ticket = replica.backlog.add(work, prefix.chars, now, runtime.slots)
+                replica, decision, work, cached = runtime.route(prefix, now)
+                ticket = replica.backlog.add(work, prefix.chars, cached, now, runtime.slots)
                 if self.on_routed is not None:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1

@@ -12,15 +12,17 @@ wait is and how fast a prompt is computed, so both are measured:
   last bytes of a response (``parse_timings``).
 * ``Pace``: one replica's running estimates (exponentially weighted, ``WEIGHT`` for the newest
   sample): seconds per character of prompt computed, seconds per generated token, tokens per
-  reply.
+  reply, and how much of the prefix its table says it holds it really had in its cache
+  (``reuse``: a child whose cache is too small for the conversations sent to it shows less
+  than its table promises).
 * ``Backlog``: the requests a replica was given and has not answered, each with its expected
   work (``Ticket``: computing its uncached prompt, then its reply), started in arrival order as
   slots free (llama-server queues the rest in order): ``remaining`` is what is left of it all.
 * ``by_cost``: the replica where the request's first token is expected soonest: the wait for a
   slot (when all its slots are taken: the backlog's remaining work over its slots) plus
-  computing the part of the prompt it has not cached. A replica whose child has reported
-  nothing yet is taken to be as fast as its siblings; with no estimate at all, None (the caller
-  keeps the rule by load, ``affinity.choose``).
+  computing the part of the prompt it has not cached (its prefix times its ``reuse``). A
+  replica whose child has reported nothing yet is taken to be as fast as its siblings; with no
+  estimate at all, None (the caller keeps the rule by load, ``affinity.choose``).
 
 A reply's expected length is the request's ``max_tokens`` when it asks for exactly that many
 (``ignore_eos``), else the replica's typical reply, at most ``max_tokens``. A request that runs
@@ -79,10 +81,15 @@ class Pace:
     prompt_s_per_char: float | None = None
     token_s: float | None = None  # per generated token
     reply_tokens: float | None = None  # tokens per reply
+    reuse: float = 1.0  # of the prefix its table holds, the share its cache had
 
-    def learn(self, timings: Timings, chars: int) -> None:
-        """Take in the timings of a completion whose prompt had ``chars`` characters."""
+    def learn(self, timings: Timings, chars: int, expected_cached: int = 0) -> None:
+        """Take in the timings of a completion whose prompt had ``chars`` characters, of which
+        the replica's table said it held ``expected_cached``."""
         total = timings.prompt_n + timings.cache_n
+        if expected_cached > 0 and total > 0:
+            found = chars * timings.cache_n / total
+            self.reuse = _blend(self.reuse, min(1.0, found / expected_cached))
         if timings.prompt_n >= MIN_PROMPT_TOKENS and chars > 0 and timings.prompt_ms > 0:
             computed = chars * timings.prompt_n / total  # the characters it did not have
             self.prompt_s_per_char = _blend(self.prompt_s_per_char,
@@ -109,6 +116,7 @@ class Ticket:
 
     work_s: float
     chars: int  # its prompt's, to learn from its timings
+    cached_chars: int = 0  # of those, what the replica's table said it held
     started: float | None = None  # None: queued in the child behind the others
 
 
@@ -118,8 +126,9 @@ class Backlog:
 
     tickets: list[Ticket] = field(default_factory=list)
 
-    def add(self, work_s: float, chars: int, now: float, slots: int) -> Ticket:
-        ticket = Ticket(work_s, chars)
+    def add(self, work_s: float, chars: int, cached_chars: int, now: float,
+            slots: int) -> Ticket:
+        ticket = Ticket(work_s, chars, cached_chars)
         if self.running() < slots:
             ticket.started = now
         self.tickets.append(ticket)
@@ -179,7 +188,7 @@ def by_cost(options: Sequence[Option], prefix: Prefix) -> Choice | None:
     best: tuple[float, int, int, int] | None = None
     for index, option in enumerate(options):
         speed = option.pace.prompt_s_per_char
-        cached = prefix.sizes[option.match - 1] if option.match else 0
+        cached = prefix.sizes[option.match - 1] * option.pace.reuse if option.match else 0.0
         cost = option.wait_s + (prefix.chars - cached) * (sibling if speed is None else speed)
         rank = (cost, -option.match, option.in_flight - option.slots, index)
         if best is None or rank < best:

@@ -196,10 +196,11 @@ class ModelRuntime:
         """The replica with the most free slots (ties: the first)."""
         return max(self.replicas, key=lambda r: self.slots - r.in_flight)
 
-    def route(self, prefix: Prefix, now: float) -> tuple[Replica, Decision, float]:
+    def route(self, prefix: Prefix, now: float) -> tuple[Replica, Decision, float, int]:
         """The replica for a request with prompt ``prefix``, which then remembers its keys; the
-        decision, and the request's expected work there in seconds (``pace.by_cost``; until a
-        child has shown its speed, by load: ``affinity.choose``, and 0)."""
+        decision, the request's expected work there in seconds (``pace.by_cost``; until a
+        child has shown its speed, by load: ``affinity.choose``, and 0), and the characters of
+        its prompt that replica's table holds."""
         replicas = self.replicas
         size = self.slots
         keys = prefix.keys
@@ -214,7 +215,7 @@ class ModelRuntime:
             index, decision, work = choice.index, choice.decision, choice.work_s
         replica = replicas[index]
         replica.prefixes.record(keys)
-        return replica, decision, work
+        return replica, decision, work, prefix.sizes[matches[index] - 1] if matches[index] else 0
 
 
 def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]:

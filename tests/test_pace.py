@@ -101,8 +101,8 @@ def test_the_reply_bound_comes_from_the_request() -> None:
 
 def test_the_backlog_serves_in_order_and_counts_what_is_left() -> None:
     backlog = Backlog()
-    first = backlog.add(4.0, 100, now=0.0, slots=1)
-    second = backlog.add(3.0, 100, now=0.0, slots=1)
+    first = backlog.add(4.0, 100, 0, now=0.0, slots=1)
+    second = backlog.add(3.0, 100, 0, now=0.0, slots=1)
     assert (first.started, second.started) == (0.0, None)
     assert backlog.remaining(1.0) == pytest.approx(3.0 + 3.0)
     assert backlog.wait(1.0, in_flight=2, slots=1) == pytest.approx(6.0)
@@ -116,7 +116,7 @@ def test_the_backlog_serves_in_order_and_counts_what_is_left() -> None:
 
 def test_a_backlog_with_several_slots_starts_as_many_and_shares_the_wait() -> None:
     backlog = Backlog()
-    tickets = [backlog.add(2.0, 1, now=0.0, slots=2) for _ in range(3)]
+    tickets = [backlog.add(2.0, 1, 0, now=0.0, slots=2) for _ in range(3)]
     assert [t.started for t in tickets] == [0.0, 0.0, None]
     assert backlog.wait(0.0, in_flight=3, slots=2) == pytest.approx(6.0 / 2)
     backlog.remove(tickets[1], now=1.0, slots=2)
@@ -199,10 +199,10 @@ def timings_event(timings: Timings) -> bytes:
 
 
 async def simulate(policy: str, monkeypatch: pytest.MonkeyPatch, conversations: int = 8,
-                   turns: int = 3, seed: int = 0) -> tuple[list[float], int]:
+                   turns: int = 3, seed: int = 0, room: int = 8) -> tuple[list[float], int]:
     """Run ``conversations`` for ``turns`` on two one-slot replicas, each turn's requests
-    arriving together in a shuffled order; each replica is a FIFO server that keeps every
-    prompt it computed (llama-server's slot plus ``--cache-ram``). ``policy``: ``cost`` (the
+    arriving together in a shuffled order; each replica is a FIFO server that keeps the last
+    ``room`` prompts it computed (llama-server's slot, ``--cache-ram``). ``policy``: ``cost`` (the
     replicas learn from the timings), ``rule`` (they never do: ``affinity.choose``), or
     ``least-busy``. Returns the follow-up turns' times to first token and how many of them
     found their conversation cached."""
@@ -236,7 +236,10 @@ async def simulate(policy: str, monkeypatch: pytest.MonkeyPatch, conversations: 
             start = max(free_at[index], arrived)
             first_token = start + (tokens - hit) * PROMPT_S
             free_at[index] = first_token + REPLY_TOKENS * TOKEN_S
+            cached[index].pop(conv, None)
             cached[index][conv] = tokens
+            while len(cached[index]) > room:  # the least recently computed goes first
+                del cached[index][next(iter(cached[index]))]
             if turn:
                 follow_ups.append(first_token - arrived)
                 reused += hit >= tokens // 2
@@ -304,3 +307,30 @@ def test_only_a_request_routed_by_prefix_holds_a_ticket_and_teaches_its_replica(
     assert routed.replica.backlog.tickets == [] and runtime.in_flight == 0
     assert routed.replica.pace.prompt_s_per_char == pytest.approx(0.825 / (4140 * 100 / 1100))
     assert runtime.replicas[1].pace == Pace()
+
+
+async def test_a_replica_whose_cache_keeps_too_little_is_soon_not_trusted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica keeps only the prompt in its slot (no room in RAM): its table promises
+    prefixes its cache no longer has. By cost, the replicas learn that from ``cache_n`` and the
+    follow-ups start no later than with least-busy, and sooner than by the rule at p95."""
+    pooled: dict[str, list[float]] = {"cost": [], "rule": [], "least-busy": []}
+    for seed in range(10):
+        for policy, times in pooled.items():
+            times += (await simulate(policy, monkeypatch, seed=seed, room=1))[0]
+    cost, rule, busy = pooled.values()
+    assert p(cost, 50) <= 1.05 * min(p(rule, 50), p(busy, 50)), pooled
+    assert p(cost, 95) <= 1.05 * p(busy, 95) and p(cost, 95) < p(rule, 95), pooled
+
+
+def test_reuse_is_learned_from_what_the_cache_had() -> None:
+    pace = Pace()
+    pace.learn(Timings(prompt_n=1000, prompt_ms=100.0, cache_n=10), chars=4040,
+               expected_cached=4000)  # the table promised 4,000 characters: 40 were there
+    assert pace.reuse == pytest.approx(0.7 + 0.3 * (4040 * 10 / 1010 / 4000))
+    pace.learn(Timings(prompt_n=10, prompt_ms=1.0, cache_n=1000), chars=4040,
+               expected_cached=4000)
+    assert pace.reuse > 0.7
+    before = pace.reuse
+    pace.learn(Timings(prompt_n=1000, prompt_ms=100.0), chars=4000)  # nothing promised
+    assert pace.reuse == before
