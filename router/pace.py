@@ -100,6 +100,15 @@ class Pace:
         if total > 0 or timings.predicted_n > 0:  # a completion, even of an empty reply
             self.reply_tokens = _blend(self.reply_tokens, timings.predicted_n)
 
+    def describe(self) -> dict[str, float | None]:
+        """For ``/models``: the estimates in milliseconds (per 1,000 prompt characters, per
+        generated token), None where nothing was measured yet."""
+        def ms(value: float | None, scale: float) -> float | None:
+            return None if value is None else round(value * scale, 3)
+        return {"prompt_ms_per_kchar": ms(self.prompt_s_per_char, 1e6),
+                "token_ms": ms(self.token_s, 1e3),
+                "reply_tokens": ms(self.reply_tokens, 1.0), "reuse": round(self.reuse, 3)}
+
     def reply_s(self, prefix: Prefix) -> float:
         """Expected seconds to generate the request's reply (0 while unknown)."""
         if self.token_s is None:

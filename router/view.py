@@ -34,6 +34,9 @@ class ReplicaView:
     base_url: str
     missed_checks: int  # health checks missed in a row (``liveness``)
     cpu: dict[str, Any] | None  # its CPU placement, when the router placed it
+    # What prefix routing measured of it (``pace.Pace.describe``, and its queued work); None
+    # for a model not routed by prefix
+    pace: dict[str, Any] | None = None
 
 
 class ModelView:
@@ -114,8 +117,12 @@ class ModelView:
 
     def replicas(self) -> list[ReplicaView]:
         missed = self._sup.liveness.missed
+        routed = self._runtime.preset.prefix_routing
+        now = clock.now()
         return [ReplicaView(r.child.pid, r.child.port, r.in_flight, r.child.base_url,
-                            missed(r.child), r.child.cpu.describe() if r.child.cpu else None)
+                            missed(r.child), r.child.cpu.describe() if r.child.cpu else None,
+                            {**r.pace.describe(), "backlog_s": round(r.backlog.remaining(now), 3)}
+                            if routed else None)
                 for r in self._runtime.replicas]
 
     def serves_through(self, child: object) -> bool:
@@ -158,7 +165,8 @@ class ModelView:
                 status["cpu"]["paused"] = True  # waiting for its turn on the CPU
         if preset.replicas > 1 or len(runtime.replicas) > 1:
             status["replicas"] = [{"pid": r.pid, "port": r.port, "in_flight": r.in_flight,
-                                   **({"cpu": r.cpu} if r.cpu else {})}
+                                   **({"cpu": r.cpu} if r.cpu else {}),
+                                   **({"pace": r.pace} if r.pace is not None else {})}
                                   for r in self.replicas()]
         if runtime.status is Status.STOPPING:
             status["stopping"] = True

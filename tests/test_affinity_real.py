@@ -136,6 +136,7 @@ def test_a_follow_up_turn_goes_to_the_replica_that_has_its_prefix_unless_least_b
         assert second["timings"]["cache_n"] < reply["usage"]["prompt_tokens"] // 2, \
             second["timings"]
         assert decisions(router) == {"miss": 2, "prefix_hit": 1}  # not routed by prefix
+        assert all("pace" not in r for r in router.models()["alpha"]["status"]["replicas"])  # type: ignore[index]
 
 
 def test_a_saturated_replica_is_bypassed_and_the_bypass_remembered(
@@ -167,6 +168,10 @@ def test_a_follow_up_waits_for_its_busy_replica_when_that_costs_less_than_its_pr
         first = conversation("meadows")
         reply = ask(client, first)  # both idle: replica 0, whose timings teach its pace
         second_turn = follow_up(first, reply)
+        learned, untaught = (r["pace"] for r in router.models()["alpha"]["status"]["replicas"])  # type: ignore[index]
+        assert learned["prompt_ms_per_kchar"] > 0 and learned["token_ms"] > 0, learned
+        assert learned["reply_tokens"] == 8 and learned["reuse"] == 1.0, learned
+        assert untaught["prompt_ms_per_kchar"] is None and untaught["backlog_s"] == 0, untaught
         # Replica 0 streams the same conversation again, without saying for how long: the
         # router expects a reply as long as the last one (8 tokens), and a wait for it shorter
         # than computing the conversation's ~1,000 tokens on replica 1. (llama-server does not
