@@ -146,6 +146,11 @@ class Config:
     conversations: int = 4  # concurrent conversations of the multi-turn phase
     turns: int = 3  # turns per conversation (the first one is not a follow-up)
     multiturn_reps: int = 1  # runs of the multi-turn workload per target
+    # The multi-turn phase's saturated configuration instead (benchmarks.multiturn), and a
+    # llama-router source tree whose prefix routing it also runs (before/after in one run)
+    multiturn_saturated: bool = False
+    multiturn_baseline: Path | None = None
+    multiturn_cache_ram: int | None = 512  # the saturated configuration's cache-ram (MiB)
     # The relay phase (benchmarks.relay): concurrent streams per run, events per run (all
     # streams together), interleaved rounds; None: the phase's defaults
     relay_streams: tuple[int, ...] | None = None
@@ -756,7 +761,9 @@ class Bench:
                                 cwd=self.workdir)
         return item, f"http://127.0.0.1:{port}"
 
-    def _start_router(self, presets: Path, name: str) -> tuple[Managed, str]:
+    def _start_router(self, presets: Path, name: str,
+                      src: Path | None = None) -> tuple[Managed, str]:
+        """llama-router on ``presets``, from the source tree ``src`` if given."""
         port = free_port()
         level = self.cfg.router_log_level
         item = self.procs.start(name, [sys.executable, "-m", "router.cli", "serve",
@@ -764,7 +771,7 @@ class Bench:
                                        "--models-max", "1",
                                        *(["--log-level", level] if level else []),
                                        "--llama-server", str(self.binary)],
-                                cwd=self.cfg.router_src or ROOT)
+                                cwd=src or self.cfg.router_src or ROOT)
         return item, f"http://127.0.0.1:{port}"
 
     def lc_cpu_keys(self) -> list[str]:
@@ -1265,8 +1272,16 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         if "multiturn" in cfg.phases and cfg.multiturn_reps > 0:
             from . import multiturn
 
-            turns = multiturn.Settings.quick() if cfg.quick else multiturn.Settings(
-                conversations=cfg.conversations, turns=cfg.turns, reps=cfg.multiturn_reps)
+            if cfg.multiturn_saturated:
+                turns = multiturn.Settings.saturated(cfg.multiturn_reps,
+                                                     cfg.multiturn_baseline)
+                turns.cache_ram_mib = cfg.multiturn_cache_ram
+                if cfg.quick:
+                    turns.system_words, turns.max_tokens, turns.turns = 80, 4, 2
+            else:
+                turns = multiturn.Settings.quick() if cfg.quick else multiturn.Settings(
+                    conversations=cfg.conversations, turns=cfg.turns, reps=cfg.multiturn_reps,
+                    baseline_src=cfg.multiturn_baseline)
             phases["multiturn"] = multiturn.run_phase(bench, turns)
             took("multiturn")
         if "sharing" in cfg.phases and cfg.sharing_reps > 0:
@@ -1401,6 +1416,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="turns per conversation of the multi-turn phase (default 3)")
     parser.add_argument("--multiturn-reps", type=int,
                         help="runs of the multi-turn workload per target (default 1; 0 skips)")
+    parser.add_argument("--multiturn-saturated", action="store_true",
+                        help="the multi-turn phase's saturated configuration: 8 conversations "
+                        "of ~1,000 tokens at once, shuffled each turn, two one-slot replicas")
+    parser.add_argument("--multiturn-cache-ram",
+                        help="each child's cache-ram in MiB in the saturated configuration "
+                        "(default 512; 'default': the router's own, one KV cache's worth)")
+    parser.add_argument("--multiturn-baseline", type=Path,
+                        help="also run the multi-turn phase's prefix routing from this "
+                        "llama-router source tree (before/after in one run)")
     parser.add_argument("--relay-streams",
                         help="comma list of concurrent streams of the relay phase "
                         "(default 8,64,256)")
@@ -1476,6 +1500,18 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.router_src / "router" / "cli.py").is_file():
             parser.error(f"--router-src: no router/cli.py in {args.router_src}")
         cfg.router_src = args.router_src.resolve()
+    cfg.multiturn_saturated = args.multiturn_saturated
+    if args.multiturn_cache_ram is not None:
+        if args.multiturn_cache_ram == "default":
+            cfg.multiturn_cache_ram = None
+        elif args.multiturn_cache_ram.isdigit():
+            cfg.multiturn_cache_ram = int(args.multiturn_cache_ram)
+        else:
+            parser.error("--multiturn-cache-ram: a number of MiB, or 'default'")
+    if args.multiturn_baseline is not None:
+        if not (args.multiturn_baseline / "router" / "cli.py").is_file():
+            parser.error(f"--multiturn-baseline: no router/cli.py in {args.multiturn_baseline}")
+        cfg.multiturn_baseline = args.multiturn_baseline.resolve()
     if args.stall_bound is not None:
         if args.stall_bound <= 0:
             parser.error("--stall-bound must be positive")

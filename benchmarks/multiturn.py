@@ -22,6 +22,19 @@ Measured: time to the first content token of every turn, and from each reply's `
 how many prompt tokens the child took from its cache. Target: follow-up TTFT p50 with prefix
 routing at most half of least-busy's.
 
+The saturated configuration (``Settings.saturated``, ``--multiturn-saturated``): 8
+conversations of ~1,000-token system prompts on two replicas of one slot each (``parallel =
+1``), in lock-step: each turn, every conversation's next message arrives at once, in an order
+shuffled each turn (``ARRIVAL_GAP_S`` apart, the same orders for every target), and the next turn
+starts when all are answered. A replica then holds four conversations, one in its slot and the
+rest in its prompt cache (``cache-ram = 512`` MiB: the router's default, one KV cache's worth,
+~46 MiB here, keeps about two of these prompts, so most follow-ups would find nothing to reuse
+whatever the routing), and a follow-up whose replica is busy either waits there or has its
+whole conversation computed again on the other: what ``replica-routing = prefix`` weighs. Its
+targets: ``prefix``, ``least_busy`` and, with ``--multiturn-baseline SRC``, ``baseline``: prefix
+routing as the llama-router in source tree SRC does it (before/after in one run). Target:
+follow-up TTFT p50 and p95 with prefix routing below least-busy's and the baseline's.
+
 The ``replica-routing`` preset key is llama-router's; a router that does not accept it yet
 (it exits naming the key) gets the least-busy run without the key (its only policy then) and
 the prefix run is reported as not run.
@@ -33,6 +46,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -53,14 +67,17 @@ if TYPE_CHECKING:
     from .bench import Bench
 
 PREFIX, LEAST_BUSY, LLAMACPP_ONE = "prefix", "least_busy", "llamacpp_router"
-TARGETS = (PREFIX, LEAST_BUSY, LLAMACPP_ONE)
+BASELINE = "baseline"
+TARGETS = (PREFIX, BASELINE, LEAST_BUSY, LLAMACPP_ONE)
 LABELS = {PREFIX: "llama-router, replica-routing = prefix",
+          BASELINE: "llama-router (baseline source), replica-routing = prefix",
           LEAST_BUSY: "llama-router, replica-routing = least-busy",
           LLAMACPP_ONE: "llama.cpp router, one child"}
 ROUTING_KEY = "replica-routing"
 MODEL = "chat"
 SLOT_CTX = 2048
 START_GAP_S = 0.5
+ARRIVAL_GAP_S = 0.01  # between a turn's requests in the saturated configuration
 THINK_S = (0.3, 2.5)
 QUESTIONS = ("In one sentence, what are these notes about?",
              "Which word appears most often in them?",
@@ -85,11 +102,21 @@ class Settings:
     system_words: int = 1340  # ~1,500 tokens of SmolLM2's tokenizer
     max_tokens: int = 24  # per reply
     pace: float = 1.0  # scales the start gaps and think times (quick runs: 0.1)
+    parallel: int | None = None  # slots per child; None: one per conversation
+    together: bool = False  # lock-step turns, shuffled (the saturated configuration)
+    baseline_src: Path | None = None  # a llama-router source tree for the ``baseline`` target
+    cache_ram_mib: int | None = None  # each child's --cache-ram; None: the router's default
 
     @classmethod
     def quick(cls) -> Settings:
         return cls(conversations=2, turns=2, reps=1, system_words=80, max_tokens=4,
                    pace=0.1)
+
+    @classmethod
+    def saturated(cls, reps: int = 1, baseline_src: Path | None = None) -> Settings:
+        """8 conversations of ~1,000 tokens, 3 turns, on two replicas of one slot each."""
+        return cls(conversations=8, turns=3, reps=reps, system_words=890, parallel=1,
+                   together=True, baseline_src=baseline_src, cache_ram_mib=512)
 
 
 def system_prompt(tag: str, words: int) -> str:
@@ -149,7 +176,34 @@ async def conversation(url: str, tag: str, index: int, s: Settings) -> list[Turn
     return turns
 
 
+async def together(url: str, tag: str, s: Settings) -> list[list[Turn]]:
+    """Lock-step turns: each turn every conversation's next message at once, in a shuffled
+    order (the same orders for every target)."""
+    chats = [[{"role": "system", "content": system_prompt(f"{tag}-{i}", s.system_words)}]
+             for i in range(s.conversations)]
+    turns: list[list[Turn]] = [[] for _ in chats]
+    shuffle = random.Random(0)
+    limits = httpx.Limits(max_connections=s.conversations)
+
+    async def one(client: httpx.AsyncClient, index: int, delay: float, turn: int) -> None:
+        await asyncio.sleep(delay)
+        chats[index].append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+        result = await stream_turn(client, url, chats[index], s.max_tokens)
+        turns[index].append(result)
+        chats[index].append({"role": "assistant", "content": result.text})
+
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False, limits=limits) as client:
+        for turn in range(s.turns):
+            order = list(range(s.conversations))
+            shuffle.shuffle(order)
+            await asyncio.gather(*(one(client, index, rank * ARRIVAL_GAP_S, turn)
+                                   for rank, index in enumerate(order)))
+    return turns
+
+
 async def workload(url: str, tag: str, s: Settings) -> list[list[Turn]]:
+    if s.together:
+        return await together(url, tag, s)
     return list(await asyncio.gather(*(conversation(url, f"{tag}-{i}", i, s)
                                        for i in range(s.conversations))))
 
@@ -165,14 +219,18 @@ class MultiTurnBench:
     def _presets(self, name: str, extra: list[str]) -> Any:
         smol = find_smollm2()
         assert smol is not None
-        n = self.s.conversations
+        n = self.s.parallel or self.s.conversations
+        if self.s.cache_ram_mib is not None:
+            extra = [*extra, f"cache-ram = {self.s.cache_ram_mib}"]
         return write_presets(self.bench.workdir / f"multiturn-{name}.ini", {MODEL: smol},
                              extra, parallel=n, ctx_size=n * SLOT_CTX)
 
-    def _start_router(self, name: str, routing: str | None) -> str | None:
+    def _start_router(self, name: str, routing: str | None,
+                      src: Path | None = None) -> str | None:
         """Start llama-router with ``replica-routing = routing``; None if it refuses the key."""
         extra = ["replicas = 2", *([f"{ROUTING_KEY} = {routing}"] if routing else [])]
-        item, url = self.bench._start_router(self._presets(name, extra), f"multiturn-{name}")
+        item, url = self.bench._start_router(self._presets(name, extra), f"multiturn-{name}",
+                                             src=src)
         self.items.append(item)
         try:
             wait_healthy(item, url)
@@ -195,11 +253,18 @@ class MultiTurnBench:
                                       f"llama-router's only policy")
         assert busy is not None
         self.urls[LEAST_BUSY] = busy
-        lc = self._presets(LLAMACPP_ONE, ["metrics = true", *self.bench.lc_cpu_keys()])
-        item, url = self.bench._start_llamacpp(lc, "multiturn-llamacpp")
-        self.items.append(item)
-        wait_healthy(item, url)
-        self.urls[LLAMACPP_ONE] = url
+        if self.s.baseline_src is not None:
+            baseline = self._start_router(BASELINE, "prefix", self.s.baseline_src)
+            if baseline is None:
+                self.notes[BASELINE] = f"not run: that llama-router refuses {ROUTING_KEY}"
+            else:
+                self.urls[BASELINE] = baseline
+        if not self.s.together:  # llama.cpp's router: in the first configuration only
+            lc = self._presets(LLAMACPP_ONE, ["metrics = true", *self.bench.lc_cpu_keys()])
+            item, url = self.bench._start_llamacpp(lc, "multiturn-llamacpp")
+            self.items.append(item)
+            wait_healthy(item, url)
+            self.urls[LLAMACPP_ONE] = url
         for target, url in self.urls.items():  # load the model (every replica) and warm up
             warm = Settings(conversations=4, turns=1, system_words=8, max_tokens=2, pace=0)
             asyncio.run(workload(url, f"warmup-{target}", warm))
@@ -216,7 +281,8 @@ class MultiTurnBench:
                     runs[target].append({
                         "wall_s": round(time.perf_counter() - began, 2),
                         "turns": [[vars(t) for t in conv] for conv in convs]})
-            return {"settings": vars(s), "notes": self.notes,
+            settings = {**vars(s), "baseline_src": str(s.baseline_src or "") or None}
+            return {"settings": settings, "notes": self.notes,
                     "targets": {t: summarize(runs[t], s) for t in runs}}
         finally:
             for item in self.items:
@@ -237,12 +303,14 @@ def summarize(runs: list[dict[str, Any]], s: Settings) -> dict[str, Any]:
     return {"runs": runs, "wall_s": [r["wall_s"] for r in runs],
             "first_turn_ms": {"p50": percentile(first, 50), "p99": percentile(first, 99)},
             "follow_up_ms": {"n": len(follow), "p50": percentile(follow, 50),
-                             "p99": percentile(follow, 99)},
+                             "p95": percentile(follow, 95), "p99": percentile(follow, 99)},
             "follow_ups_cached": hits}
 
 
 def evaluate(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     targets = res["targets"]
+    if res["settings"].get("together"):
+        return evaluate_saturated(targets)
     goal = "follow-up turn TTFT p50 with replica-routing = prefix <= 0.5x least-busy's"
     if PREFIX not in targets:
         return {"multiturn_prefix": {"goal": goal, "met": None,
@@ -255,21 +323,40 @@ def evaluate(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
                     f"{lc:.0f} ms)" if lc is not None else f"{p:.0f} ms vs {b:.0f} ms"}}
 
 
+def evaluate_saturated(targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    goal = ("follow-up turn TTFT p50 and p95 with replica-routing = prefix below least-busy's "
+            "and the baseline's (saturated)")
+    if PREFIX not in targets:
+        return {"multiturn_saturated": {"goal": goal, "met": None, "measured": "not run"}}
+    mine = targets[PREFIX]["follow_up_ms"]
+    met = True
+    measured = []
+    for other in (LEAST_BUSY, BASELINE):
+        if other in targets:
+            theirs = targets[other]["follow_up_ms"]
+            met = met and mine["p50"] < theirs["p50"] and mine["p95"] < theirs["p95"]
+            measured.append(f"{other}: p50 {theirs['p50']:.0f}, p95 {theirs['p95']:.0f} ms")
+    return {"multiturn_saturated": {
+        "goal": goal, "met": met,
+        "measured": f"prefix: p50 {mine['p50']:.0f}, p95 {mine['p95']:.0f} ms; "
+                    + "; ".join(measured)}}
+
+
 def render(res: dict[str, Any]) -> str:
-    lines = ["| target | first turn TTFT p50 (ms) | follow-up TTFT p50 (ms) | follow-up p99 (ms) "
-             "| follow-ups with the prefix cached | wall per run (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| target | first turn TTFT p50 (ms) | follow-up TTFT p50 (ms) | follow-up p95 (ms) "
+             "| follow-up p99 (ms) | follow-ups with the prefix cached | wall per run (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for target in TARGETS:
         row = res["targets"].get(target)
         if row is None:
-            lines.append(f"| {LABELS[target]} | {res['notes'].get(target, 'not run')} "
-                         "| | | | |")
+            if target in res["notes"]:
+                lines.append(f"| {LABELS[target]} | {res['notes'][target]} | | | | | |")
             continue
         f = row["follow_up_ms"]
         label = LABELS[target] + (" (without the key)" if target in res["notes"] else "")
         lines.append(f"| {label} | {row['first_turn_ms']['p50']:.0f} | {f['p50']:.0f} | "
-                     f"{f['p99']:.0f} | {row['follow_ups_cached']} of {f['n']} | "
-                     f"{', '.join(f'{w:g}' for w in row['wall_s'])} |")
+                     f"{f['p95']:.0f} | {f['p99']:.0f} | {row['follow_ups_cached']} of "
+                     f"{f['n']} | {', '.join(f'{w:g}' for w in row['wall_s'])} |")
     return "\n".join(lines)
 
 

@@ -86,6 +86,23 @@ def test_real_model_and_multiturn_phases_report_their_targets(tmp_path: Path,
 
 
 @pytest.mark.real
+def test_the_saturated_multiturn_configuration_reports_its_target(tmp_path: Path,
+                                                                  llama_server: Path) -> None:
+    """8 conversations in lock-step on two one-slot replicas, with a baseline source tree (this
+    one, for the smoke test)."""
+    result, report = run_quick_bench(tmp_path, 600, "--phases", "multiturn",
+                                     "--multiturn-saturated", "--multiturn-baseline", str(ROOT))
+    turns = report["multiturn"]["results"]
+    assert turns["settings"]["together"] is True and turns["settings"]["parallel"] == 1
+    assert set(turns["targets"]) == {"prefix", "baseline", "least_busy"}
+    for target, row in turns["targets"].items():
+        assert row["follow_up_ms"]["n"] == 8, target  # 8 conversations x 1 follow-up
+        assert row["follow_up_ms"]["p95"] > 0 and row["first_turn_ms"]["p50"] > 0
+    assert report["targets"]["multiturn_saturated"]["met"] in (True, False)
+    assert "(baseline source)" in result.stdout
+
+
+@pytest.mark.real
 def test_sharing_phase_reports_its_targets(tmp_path: Path, llama_server: Path) -> None:
     result, report = run_quick_bench(tmp_path, 240, "--only-sharing", "--stall-bound", "5")
     sharing = report["sharing"]["results"]
