@@ -26,7 +26,9 @@ wait is and how fast a prompt is computed, so both are measured:
 
 A reply's expected length is the request's ``max_tokens`` when it asks for exactly that many
 (``ignore_eos``), else the replica's typical reply, at most ``max_tokens``. A request that runs
-longer than expected counts as about to end until it does; its timings then teach the estimates.
+longer than expected has at least ``OVERRUN_SHARE`` of its estimate left until it ends (it has
+not ended, so the estimate was low: a loaded machine, a reply longer than usual); its timings
+then teach the estimates.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from .affinity import MISS, OVERRIDE, PREFIX_HIT, Decision, Prefix
 WEIGHT: Final = 0.3  # of the newest sample in a running estimate
 # A prompt computation shorter than this says more about fixed costs than about speed.
 MIN_PROMPT_TOKENS: Final = 64
+# A running request past its estimate is taken to have this share of it left, not none: it
+# has not ended, so the estimate was low (a loaded machine, a longer reply than usual).
+OVERRUN_SHARE: Final = 0.25
+# Expected first-token times within this much of the cheapest (relative, plus seconds) are
+# taken as equal: the longest prefix decides among them, not noise in the speeds learned.
+COST_TOLERANCE: Final = 0.02
+COST_TOLERANCE_S: Final = 0.02
 
 _TIMINGS = re.compile(rb'"timings"\s*:\s*\{([^{}]*)\}')
 _FIELD = re.compile(rb'"(prompt_n|prompt_ms|cache_n|predicted_n|predicted_ms)"\s*:\s*'
@@ -156,9 +165,10 @@ class Backlog:
         return sum(t.started is not None for t in self.tickets)
 
     def remaining(self, now: float) -> float:
-        """Seconds of expected work left: what the running requests have not done yet (0 for
-        one past its estimate) and all of the queued ones."""
-        return sum(t.work_s if t.started is None else max(0.0, t.work_s - (now - t.started))
+        """Seconds of expected work left: what the running requests have not done yet (at
+        least ``OVERRUN_SHARE`` of its estimate, for one past it) and all of the queued ones."""
+        return sum(t.work_s if t.started is None
+                   else max(OVERRUN_SHARE * t.work_s, t.work_s - (now - t.started))
                    for t in self.tickets)
 
     def wait(self, now: float, in_flight: int, slots: int) -> float:
@@ -186,24 +196,26 @@ class Choice:
 
 
 def by_cost(options: Sequence[Option], prefix: Prefix) -> Choice | None:
-    """The replica where the request's first token is expected soonest (ties: the longest
-    prefix, then the most free slots, then the first); None while no replica's child has
-    shown its prompt speed. The decision: ``MISS`` when no replica holds a prefix of it,
-    ``PREFIX_HIT`` when the chosen one holds the longest, else ``OVERRIDE``."""
+    """The replica where the request's first token is expected soonest (near-ties, within
+    ``COST_TOLERANCE``: the longest prefix, then the most free slots, then the first); None
+    while no replica's child has shown its prompt speed. The decision: ``MISS`` when no
+    replica holds a prefix of it, ``PREFIX_HIT`` when the chosen one holds the longest, else
+    ``OVERRIDE``."""
     known = [o.pace.prompt_s_per_char for o in options if o.pace.prompt_s_per_char is not None]
     if not known:
         return None
     sibling = sum(known) / len(known)
-    best: tuple[float, int, int, int] | None = None
+    ranks: list[tuple[float, int, int, int]] = []
     for index, option in enumerate(options):
         speed = option.pace.prompt_s_per_char
         cached = prefix.sizes[option.match - 1] * option.pace.reuse if option.match else 0.0
         cost = option.wait_s + (prefix.chars - cached) * (sibling if speed is None else speed)
-        rank = (cost, -option.match, option.in_flight - option.slots, index)
-        if best is None or rank < best:
-            best = rank
-    assert best is not None
-    cost, _, _, index = best
+        ranks.append((cost, -option.match, option.in_flight - option.slots, index))
+    # Costs this close are estimates that cannot tell the replicas apart: the longest prefix
+    # decides among them (then the most free slots, then the first).
+    cheapest = min(rank[0] for rank in ranks)
+    near = cheapest * (1 + COST_TOLERANCE) + COST_TOLERANCE_S
+    cost, _, _, index = min((r for r in ranks if r[0] <= near), key=lambda r: r[1:])
     chosen = options[index]
     longest = max(o.match for o in options)
     decision: Decision = (MISS if longest == 0 else PREFIX_HIT if chosen.match == longest

@@ -21,6 +21,7 @@ from router.leases import Leases
 from router.logs import LogRing
 from router.pace import (
     MIN_PROMPT_TOKENS,
+    OVERRUN_SHARE,
     Backlog,
     Option,
     Pace,
@@ -107,7 +108,8 @@ def test_the_backlog_serves_in_order_and_counts_what_is_left() -> None:
     assert backlog.remaining(1.0) == pytest.approx(3.0 + 3.0)
     assert backlog.wait(1.0, in_flight=2, slots=1) == pytest.approx(6.0)
     assert backlog.wait(1.0, in_flight=0, slots=1) == 0.0  # a free slot: no wait
-    assert backlog.remaining(9.0) == pytest.approx(3.0)  # the first overran: about to end
+    # The first overran (9 s of an expected 4): not over until it ends, a quarter of it left.
+    assert backlog.remaining(9.0) == pytest.approx(OVERRUN_SHARE * 4.0 + 3.0)
     backlog.remove(first, now=9.0, slots=1)
     assert second.started == 9.0 and backlog.remaining(10.0) == pytest.approx(2.0)
     backlog.remove(second, now=10.0, slots=1)
@@ -334,3 +336,15 @@ def test_reuse_is_learned_from_what_the_cache_had() -> None:
     before = pace.reuse
     pace.learn(Timings(prompt_n=1000, prompt_ms=100.0), chars=4000)  # nothing promised
     assert pace.reuse == before
+
+
+def test_costs_too_close_to_tell_apart_go_to_the_longest_prefix() -> None:
+    """A follow-up whose whole conversation one replica holds, and most of it another that
+    has learned a faster prompt speed: the few characters' difference is noise in the speeds,
+    and the longest prefix wins; a clear difference still decides."""
+    fast = Pace(prompt_s_per_char=0.00001, token_s=0.01)  # 100 characters: 1 ms
+    slow = Pace(prompt_s_per_char=0.0002, token_s=0.01)  # 40 characters: 8 ms
+    choice = by_cost([option(2, pace=fast), option(3, pace=slow)], PROMPT)
+    assert choice is not None and (choice.index, choice.decision) == (1, PREFIX_HIT)
+    choice = by_cost([option(2, pace=fast), option(3, wait_s=1.0, pace=slow)], PROMPT)
+    assert choice is not None and (choice.index, choice.decision) == (0, OVERRIDE)
