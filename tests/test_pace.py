@@ -180,6 +180,16 @@ def test_a_replica_that_has_shown_nothing_is_taken_as_fast_as_its_siblings() -> 
 # -- the saturated case, simulated with made-up timings ---------------------------------------
 
 CHARS_PER_TOKEN = 4
+def two_one_slot_replicas() -> tuple[ModelRuntime, Leases]:
+    """A model with two one-slot replicas (no processes behind them) and its leases."""
+    preset = ModelPreset(id="hot", args=MappingProxyType({"parallel": "1"}), replicas=2)
+    runtime = ModelRuntime(preset, LogRing(10))
+    runtime.state = replace(runtime.state, replicas=tuple(
+        Replica(object.__new__(ChildProcess)) for _ in range(2)))
+    return runtime, Leases(on_busy=lambda r: None, on_idle=lambda r: None,
+                           on_replica_done=lambda r: None)
+
+
 PROMPT_S = 0.008  # per prompt token computed (~125 tokens/s: SmolLM2 on one core)
 TOKEN_S = 0.035  # per generated token
 REPLY_TOKENS = 24
@@ -210,12 +220,7 @@ async def simulate(policy: str, monkeypatch: pytest.MonkeyPatch, conversations: 
     found their conversation cached."""
     now = 0.0
     monkeypatch.setattr(clock, "now", lambda: now)
-    preset = ModelPreset(id="hot", args=MappingProxyType({"parallel": "1"}), replicas=2)
-    runtime = ModelRuntime(preset, LogRing(10))
-    runtime.state = replace(runtime.state, replicas=tuple(
-        Replica(object.__new__(ChildProcess)) for _ in range(2)))
-    leases = Leases(on_busy=lambda r: None, on_idle=lambda r: None,
-                    on_replica_done=lambda r: None)
+    runtime, leases = two_one_slot_replicas()
     free_at = [0.0, 0.0]
     cached: list[dict[int, int]] = [{}, {}]  # per replica: conversation -> tokens it holds
     messages = [conversation(i) for i in range(conversations)]
@@ -284,12 +289,7 @@ async def test_saturated_follow_ups_start_sooner_by_cost(monkeypatch: pytest.Mon
 
 
 def test_only_a_request_routed_by_prefix_holds_a_ticket_and_teaches_its_replica() -> None:
-    preset = ModelPreset(id="hot", args=MappingProxyType({"parallel": "1"}), replicas=2)
-    runtime = ModelRuntime(preset, LogRing(10))
-    runtime.state = replace(runtime.state, replicas=tuple(
-        Replica(object.__new__(ChildProcess)) for _ in range(2)))
-    leases = Leases(on_busy=lambda r: None, on_idle=lambda r: None,
-                    on_replica_done=lambda r: None)
+    runtime, leases = two_one_slot_replicas()
 
     plain = leases.take(runtime)
     explicit = leases.take(runtime, runtime.replicas[1], PROMPT)
