@@ -103,26 +103,25 @@ class KeyValueFormatter(logging.Formatter):
         (most lines come in bursts within one second)."""
         if datefmt:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return f"{self._second_of(record.created)},{int(record.msecs):03d}"
+
+    def _second_of(self, created: float) -> str:
+        """The date and time of ``created``'s second, cached."""
+        second = int(created)
         if second != self._second:
             self._second_text = time.strftime(self.default_time_format,
                                               self.converter(second))
             self._second = second
-        return f"{self._second_text},{int(record.msecs):03d}"
+        return self._second_text
 
 
     def format_line(self, name: str, level: int, message: str, created: float) -> str:
         """What ``format`` writes for a record of ``message`` (no arguments, no fields) from
         logger ``name`` at ``level``, stamped ``created``, with ``FORMAT``; without making the
         record (most of the cost of a relayed line: ``BackgroundStreamHandler``)."""
-        second = int(created)
-        if second != self._second:
-            self._second_text = time.strftime(self.default_time_format,
-                                              self.converter(second))
-            self._second = second
-        msecs = int((created - second) * 1000)
-        return (f"{self._second_text},{msecs:03d} {logging.getLevelName(level)} {name}: "
-                f"{message}")
+        msecs = int((created - int(created)) * 1000)
+        return (f"{self._second_of(created)},{msecs:03d} {logging.getLevelName(level)} "
+                f"{name}: {message}")
 
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
