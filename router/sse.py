@@ -56,10 +56,16 @@ async def respond(scope: Scope, receive: Receive, send: Send,
 
     async def pump() -> None:
         while True:
+            # ``asyncio.timeout``, not ``wait_for``: Python 3.11's ``wait_for`` returns the
+            # event when it arrives in the same loop step as a cancel, and drops the cancel;
+            # the stream then outlived its end (a shutdown waited on it for good).
             try:
-                body = frame(await asyncio.wait_for(next_event(), KEEPALIVE_S))
+                async with asyncio.timeout(KEEPALIVE_S):
+                    event = await next_event()
             except TimeoutError:
                 body = KEEPALIVE
+            else:
+                body = frame(event)
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
     await until_disconnect(pump(), receive, closing)

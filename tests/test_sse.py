@@ -135,3 +135,40 @@ class _Iter(httpx.SyncByteStream):
 
     def __iter__(self) -> Iterator[bytes]:
         return self.chunks
+
+
+async def test_a_stream_ends_when_an_event_and_its_end_come_in_one_loop_step() -> None:
+    """The router's shutdown (``closing``) and an event arriving at the same loop step: the
+    stream still ends. Python 3.11's ``asyncio.wait_for`` returned the event and dropped the
+    cancel, so the stream went on, and the shutdown waited on it until the process was
+    killed (a router that had been frozen, then stopped, with a peer subscribed)."""
+    import asyncio
+
+    from router.sse import respond
+
+    go, closing, waiting = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    sent: list[dict[str, object]] = []
+
+    async def next_event() -> str:  # one event each time ``go`` is set
+        waiting.set()
+        await go.wait()
+        go.clear()
+        return "{}"
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()  # the client never leaves
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    stream = asyncio.ensure_future(respond({"method": "GET"}, receive, send, next_event,
+                                           closing))
+    await asyncio.wait_for(waiting.wait(), 5)
+    closing.set()  # the same step: the event is ready as the stream is told to end
+    go.set()
+    done, _ = await asyncio.wait({stream}, timeout=5)
+    if not done:
+        stream.cancel()
+    assert done, "the stream outlived its end"
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
