@@ -311,9 +311,8 @@ class ChildProcess:
         assert self._proc is not None
         code = await self._proc.wait()
         self._output_now()
-        if self._readers:
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(asyncio.gather(*self._readers)), 1.0)
+        if self._readers:  # at most a second for their last lines; they are not cancelled
+            await asyncio.wait(self._readers, timeout=1.0)
         return code
 
     async def wait_ready(self, timeout: float, total: float | None = None) -> None:
@@ -387,7 +386,10 @@ class ChildProcess:
             self._signal_group(signal.SIGTERM)
             self._signal_group(signal.SIGCONT)  # a paused child could not act on SIGTERM
             try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+                # ``asyncio.timeout``, not ``wait_for``: Python 3.11's ``wait_for`` drops a
+                # cancel that comes in the same loop step as the exit.
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(proc.wait())
             except TimeoutError:
                 log.warning("did not stop within %.1f s; killing", timeout,
                             extra={"event": "kill", "model": self.model_id, "pid": proc.pid})

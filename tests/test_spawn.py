@@ -4,6 +4,7 @@ through ``setpriv`` (the fast path) and with a ``preexec_fn`` (where setpriv is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,3 +125,35 @@ def test_a_child_dies_with_a_sigkilled_parent(path: str) -> None:
             assert wait_until(lambda: not alive(pid), timeout=5.0)
         finally:
             holder.kill()
+
+
+@pytest.mark.process
+async def test_a_cancel_while_a_childs_last_output_drains_is_not_swallowed() -> None:
+    """``ChildProcess.wait_exit`` gives the output readers up to a second after the exit; a
+    cancel in that second ends the wait with ``CancelledError`` (it was swallowed, and the
+    cancelled caller went on as if the wait had ended)."""
+    import httpx
+
+    from router.logs import LogRing
+    from router.process import ChildProcess
+
+    async with httpx.AsyncClient() as client:
+        # The shell exits at once; its background sleep keeps the output pipes open, so the
+        # readers are still reading when the exit is seen.
+        child = ChildProcess("drain", ["sh", "-c", "sleep 30 & exit 0"], 0, LogRing(10), client)
+        await child.start()
+        try:
+            waiting = asyncio.ensure_future(child.wait_exit())
+            async with asyncio.timeout(10):
+                while child.returncode is None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)  # the exit, seen on the pidfd
+            await asyncio.sleep(0.05)  # into the second the readers get
+            assert not waiting.done()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                async with asyncio.timeout(5):
+                    await waiting
+        finally:
+            assert child.pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the sleep, in the child's group
