@@ -32,6 +32,9 @@ from router.process import free_port
 TESTS = Path(__file__).parent
 FAKE_SERVER = TESTS / "fake_llama_server.py"
 STARTUP_DEADLINE_S = 30.0
+# A router told to stop (SIGTERM) has exited by then: its shutdown grace (30 s by default)
+# and a margin. Past it the router is killed and the test fails: a shutdown that hangs.
+EXIT_DEADLINE_S = 45.0
 
 
 def fake_binary(directory: Path, *knobs: str, name: str = "fake-llama-server") -> Path:
@@ -131,17 +134,21 @@ def start_router(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         yield router
     finally:
         router.children()
+        hung = False
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(30)
+                proc.wait(EXIT_DEADLINE_S)
             except subprocess.TimeoutExpired:
+                hung = True
                 proc.kill()
                 proc.wait()
         leftovers = [pid for pid in router.seen_children if alive(pid)]
         for pid in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
+        assert not hung, (f"the router did not exit within {EXIT_DEADLINE_S:g} s of SIGTERM "
+                          f"(killed)\n{router.log()}")
         assert not leftovers, f"children left behind: {leftovers}\n{router.log()}"
 
 
