@@ -143,11 +143,13 @@ async def test_a_stream_ends_when_an_event_and_its_end_come_in_one_loop_step() -
     cancel, so the stream went on, and the shutdown waited on it until the process was
     killed (a router that had been frozen, then stopped, with a peer subscribed)."""
     import asyncio
+    from collections.abc import MutableMapping
+    from typing import Any
 
     from router.sse import respond
 
     go, closing, waiting = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    sent: list[dict[str, object]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def next_event() -> str:  # one event each time ``go`` is set
         waiting.set()
@@ -159,7 +161,7 @@ async def test_a_stream_ends_when_an_event_and_its_end_come_in_one_loop_step() -
         await asyncio.Event().wait()  # the client never leaves
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, object]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     stream = asyncio.ensure_future(respond({"method": "GET"}, receive, send, next_event,
