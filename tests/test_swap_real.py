@@ -230,6 +230,21 @@ def test_swap_while_busy_answers_both_waiters(tmp_path: Path, llama_server: Path
                 tokens *= 2
 
 
+def too_soon(router: RouterProcess, requests: dict[str, Request], what: str,
+             last_attempt: bool) -> None:
+    """A round whose long request ended before the scenario was set up: each of its
+    ``requests`` (by description) must still be answered and the router settle; it fails the
+    test on the last attempt, else the caller runs the round again, longer."""
+    for description, request in requests.items():
+        request.join(180)
+        answered(request, description, router)
+    assert wait_until(lambda: settled(router), 15, interval=0.1), \
+        f"{what}; then not settled: {show(router)}"
+    first = next(iter(requests.values()))
+    assert not last_attempt, f"{what}: {first.outcome}"
+    print(f"{what}; again with twice as many")
+
+
 def swap_round(router: RouterProcess, client: httpx.Client, tokens: int, where: str, *,
                last_attempt: bool) -> bool:
     """One round of the scenario; False if the long request ended before the scenario was
@@ -253,17 +268,11 @@ def swap_round(router: RouterProcess, client: httpx.Client, tokens: int, where: 
     assert wait_for_waiter(router, "smollm2", short, in_flight_before=1), \
         f"{where}: {show(router)}"
     if long.finished.is_set():  # too soon: the scenario did not happen
-        for request, what in ((long, "the long request"), (tiny, "the request for tiny"),
-                              (short, "the short request for smollm2")):
-            request.join(180)
-            answered(request, f"{where}: {what}", router)
-        assert wait_until(lambda: settled(router), 15, interval=0.1), \
-            f"{where}: not settled: {show(router)}"
-        assert not last_attempt, (
-            f"{where}: the long request ({tokens} tokens) ended before the scenario was "
-            f"set up: {long.outcome}")
-        print(f"{where}: the long request ({tokens} tokens) ended before the scenario was "
-              f"set up; again with twice as many")
+        too_soon(router, {f"{where}: the long request": long,
+                          f"{where}: the request for tiny": tiny,
+                          f"{where}: the short request for smollm2": short},
+                 f"{where}: the long request ({tokens} tokens) ended before the scenario was "
+                 f"set up", last_attempt)
         return False
     during = show(router)
     # 4. The long request ends, complete.
@@ -340,12 +349,8 @@ def chat_ui_turns(router: RouterProcess, client: httpx.Client, tokens: int, answ
     turn2.start()
     assert wait_for_waiter(router, "tiny", turn2), show(router)
     if title.finished.is_set():  # too soon: the turn on tiny did not wait behind it
-        for request, what in ((title, "the title request"), (turn2, "the user's turn")):
-            request.join(180)
-            answered(request, what, router)
-        assert wait_until(lambda: settled(router), 15, interval=0.1), show(router)
-        assert not last_attempt, f"the title ({tokens} tokens) ended too soon: {title.outcome}"
-        print(f"the title ({tokens} tokens) ended too soon; again with twice as many")
+        too_soon(router, {"the title request": title, "the user's turn": turn2},
+                 f"the title ({tokens} tokens) ended too soon", last_attempt)
         return False
     during = show(router)
 
