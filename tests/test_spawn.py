@@ -12,11 +12,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from support import alive, wait_until
 
 from router import spawn
+from router.logs import LogRing
+from router.process import ChildProcess
 
 pytestmark = pytest.mark.process
 
@@ -132,11 +135,6 @@ async def test_a_cancel_while_a_childs_last_output_drains_is_not_swallowed() -> 
     """``ChildProcess.wait_exit`` gives the output readers up to a second after the exit; a
     cancel in that second ends the wait with ``CancelledError`` (it was swallowed, and the
     cancelled caller went on as if the wait had ended)."""
-    import httpx
-
-    from router.logs import LogRing
-    from router.process import ChildProcess
-
     async with httpx.AsyncClient() as client:
         # The shell exits at once; its background sleep keeps the output pipes open, so the
         # readers are still reading when the exit is seen.

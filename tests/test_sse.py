@@ -6,18 +6,20 @@ CLI uses it."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from support import fake_binary, start_router, write_presets
 
 from router import client as commands
-from router.sse import MAX_EVENT_BYTES, Event, EventReader, EventTooLarge, frame
+from router.sse import MAX_EVENT_BYTES, Event, EventReader, EventTooLarge, frame, respond
 
 
 def parse(stream: bytes) -> list[str]:
@@ -142,12 +144,6 @@ async def test_a_stream_ends_when_an_event_and_its_end_come_in_one_loop_step() -
     stream still ends. Python 3.11's ``asyncio.wait_for`` returned the event and dropped the
     cancel, so the stream went on, and the shutdown waited on it until the process was
     killed (a router that had been frozen, then stopped, with a peer subscribed)."""
-    import asyncio
-    from collections.abc import MutableMapping
-    from typing import Any
-
-    from router.sse import respond
-
     go, closing, waiting = asyncio.Event(), asyncio.Event(), asyncio.Event()
     sent: list[MutableMapping[str, Any]] = []
 
