@@ -102,7 +102,8 @@ class RequestMetricsMiddleware:
     not a GET/HEAD/OPTIONS (load, unload, pull, ...); reads without a model (model list,
     metrics, logs, event streams, the web UI's and the dashboard's files and polls) are only
     counted. It is the edge: the request's context (``requests.RequestContext``) is made
-    here, before anything else looks at the request."""
+    here, before anything else looks at the request, and a failure that nothing inside
+    answered is answered here, with the envelope (500)."""
 
     def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
                  activity: Activity | None = None) -> None:
@@ -144,6 +145,14 @@ class RequestMetricsMiddleware:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
+        except Exception as exc:
+            if status:  # answered (a route's failure, by Starlette's error middleware) or
+                raise   # answering: past a clean answer
+            # Nothing answered it: the envelope, as Starlette's error middleware answers a
+            # route's failure (the proxy answers its own: this is a middleware's).
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"],
+                          exc_info=exc)
+            await send_error(send_wrapper, RouterError(f"internal error: {type(exc).__name__}"))
         except BaseException:
             status = status or 500
             raise
