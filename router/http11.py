@@ -33,7 +33,8 @@ child connection's ``data_received``: no task switch per relayed event). It only
 when uvicorn's ``send`` would write it at once (the response started with chunked framing, not
 HEAD, not complete, the client connected and not backed up); otherwise it says no and the app
 uses ``send``, which waits for the client as before. The response's start and end always go
-through ``send``.
+through ``send``. ``BodyWriter.one_write`` makes a small response's head and body, sent one
+after the other, go out in one write (one system call, not two).
 
 Tested against uvicorn's ``httptools_impl`` in the versions ``pyproject.toml`` allows (it is
 private API: a new minor version is tested before the bound moves).
@@ -94,6 +95,51 @@ class BodyWriter:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
+
+    def one_write(self) -> OneWrite:
+        """A context in which what the response writes to the client (its head and a whole
+        body sent one after the other, without waiting between them) is held, and written
+        as one piece when it ends: one system call instead of two, per small response.
+        Nothing is held past it, also when it raises; a close within it writes what was held
+        first."""
+        return OneWrite(self._cycle())
+
+
+class OneWrite:
+    """``BodyWriter.one_write``: while it lasts, the cycle's transport is this stand-in,
+    which holds what is written (a class, not a generator: it runs once per request)."""
+
+    __slots__ = ("_cycle", "_parts", "_transport")
+
+    def __init__(self, cycle: RequestResponseCycle | None) -> None:
+        self._cycle = cycle
+        self._parts: list[bytes] = []
+        self._transport: Any = cycle.transport if cycle is not None else None
+
+    def __enter__(self) -> None:
+        if self._cycle is not None:
+            self._cycle.transport = self  # type: ignore[assignment]
+
+    def __exit__(self, *exc_info: object) -> None:
+        cycle = self._cycle
+        if cycle is not None:
+            cycle.transport = self._transport
+            self.flush()
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if parts and not self._transport.is_closing():
+            self._transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, ...
+        return getattr(self._transport, name)
 
 
 def body_writer(scope: Any) -> BodyWriter | None:

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
-from .http11 import body_writer
+from .http11 import BodyWriter, body_writer
 from .requests import CONTEXT, RequestContext, with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
@@ -101,10 +102,11 @@ class DirectBody:
     (they read it, or add headers to its start); one that must would have to turn this off.
     """
 
-    __slots__ = ("_sent", "_write", "request")
+    __slots__ = ("_sent", "_write", "request", "writer")
 
-    def __init__(self, write: Callable[[bytes], bool], request: RequestContext) -> None:
-        self._write = write
+    def __init__(self, writer: BodyWriter, request: RequestContext) -> None:
+        self.writer = writer
+        self._write = writer.write
         self._sent = request.sent
         self.request = request
 
@@ -123,7 +125,7 @@ def direct_body(scope: Any) -> DirectBody | None:
     request = scope.get(CONTEXT)
     if writer is None or request is None:
         return None
-    return DirectBody(writer.write, request)
+    return DirectBody(writer, request)
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -246,9 +248,10 @@ async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel
             if connections.ended is not None:
                 raise connections.ended from None
             raise
-        await send({"type": "http.response.start", "status": response.status,
-                    "headers": headers})
-        await send({"type": "http.response.body", "body": content})
+        with direct.writer.one_write() if direct is not None else contextlib.nullcontext():
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": headers})
+            await send({"type": "http.response.body", "body": content})
         return
     if is_sse:
         present = {k for k, _ in headers}

@@ -267,3 +267,66 @@ async def test_a_body_broken_after_direct_chunks_ends_with_an_error_event(
     error = json.loads(error_event.strip().removeprefix(b"data: "))["error"]
     assert error["code"] == 502 and "mid-stream" in error["message"]
     assert counts.direct > 0
+
+
+class CountedTransport:
+    """A client connection's transport that counts the writes made to it."""
+
+    def __init__(self, transport: asyncio.Transport, writes: list[bytes]) -> None:
+        self._transport = transport
+        self._writes = writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def small_child(body: bytes) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter, Server],
+                                         Awaitable[None]]:
+    """A child answering each request with ``body`` as JSON, with a Content-Length."""
+    async def child(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    server: Server) -> None:
+        while await server.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+    return child
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+async def test_a_small_response_goes_out_in_one_write(
+        monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """Its head and its body, sent one after the other, are one write to the client's
+    transport (one system call); the client gets the same bytes as through two writes, kept
+    alive (HTTP/1.1) or closed after it (HTTP/1.0, where the close comes within the write)."""
+    writes: list[bytes] = []
+    made = http11.EnvelopeHttpToolsProtocol.connection_made
+
+    def counted(protocol: http11.EnvelopeHttpToolsProtocol, transport: Any) -> None:
+        made(protocol, CountedTransport(transport, writes))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(http11.EnvelopeHttpToolsProtocol, "connection_made", counted)
+    body = json.dumps({"tokens": list(range(40))}).encode()
+    request = f"POST /tokenize {version}\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+    answers, counts = {}, {}
+    for direct in (True, False):
+        writes.clear()
+        async with serve(small_child(body)) as child, serving(relay_app(
+                ChildConnections("127.0.0.1", child.port), Activity(), direct=direct)) as served:
+            reader, writer = await served.connect()
+            writer.write(request)
+            async with asyncio.timeout(GUARD_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+                answers[direct] = head + await reader.readexactly(len(body))
+                if version == "HTTP/1.0":
+                    assert await reader.read() == b""  # and the router closed it
+            writer.close()
+        counts[direct] = len(writes)
+        assert b"".join(writes) == answers[direct]
+    assert counts == {True: 1, False: 2}  # one write instead of head, then body
+    dated = re.compile(rb"\r\ndate: [^\r]*")  # the second may change between the two
+    assert dated.sub(b"", answers[True]) == dated.sub(b"", answers[False])
+    assert answers[True].startswith(b"HTTP/1.1 200") and answers[True].endswith(body)
