@@ -7,6 +7,7 @@ Every error the router itself answers with is the OpenAI envelope::
 Hierarchy::
 
     RouterError                      500 server_error
+    ├── InternalError                500  an unexpected failure (a bug): its type only
     ├── BadRequest                   400 invalid_request_error
     │   ├── ModelMissing             400  no "model" in the request
     │   ├── ModelNotLoaded           400  autoload disabled and model not running (as llama.cpp)
@@ -49,6 +50,14 @@ class RouterError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         return envelope(self.status, self.message, self.type)
+
+
+class InternalError(RouterError):
+    """A failure the router did not expect (a bug): the client is told its type only, the
+    traceback goes to the log."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"internal error: {type(exc).__name__}")
 
 
 class BadRequest(RouterError):

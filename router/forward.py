@@ -22,6 +22,7 @@ from .affinity import Prefix, request_prefix
 from .errors import (
     BadRequest,
     ClientGone,
+    InternalError,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
@@ -129,8 +130,7 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
     except RouterError as exc:
         await send_error(send, exc)
     except Exception as exc:
-        log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
-        await send_error(send, RouterError(f"internal error: {type(exc).__name__}"))
+        await send_unexpected(send, scope, exc)
 
 
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
@@ -223,6 +223,13 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     finally:
         lease.learn(request.sent_before, request.sent_last)
         lease.release()
+
+
+async def send_unexpected(send: Send, scope: Scope, exc: Exception) -> None:
+    """Answer a failure that nothing answered (a bug): its traceback to the log, the 500
+    envelope naming its type to the client, in plain ASGI."""
+    log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+    await send_error(send, InternalError(exc))
 
 
 async def send_error(send: Send, exc: RouterError) -> None:

@@ -18,11 +18,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .activity import TAIL_BYTES, Activity, generated_tokens
 from .errors import (
+    InternalError,
     RouterError,
     Unauthorized,
     envelope,
 )
-from .forward import proxy, send_error
+from .forward import proxy, send_error, send_unexpected
 from .keys import Forbidden, KeyScope, check_path, key_hash, scope_of
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
@@ -150,9 +151,7 @@ class RequestMetricsMiddleware:
                 raise   # answering: past a clean answer
             # Nothing answered it: the envelope, as Starlette's error middleware answers a
             # route's failure (the proxy answers its own: this is a middleware's).
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"],
-                          exc_info=exc)
-            await send_error(send_wrapper, RouterError(f"internal error: {type(exc).__name__}"))
+            await send_unexpected(send_wrapper, scope, exc)
         except BaseException:
             status = status or 500
             raise
@@ -209,7 +208,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(envelope(500, f"internal error: {type(exc).__name__}"), status_code=500)
+    return error_response(InternalError(exc))
 
 
 
