@@ -3,14 +3,12 @@ failure answered with the envelope, wherever it happens (a middleware, the proxy
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
 from starlette.middleware.errors import ServerErrorMiddleware
+from test_activity import no_lifespan
 
 import router.middleware as middleware_module
 from router.activity import Activity
@@ -19,13 +17,9 @@ from router.cors import CorsMiddleware
 from router.middleware import ApiKeyMiddleware, ProxyMiddleware, RequestMetricsMiddleware
 
 
-@contextlib.asynccontextmanager
-async def no_lifespan(app: Starlette) -> AsyncIterator[None]:
-    yield
-
-
 async def request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
-    # The app's exceptions are not raised here: the client sees what the server would send.
+    # As ``test_activity.request``, but the app's exceptions are not raised here: the client
+    # sees what the server would send.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
         return await client.request(method, path, **kw)
