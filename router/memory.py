@@ -41,8 +41,8 @@ models need less KV than estimated (it is an upper bound). Sizes here are binary
 
 from __future__ import annotations
 
-import contextlib
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -368,11 +368,75 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
 
 
 def measure_rss(pid: int) -> int | None:
-    """Resident set size of process ``pid`` plus all its descendants; None if it is gone."""
+    """Resident set size of process ``pid`` plus all its descendants; None if it is gone.
+
+    On Linux from ``/proc`` with raw reads: the accounting samples every child each second
+    (a llama-server has a few dozen threads, each with its own children file), so this costs
+    a few syscalls per file rather than psutil's objects and Python's buffered file layers."""
+    if not _PROC_CHILDREN:  # not Linux, or an old kernel
+        return _measure_rss_psutil(pid)
+    own = _resident(pid)
+    if not own:  # gone, or a zombie (which holds no memory)
+        return None
+    return own + sum(_resident(child) or 0 for child in _descendant_pids(pid))
+
+
+def _resident(pid: int) -> int | None:
+    """Resident bytes of process ``pid`` alone (``/proc/PID/statm``); None if it is gone."""
+    data = _read_proc(f"/proc/{pid}/statm")
+    return int(data.split(maxsplit=2)[1]) * _PAGE_SIZE if data else None
+
+
+def _descendant_pids(pid: int) -> list[int]:
+    """Every descendant of ``pid``, from ``/proc/PID/task/TID/children`` (one small file per
+    thread of each descendant). psutil's ``children`` reads the stat file of every process
+    on the machine instead: about 8 ms on a busy 2-core machine with 90 processes."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        for child in _children_of(pending.pop()):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def _children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, started by any of its threads; none when it is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    children: list[int] = []
+    for task in tasks:
+        data = _read_proc(f"/proc/{pid}/task/{task}/children")  # None: a thread that ended
+        if data:
+            children += map(int, data.split())
+    return children
+
+
+def _read_proc(path: str) -> bytes | None:
+    """A whole (small) /proc file in a few syscalls; None if it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        parts = []
+        while part := os.read(fd, 4096):
+            parts.append(part)
+        return b"".join(parts)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _measure_rss_psutil(pid: int) -> int | None:
+    """``measure_rss`` where ``/proc`` lists no children (not Linux)."""
     try:
         proc = psutil.Process(pid)
         total = int(proc.memory_info().rss)
-        children = _descendants(proc)
+        children = proc.children(recursive=True)
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return None
     for child in children:
@@ -383,34 +447,8 @@ def measure_rss(pid: int) -> int | None:
     return total
 
 
-def _descendants(proc: psutil.Process) -> list[psutil.Process]:
-    """Every descendant of ``proc``, from Linux's ``/proc/PID/task/TID/children`` (one small
-    file per thread of each descendant). psutil's ``children`` reads the stat file of every
-    process on the machine instead: about 8 ms on a busy 2-core machine with 90 processes,
-    and admission may need a child just loaded measured on the event loop (``accounting``)."""
-    if not Path(f"/proc/{proc.pid}/task/{proc.pid}/children").exists():
-        return list(proc.children(recursive=True))  # not Linux, or an old kernel
-    found: list[psutil.Process] = []
-    pending = [proc.pid]
-    while pending:
-        for pid in _children_of(pending.pop()):
-            with contextlib.suppress(psutil.NoSuchProcess):  # gone meanwhile: nothing to count
-                found.append(psutil.Process(pid))
-                pending.append(pid)
-    return found
-
-
-def _children_of(pid: int) -> list[int]:
-    """The pids of ``pid``'s children; none when it is gone."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return []
-    children: list[int] = []
-    for task in tasks:
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            children += [int(child) for child in (task / "children").read_text().split()]
-    return children
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PROC_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 def total_ram_bytes() -> int:

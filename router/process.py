@@ -42,10 +42,11 @@ import httpx
 from . import clock
 from .childenv import child_environment
 from .cpus import CpuShare
+from .errors import UpstreamError
 from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
 from .spawn import Spawned, spawn
-from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
+from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections, probe
 
 log = logging.getLogger("router.child")
 output_log = logging.getLogger("router.child.output")
@@ -368,10 +369,13 @@ class ChildProcess:
     async def probe(self, timeout: float) -> str | None:
         """A liveness check (``liveness``): None if ``/health`` answered 200 within
         ``timeout``, else what went wrong."""
-        status, problem = await ask_health(self._client, self.base_url + "/health", timeout,
-                                           {"connection": "close"})
-        if problem is not None:
-            return problem
+        try:
+            async with asyncio.timeout(timeout):
+                status = await probe("127.0.0.1", self.port, b"/health")
+        except TimeoutError:
+            return no_answer(timeout)
+        except UpstreamError as exc:
+            return str(exc)
         return None if status == 200 else f"/health answered {status}"
 
     async def stop(self, timeout: float) -> int | None:

@@ -321,6 +321,26 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+async def probe(host: str, port: int, target: bytes) -> int:
+    """One ``GET target`` on a fresh connection, closed after it: the response's status (a
+    liveness check: the server still accepts and answers, whatever its keep-alive pool
+    holds). Raises ``UpstreamError`` when it cannot connect or the connection closes first;
+    the caller bounds the wait (``asyncio.timeout``). A few syscalls and no pool: what an
+    idle router spends on its children's liveness."""
+    conn = _Connection()
+    try:
+        await asyncio.get_running_loop().create_connection(lambda: conn, host, port)
+    except OSError as exc:
+        raise UpstreamError(f"could not connect ({type(exc).__name__})") from exc
+    try:
+        conn.begin(encode_request("GET", target, f"{host}:{port}".encode(), (), b"",
+                                  close=True), head_only=False)
+        await conn.headers_received()
+        return conn.status
+    finally:
+        conn.abort()  # the body, if any, is not wanted; nothing is reused
+
+
 class ConnectionClosed(UpstreamError):
     """The connection closed before a complete response head arrived."""
 

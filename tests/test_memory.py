@@ -358,7 +358,7 @@ def test_measure_rss_counts_grandchildren_and_what_threads_started() -> None:
         with subprocess.Popen(["sleep", "32"]) as other:  # not a descendant
             try:
                 expected = {p.pid for p in proc.children(recursive=True)}
-                assert {p.pid for p in memory._descendants(proc)} == expected
+                assert set(memory._descendant_pids(parent.pid)) == expected
                 rss = measure_rss(parent.pid)
                 assert rss is not None
                 assert rss >= sum(p.memory_info().rss for p in [proc, *proc.children()])
