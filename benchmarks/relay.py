@@ -9,6 +9,9 @@ Two parts, each target started on its own and stopped before the next:
   ``--relay-events`` / N tokens (at least 32). Measured per run: the CPU time of the router
   process alone (psutil; its children excluded) per relayed event, the events/s the client
   received, and the gaps between a stream's events (p99, added over the direct column's).
+  One more column, the floor: ``benchmarks.floorrelay`` (a uvloop proxy that copies bytes and
+  does nothing else) in front of the direct llama-server, for what any relay in Python on
+  uvloop pays per event; llama-router's CPU above it is what its own code adds.
 * **The ceiling.** A stand-in child (``benchmarks.standin``), served by llama-router as a
   remote upstream (``upstream = http://...``), so the child is never the limit. ``paced``: each
   of ``N`` streams (``--relay-streams`` too; default 16, 64, 256) gets one event a
@@ -72,6 +75,9 @@ PROMPT = "Write a story about a robot who learns to paint."
 MIN_TOKENS = 32
 SLOT_MARGIN = 64  # context per slot beyond the generated tokens: the chat-templated prompt
 RUN_TIMEOUT_S = 300.0
+FLOOR = "floor"
+RELAY_COLUMNS = (*COLUMNS, FLOOR)
+RELAY_LABELS = {**LABELS, FLOOR: "uvloop byte relay (floor)"}
 GOALS = {
     "relay_cpu_per_event": "llama-router's CPU per relayed event at most llama.cpp router's, "
                            "at every stream count",
@@ -193,6 +199,16 @@ class RelayBench:
 
     # ------------------------------------------------------------ targets
 
+    def _start_floor(self, streams: int, direct_url: str) -> tuple[Managed, str]:
+        """The floor column: ``benchmarks.floorrelay`` in front of the direct llama-server."""
+        port = free_port()
+        item = self.bench.procs.start(f"relay{streams}-floor", [
+            sys.executable, "-m", "benchmarks.floorrelay", str(port),
+            direct_url.rsplit(":", 1)[1]], cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(item, url)
+        return item, url
+
     def _start(self, column: str, streams: int, tokens: int) -> tuple[Managed, str]:
         ctx = streams * (tokens + SLOT_MARGIN)
         slot = ["threads = 1", "threads-batch = 1"]
@@ -222,13 +238,14 @@ class RelayBench:
         tokens = self.settings.tokens(streams)
         body = chat_request(MODEL, tokens)
         started = {c: self._start(c, streams, tokens) for c in COLUMNS}
-        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in COLUMNS}
+        started[FLOOR] = self._start_floor(streams, started[DIRECT][1])
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in RELAY_COLUMNS}
         profile: dict[str, Any] | None = None
         try:
             for _, url in started.values():  # loads the model, fills every slot once
                 run_streams(url, streams, chat_request(MODEL, 4), None)
             for rnd in range(self.settings.rounds):
-                for column in rotate(COLUMNS, rnd):
+                for column in rotate(RELAY_COLUMNS, rnd):
                     item, url = started[column]
                     runs[column].append(run_streams(url, streams, body,
                                                     psutil.Process(item.proc.pid)))
@@ -239,7 +256,7 @@ class RelayBench:
         finally:
             for item, _ in started.values():
                 self.bench.procs.stop(item)
-        summary = {c: summarize_runs(runs[c]) for c in COLUMNS}
+        summary = {c: summarize_runs(runs[c]) for c in RELAY_COLUMNS}
         out: dict[str, Any] = {"streams": streams, "tokens_per_stream": tokens,
                                "summary": summary, "runs": runs}
         if profile is not None:
@@ -367,7 +384,9 @@ def evaluate(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         lr = row["summary"][ROUTER]["server_us_per_event"]
         lc = row["summary"][LLAMACPP]["server_us_per_event"]
         met = met and lr <= lc
-        per_n.append(f"{row['streams']}: {lr:.1f} vs {lc:.1f} us")
+        floor = row["summary"].get(FLOOR, {}).get("server_us_per_event")
+        per_n.append(f"{row['streams']}: {lr:.1f} vs {lc:.1f} us"
+                     + (f" (uvloop floor {floor:.1f})" if floor is not None else ""))
     ceiling = [r for r in results["ceiling"]["summary"] if r["column"] == ROUTER]
     lost = sum(r["sent"] - r["received"] for r in ceiling)
     best = max((r["events_per_s"] for r in ceiling), default=0.0)
@@ -383,27 +402,32 @@ def evaluate(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def render(results: dict[str, Any]) -> str:
-    lines = ["| streams | metric | " + " | ".join(LABELS[c] for c in COLUMNS)
-             + " | llama-router / llama.cpp |", "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
+    lines = ["| streams | metric | " + " | ".join(RELAY_LABELS[c] for c in RELAY_COLUMNS)
+             + " | llama-router / llama.cpp | llama-router over the floor |",
+             "|---|---|" + "---:|" * (len(RELAY_COLUMNS) + 2)]
     for row in results["child"]:
         s = row["summary"]
         n = f"{row['streams']} x {row['tokens_per_stream']}"
 
         def cells(key: str, fmt: str, s: dict[str, Any] = s) -> list[str]:
-            return [format(s[c][key], fmt) if key in s[c] else "-" for c in COLUMNS]
+            return [format(s[c][key], fmt) if key in s.get(c, {}) else "-"
+                    for c in RELAY_COLUMNS]
 
         ratio = s[ROUTER]["server_us_per_event"] / s[LLAMACPP]["server_us_per_event"]
+        over = (f"{s[ROUTER]['server_us_per_event'] - s[FLOOR]['server_us_per_event']:+.1f} us"
+                if FLOOR in s else "-")
         lines.append(f"| {n} | router CPU per event (us) [direct: the child's] | "
-                     + " | ".join(cells("server_us_per_event", ".1f")) + f" | {ratio:.2f}x |")
+                     + " | ".join(cells("server_us_per_event", ".1f"))
+                     + f" | {ratio:.2f}x | {over} |")
         lines.append(f"| {n} | events/s delivered | "
                      + " | ".join(cells("events_per_s", ",.0f")) + " | "
-                     f"{s[ROUTER]['events_per_s'] / s[LLAMACPP]['events_per_s']:.2f}x |")
+                     f"{s[ROUTER]['events_per_s'] / s[LLAMACPP]['events_per_s']:.2f}x | |")
         direct_gap = s[DIRECT]["gap_p99_ms"]
         lines.append(f"| {n} | inter-event gap p99 (ms) [added over direct] | "
                      + " | ".join(f"{s[c]['gap_p99_ms']:.2f}"
                                   + ("" if c == DIRECT else
                                      f" [{s[c]['gap_p99_ms'] - direct_gap:+.2f}]")
-                                  for c in COLUMNS) + " | |")
+                                  for c in RELAY_COLUMNS if c in s) + " | | |")
     lines += ["", "Ceiling (stand-in child, llama-router with it as a remote upstream):", "",
               "| mode, streams | target | events/s | server CPU per event (us) | server cores | "
               "client cores | events per client read | sent | received | stand-in waited "
