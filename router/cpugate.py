@@ -43,8 +43,10 @@ def next_turn(active: Sequence[str], current: str | None) -> str:
 
 
 class CpuGate:
-    """Gives members their turns; ``notify()`` whenever a model's in-flight count goes from 0
-    to more or back (the hot path: it only sets an event)."""
+    """Gives members their turns. ``busy(model)`` and ``idle(model)`` when a model's in-flight
+    count goes from 0 to more and back (the hot path: a set insert or discard; the gate wakes
+    only when that can change a turn: a second model busy, or a model idle while turns are on
+    or a child is paused); ``notify()`` for any other change."""
 
     def __init__(self, members: Members, turn_s: float = TURN_S) -> None:
         self._members = members
@@ -55,6 +57,7 @@ class CpuGate:
         self._turn_ends = 0.0
         self.turns = 0  # turns given while models took turns (``/metrics``)
         self._task: asyncio.Task[None] | None = None
+        self._busy: set[str] = set()  # models with requests in flight (``busy``, ``idle``)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="cpu-gate")
@@ -68,6 +71,19 @@ class CpuGate:
 
     def notify(self) -> None:
         self._wake.set()
+
+    def busy(self, model: str) -> None:
+        """``model`` has requests in flight now. With no other model busy there is nothing to
+        take turns with: nothing to wake for (one model serving pays nothing per request)."""
+        self._busy.add(model)
+        if len(self._busy) >= 2:
+            self._wake.set()
+
+    def idle(self, model: str) -> None:
+        """``model``'s last request in flight ended: turns may end, a paused child may go on."""
+        self._busy.discard(model)
+        if self._current is not None or self._paused:
+            self._wake.set()
 
     @property
     def paused(self) -> frozenset[Backend]:

@@ -245,10 +245,10 @@ class Supervisor:
         return None if replica is None else self.leases.take(runtime, replica)
 
     def _on_busy(self, runtime: ModelRuntime) -> None:
-        self.cpu_gate.notify()
+        self.cpu_gate.busy(runtime.id)
 
     def _on_idle(self, runtime: ModelRuntime) -> None:
-        self.cpu_gate.notify()
+        self.cpu_gate.idle(runtime.id)
         self.executor.apply(runtime, Idle())
 
     def _budget_of(self, runtime: ModelRuntime) -> float:

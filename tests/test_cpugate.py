@@ -111,6 +111,48 @@ async def test_the_loop_pauses_and_close_continues_everything() -> None:
     assert not a.stopped and not b.stopped and not gate.paused
 
 
+async def test_busy_and_idle_wake_the_gate_only_when_a_turn_can_change() -> None:
+    a, b = FakeChild("a"), FakeChild("b")
+    active: dict[str, list[FakeChild]] = {}
+    looked = {"n": 0}
+
+    def members() -> dict[str, list[FakeChild]]:
+        looked["n"] += 1
+        return dict(active)
+
+    gate = CpuGate(members, turn_s=3600)  # type: ignore[arg-type]
+    gate.start()
+
+    async def settled() -> None:  # the gate's task has run every step it was woken for
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    await settled()
+    assert looked["n"] == 1  # its first look, at the start
+    for _ in range(3):  # one model's requests, one after another: nothing to wake for
+        active["a"] = [a]
+        gate.busy("a")
+        await settled()
+        del active["a"]
+        gate.idle("a")
+        await settled()
+    assert looked["n"] == 1
+    active.update(a=[a], b=[b])
+    gate.busy("a")
+    gate.busy("b")  # a second busy model: turns start
+    await settled()
+    assert looked["n"] == 2 and len(gate.paused) == 1
+    del active["b"]
+    gate.idle("b")  # turns are on: they end, the paused child goes on
+    await settled()
+    assert looked["n"] == 3 and not gate.paused and not a.stopped and not b.stopped
+    del active["a"]
+    gate.idle("a")  # turns are over: nothing to wake for
+    await settled()
+    assert looked["n"] == 3
+    await gate.close()
+
+
 @pytest.mark.process
 async def test_a_paused_child_is_stopped_by_sigterm_not_sigkill() -> None:
     """``ChildProcess.stop`` continues a paused child, so its SIGTERM is acted on at once."""
