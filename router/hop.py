@@ -17,8 +17,9 @@ or stop, a metrics scrape, the peer's ``/props`` and ``/models`` and its ``/mode
   ``sse.aiter_events`` (a line or event over 1 MiB ends the stream).
 
 Health probes are the one exception: ``GET /health`` on a connection of its own
-(``process.ask_health``, as children's), so that a pool full of long streams never delays
-them; ``/health`` is never relayed, so it needs no via chain.
+(``process.ask_health``; children's is ``upstream.probe``, on its own connection too), so that
+a pool full of long streams never delays them; ``/health`` is never relayed, so it needs no
+via chain.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """A peer's health: probed, brought up, marked down.
 
 Each peer is probed with ``GET /health`` every ``--liveness-interval`` s
-(``--liveness-timeout``), as children are (``process.ask_health``; its misses counted by
-``liveness.Misses``). After ``--liveness-misses`` failures in a row, or at once when a
-connection to it is refused, it is *down*: its models are unavailable (an event says so for
-each) and nothing new is sent to it until a probe answers again. Requests in flight to it end
+(``--liveness-timeout``), as children are (``process.ask_health``; children's probe is
+``upstream.probe``; the misses of both counted by ``liveness.Misses``). After
+``--liveness-misses`` failures in a row, or at once when a connection to it is refused, it is
+*down*: its models are unavailable (an event says so for each) and nothing new is sent to it
+until a probe answers again. Requests in flight to it end
 at once (a 502 envelope, or a stream's error event), and so do the router's own calls to it,
 only if it stopped answering altogether (probes timed out: frozen, or cut off): one that
 refuses connections is either gone, and its connections with it, or shutting down and

@@ -328,10 +328,7 @@ async def probe(host: str, port: int, target: bytes) -> int:
     the caller bounds the wait (``asyncio.timeout``). A few syscalls and no pool: what an
     idle router spends on its children's liveness."""
     conn = _Connection()
-    try:
-        await asyncio.get_running_loop().create_connection(lambda: conn, host, port)
-    except OSError as exc:
-        raise UpstreamError(f"could not connect ({type(exc).__name__})") from exc
+    await _connect(conn, host, port)
     try:
         conn.begin(encode_request("GET", target, f"{host}:{port}".encode(), (), b"",
                                   close=True), head_only=False)
@@ -632,10 +629,16 @@ class ChildConnections:
         self._release(conn)
 
     async def _connect(self, conn: _Connection) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                await loop.create_connection(lambda: conn, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"could not reach the model's llama-server on port "
-                                f"{self.port}: {exc!r}") from exc
+        await _connect(conn, self.host, self.port)
+
+
+async def _connect(conn: _Connection, host: str, port: int) -> None:
+    """Connect ``conn`` to ``host:port``; ``UpstreamError`` when that fails or takes longer
+    than ``CONNECT_TIMEOUT_S``."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            await loop.create_connection(lambda: conn, host, port)
+    except (OSError, TimeoutError) as exc:
+        raise UpstreamError(f"could not reach the model's llama-server on port "
+                            f"{port}: {exc!r}") from exc

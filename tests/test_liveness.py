@@ -120,7 +120,9 @@ async def test_a_refused_connection_is_a_miss(client: httpx.AsyncClient) -> None
     runtime, _ = serving_model(port, client)
     liveness = prober(client, killed, misses=1)
     await liveness.probe_round([runtime])
-    assert len(killed) == 1 and "could not connect (ConnectionRefusedError)" in killed[0]
+    assert len(killed) == 1
+    assert (f"could not reach the model's llama-server on port {port}: ConnectionRefusedError("
+            in killed[0])
 
 
 async def test_a_child_paused_for_its_cpu_turn_is_not_counted(
