@@ -424,10 +424,10 @@ def render(results: dict[str, Any]) -> str:
                      f"{s[ROUTER]['events_per_s'] / s[LLAMACPP]['events_per_s']:.2f}x | |")
         direct_gap = s[DIRECT]["gap_p99_ms"]
         lines.append(f"| {n} | inter-event gap p99 (ms) [added over direct] | "
-                     + " | ".join(f"{s[c]['gap_p99_ms']:.2f}"
+                     + " | ".join("-" if c not in s else f"{s[c]['gap_p99_ms']:.2f}"
                                   + ("" if c == DIRECT else
                                      f" [{s[c]['gap_p99_ms'] - direct_gap:+.2f}]")
-                                  for c in RELAY_COLUMNS if c in s) + " | | |")
+                                  for c in RELAY_COLUMNS) + " | | |")
     lines += ["", "Ceiling (stand-in child, llama-router with it as a remote upstream):", "",
               "| mode, streams | target | events/s | server CPU per event (us) | server cores | "
               "client cores | events per client read | sent | received | stand-in waited "
