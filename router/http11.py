@@ -26,6 +26,17 @@ trickling a body nobody will read. At shutdown the deadline shrinks to
 Over ``connection_cap`` open connections (``fdlimit``) a new one gets a 503 envelope with
 ``Retry-After`` and is closed before its request is read.
 
+A request head is bounded in bytes, not only in time, tighter than llama-server's own limits
+(cpp-httplib: 8,192 bytes a target or header line, 100 headers), so nothing the router accepts
+is refused by a child with a bare 400: the target at ``MAX_TARGET_BYTES`` (else 414), a header's
+name and value at ``MAX_HEADER_BYTES`` and ``MAX_HEADERS`` of them (else 431), and the whole
+head, blank lines before it included, at ``MAX_HEAD_BYTES`` (else 431). The parser is never fed
+more than that of one head, so an endless head costs at most that much memory per connection.
+A request asking to switch protocols (``Upgrade`` with ``Connection: upgrade``, or ``CONNECT``)
+is refused with a 400: the router serves HTTP/1.1 only, no WebSocket (uvicorn runs with
+``ws="none"``). Every refusal is the envelope, closes the connection, and is counted by reason
+(``Refusals``, exposed as ``llamarouter_edge_refusals_total``).
+
 A streamed response's body can also go out without the ASGI ``send`` chain: ``body_writer``
 gives the app a ``BodyWriter`` for its request, which writes a body chunk to the client's
 transport at once, framed as uvicorn frames it, from any callback (``proxy`` writes from the
@@ -36,8 +47,10 @@ uses ``send``, which waits for the client as before. The response's start and en
 through ``send``. ``BodyWriter.one_write`` makes a small response's head and body, sent one
 after the other, go out in one write (one system call, not two).
 
-Tested against uvicorn's ``httptools_impl`` in the versions ``pyproject.toml`` allows (it is
-private API: a new minor version is tested before the bound moves).
+This module is the one adapter to uvicorn's private protocol: nothing else in the router reads
+a private attribute of it. Tested against uvicorn's ``httptools_impl`` in the versions
+``pyproject.toml`` allows, with a contract test of every private name used here
+(``tests/test_http11.py``): a new minor version is tested before the bound moves.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ import asyncio
 import weakref
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -64,6 +78,45 @@ UNPARSABLE = ("the request is not valid HTTP/1.1 (its start line, headers or fra
               "not be parsed); the connection is closed")
 HEAD_TIMEOUT = (f"the request's start line and headers did not arrive within "
                 f"{REQUEST_HEAD_TIMEOUT_S:g} s; the connection is closed")
+
+# The request head's bounds (see the module docstring); llama-server's are 8,192 and 100.
+MAX_TARGET_BYTES = 8000  # the request target (path and query) as sent
+MAX_HEADER_BYTES = 8000  # one header's name and value
+MAX_HEADERS = 64  # the router adds a few on the hop (host, length, via, key): under 100 there
+MAX_HEAD_BYTES = 64 * 1024  # the whole head: request line, headers, blank lines before it
+
+TARGET_TOO_LONG = (f"the request target is longer than {MAX_TARGET_BYTES} bytes; the "
+                   "connection is closed")
+HEADER_TOO_LARGE = (f"a request header is longer than {MAX_HEADER_BYTES} bytes (name and "
+                    "value); the connection is closed")
+TOO_MANY_HEADERS = f"the request has more than {MAX_HEADERS} headers; the connection is closed"
+HEAD_TOO_LARGE = (f"the request's start line and headers are longer than {MAX_HEAD_BYTES} "
+                  "bytes; the connection is closed")
+UPGRADE_REFUSED = ("the router does not switch protocols (Upgrade, CONNECT): it serves "
+                   "HTTP/1.1 only, no WebSocket; the connection is closed")
+
+# Why the edge refused a connection or request: the label of llamarouter_edge_refusals_total.
+REFUSAL_REASONS = ("unparsable", "target_too_long", "header_too_large", "too_many_headers",
+                   "head_too_large", "upgrade", "head_timeout", "body_timeout",
+                   "connection_cap")
+
+
+class Refusals:
+    """How many times the edge refused, by reason (``REFUSAL_REASONS``): written by the
+    protocol, read by ``/metrics`` at scrape time."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
+
+    def add(self, reason: str) -> None:
+        self.counts[reason] += 1
+
+
+class _Refused(Exception):
+    """Raised from a parser callback after the refusal was written: stops the parser (uvicorn
+    then calls ``send_400_response``, which finds the answer already given)."""
 
 
 def body_timeout_message(timeout_s: float) -> str:
@@ -163,24 +216,30 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
     _body_seen = 0.0  # loop time of the body's last chunk (or of the answer, once answered)
     _discarding = False
     _shutting_down = False
+    _in_head = True  # waiting for a request head, or inside one: what arrives is bounded
+    _head_bytes = 0  # bytes fed to the parser since the last request ended
     connection_cap: int | None = None
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    refusals: Refusals = Refusals()  # ``configured`` gives each server its own
 
     @classmethod
     def configured(cls, *, cap: int | None = None,
                    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                   refusals: Refusals | None = None,
                    ) -> type[EnvelopeHttpToolsProtocol]:
-        """This protocol with at most ``cap`` client connections and a body deadline of
-        ``body_timeout_s`` between chunks (uvicorn takes a class)."""
+        """This protocol with at most ``cap`` client connections, a body deadline of
+        ``body_timeout_s`` between chunks, and its refusals counted in ``refusals`` (uvicorn
+        takes a class)."""
         return type(f"{cls.__name__}Configured", (cls,),
-                    {"connection_cap": cap, "body_timeout_s": body_timeout_s})
+                    {"connection_cap": cap, "body_timeout_s": body_timeout_s,
+                     "refusals": refusals or Refusals()})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if self.connection_cap is not None and len(self.connections) > self.connection_cap:
             self.logger.warning("over the cap of %d connections; refusing one",
                                 self.connection_cap)
-            self._send_error(503, OVER_CAP, retry_after=True)
+            self._send_error(503, OVER_CAP, "connection_cap", retry_after=True)
             return
         self._arm_head_timer()
 
@@ -188,8 +247,34 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._arm_head_timer()
 
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > MAX_TARGET_BYTES:
+            self._refuse(414, TARGET_TOO_LONG, "target_too_long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, bounded (the whole head is bounded by ``data_received``).
+        headers = self.headers
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            self._refuse(431, HEADER_TOO_LARGE, "header_too_large")
+        if len(headers) >= MAX_HEADERS:
+            self._refuse(431, TOO_MANY_HEADERS, "too_many_headers")
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        headers.append((name, value))
+
+    def _refuse(self, status: int, message: str, reason: str) -> None:
+        """Answer a request head the router will not take, and stop the parser."""
+        self.logger.warning("refusing a request: %s", message)
+        self._send_error(status, message, reason)
+        raise _Refused(reason)
+
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._in_head = False
+        if self.parser.should_upgrade():  # Upgrade + Connection: upgrade, or CONNECT
+            self._refuse(400, UPGRADE_REFUSED, "upgrade")
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
@@ -206,6 +291,8 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
+        self._in_head = True  # the next request's head (pipelined or kept alive) is bounded
+        self._head_bytes = 0
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -265,7 +352,7 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
         # The app waiting for the body sees the client leave; the client gets the 408.
         cycle.disconnected = True
         cycle.message_event.set()
-        self._send_error(408, body_timeout_message(timeout), answering=True)
+        self._send_error(408, body_timeout_message(timeout), "body_timeout", answering=True)
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -285,15 +372,18 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
             return
         self.logger.warning("request head not complete within %g s; closing",
                             REQUEST_HEAD_TIMEOUT_S)
-        self._send_error(408, HEAD_TIMEOUT)
+        self._send_error(408, HEAD_TIMEOUT, "head_timeout")
 
     def send_400_response(self, msg: str) -> None:
-        self._send_error(400, UNPARSABLE)
+        if not self._discarding:  # else a refusal was answered already (``_Refused``)
+            self._send_error(400, UNPARSABLE, "unparsable")
 
-    def _send_error(self, status: int, message: str, *, retry_after: bool = False,
-                    answering: bool = False) -> None:
-        """Write an envelope and close; ``answering``: it is the answer to the current
-        request (whose app no longer writes), not an error behind it."""
+    def _send_error(self, status: int, message: str, reason: str, *,
+                    retry_after: bool = False, answering: bool = False) -> None:
+        """Write an envelope and close, counting the refusal under ``reason``;
+        ``answering``: it is the answer to the current request (whose app no longer
+        writes), not an error behind it."""
+        self.refusals.add(reason)
         self._cancel_head_timer()
         self._cancel_body_timer()
         self._discarding = True  # nothing after this is parsed: its framing is lost
@@ -322,5 +412,34 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if not self._discarding:  # after an error answer, the rest is dropped
-            super().data_received(data)
+        # After an error answer, the rest is dropped. While a head is due, the parser is fed
+        # at most ``MAX_HEAD_BYTES`` of it: httptools keeps a header or target that has not
+        # ended yet in memory, so an endless one must be cut here, not in its callbacks.
+        while not self._discarding:
+            if not self._in_head:  # a body, or a request being answered: uvicorn's flow
+                self._feed(data)
+                return
+            room = MAX_HEAD_BYTES - self._head_bytes
+            piece = data
+            if len(data) > room:
+                piece, data = data[:room], data[room:]
+            else:
+                data = b""
+            self._head_bytes += len(piece)
+            self._feed(piece)
+            if self._in_head and self._head_bytes >= MAX_HEAD_BYTES and not self._discarding:
+                self.logger.warning("refusing a request: %s", HEAD_TOO_LARGE)
+                self._send_error(431, HEAD_TOO_LARGE, "head_too_large")
+            if not data:
+                return
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, with the router's answers to what the parser
+        refuses (a refusal from a callback has been answered already)."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not self._discarding:
+                self.logger.warning("invalid HTTP request received; refusing it")
+                self._send_error(400, UNPARSABLE, "unparsable")

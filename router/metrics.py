@@ -33,6 +33,7 @@ from .events import Event
 from .scheduler import Status
 
 if TYPE_CHECKING:
+    from .http11 import Refusals
     from .supervisor import Supervisor
 
 SCRAPE_TIMEOUT_S = 2.0
@@ -124,6 +125,10 @@ class RouterMetrics:
         self.registry.register(_LiveGauges(supervisor))
         supervisor.events.listeners.append(self.on_event)
         supervisor.on_routed(self.observe_routing)
+
+    def attach_edge(self, refusals: Refusals) -> None:
+        """Expose what the HTTP/1.1 edge refused (``http11.Refusals``), read at scrape time."""
+        self.registry.register(_EdgeRefusals(refusals))
 
     def on_event(self, event: Event) -> None:
         """Count lifecycle transitions from the supervisor's status events (a peer's events,
@@ -226,6 +231,24 @@ ChildText = tuple[dict[str, str], str]  # (labels to add to each sample, exposit
 # untyped under its own sample names, as the text format knows no such type.
 _TEXT_TYPES = frozenset({"counter", "gauge", "histogram", "summary", "unknown"})
 _CREATED_TYPES = frozenset({"counter", "histogram", "summary"})  # families with a _created
+
+
+class _EdgeRefusals(Collector):
+    """``llamarouter_edge_refusals_total``: requests and connections the edge refused before
+    the app saw them, by reason (``http11.REFUSAL_REASONS``)."""
+
+    def __init__(self, refusals: Refusals) -> None:
+        self.refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "llamarouter_edge_refusals", "Connections and requests the HTTP/1.1 edge refused "
+            "with an error envelope before the app saw them, by reason (unparsable, "
+            "target_too_long, header_too_large, too_many_headers, head_too_large, upgrade, "
+            "head_timeout, body_timeout, connection_cap)", labels=["reason"])
+        for reason, count in self.refusals.counts.items():
+            family.add_metric([reason], count)
+        yield family
 
 
 class _BareCounter(Metric):

@@ -32,7 +32,7 @@ from .events import EventBus
 from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
 from .gpus import GpuDevice
-from .http11 import EnvelopeHttpToolsProtocol
+from .http11 import EnvelopeHttpToolsProtocol, Refusals
 from .install import (
     WEBUI_MISSING,
     InstallError,
@@ -167,7 +167,9 @@ def _build_info(binary: Path) -> str:
     return "unknown"
 
 
-def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette:
+def build_app(prepared: Prepared, notifier: Notifier | None = None,
+              refusals: Refusals | None = None) -> Starlette:
+    """The app; ``refusals``: what the HTTP/1.1 edge refused, for ``/metrics``."""
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
@@ -182,6 +184,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None) -> Starlette
             supervisor.start()
             metrics = RouterMetrics()
             metrics.attach(supervisor)
+            metrics.attach_edge(refusals or Refusals())
             router_log = LogRing(prepared.settings.log_lines)
             ring_handler = RingHandler(router_log, asyncio.get_running_loop())
             ring_handler.setFormatter(KeyValueFormatter(FORMAT))
@@ -356,7 +359,8 @@ def serve(settings: Settings) -> None:
     if settings.port == 0:  # children are told the port the router got
         prepared.settings = settings = settings.model_copy(update={"port": listeners.port})
     notifier = Notifier()
-    app = build_app(prepared, notifier)
+    refusals = Refusals()
+    app = build_app(prepared, notifier, refusals)
     cap = connection_cap(open_files, settings.models_max)
     log.info("up to %d client connections at once (%d file descriptors)", cap, open_files)
     config = uvicorn.Config(app, host=settings.hosts()[0], port=settings.port,
@@ -364,8 +368,11 @@ def serve(settings: Settings) -> None:
                             # Nothing reads the client's address or scheme: no rewriting
                             # them from X-Forwarded-* (a layer on every request).
                             proxy_headers=False,
+                            # HTTP/1.1 only: the protocol refuses every upgrade.
+                            ws="none",
                             http=EnvelopeHttpToolsProtocol.configured(
-                                cap=cap, body_timeout_s=settings.body_timeout),
+                                cap=cap, body_timeout_s=settings.body_timeout,
+                                refusals=refusals),
                             timeout_graceful_shutdown=math.ceil(
                                 settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)

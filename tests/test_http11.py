@@ -6,6 +6,7 @@ clients. Fast (short deadlines), so every uvicorn version the bounds allow is ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,9 +28,11 @@ GUARD_S = 20.0  # a hang fails the test, it does not hold the suite
 class Served:
     """A loopback server with the router's protocol; what its app saw and its connections."""
 
-    def __init__(self, server: asyncio.Server, state: ServerState) -> None:
+    def __init__(self, server: asyncio.Server, state: ServerState,
+                 refusals: http11.Refusals) -> None:
         self.server = server
         self.state = state
+        self.refusals = refusals
         self.port: int = server.sockets[0].getsockname()[1]
         self.seen: list[dict[str, Any]] = []  # what each request's app received, in order
         self.called = asyncio.Event()  # an app was called
@@ -41,15 +44,17 @@ class Served:
 @asynccontextmanager
 async def serving(app: App, *, body_timeout_s: float = 0.3,
                   cap: int | None = None) -> AsyncIterator[Served]:
-    protocol = EnvelopeHttpToolsProtocol.configured(cap=cap, body_timeout_s=body_timeout_s)
-    config = uvicorn.Config(app, log_config=None, access_log=False)
+    refusals = http11.Refusals()
+    protocol = EnvelopeHttpToolsProtocol.configured(cap=cap, body_timeout_s=body_timeout_s,
+                                                    refusals=refusals)
+    config = uvicorn.Config(app, log_config=None, access_log=False, ws="none")
     config.load()
     state = ServerState()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: protocol(config, state, {}, loop),
                                       "127.0.0.1", 0)
     try:
-        yield Served(server, state)
+        yield Served(server, state, refusals)
     finally:
         for connection in list(state.connections):
             connection.transport.close()
@@ -295,3 +300,211 @@ async def test_connections_over_the_cap_get_a_503() -> None:
         first.close()
     envelope(raw, 503)
     assert parse(raw)[1]["retry-after"] == "1"
+
+
+# -- the request head's bounds -----------------------------------------------------------------
+
+
+async def flood(writer: asyncio.StreamWriter, start: bytes, filler: bytes,
+                total: int) -> int:
+    """Write ``start`` then ``filler`` repeatedly, up to ``total`` bytes or until the server
+    stops taking them; how many bytes went out."""
+    sent = 0
+    try:
+        writer.write(start)
+        sent += len(start)
+        while sent < total:
+            writer.write(filler)
+            sent += len(filler)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    return sent
+
+
+async def refused_head(start: bytes, filler: bytes, status: int,
+                       total: int = 8 << 20) -> tuple[str, Served, int]:
+    """Send a request head that never ends (``start``, then ``filler`` up to ``total``
+    bytes); the envelope's message, the server, and what the server read of it."""
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        sending = asyncio.create_task(flood(writer, start, filler, total))
+        raw = await read_all(reader)
+        sent = await sending if sending.done() else 0
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+    assert not served.seen  # the app never saw it
+    assert parse(raw)[1]["connection"] == "close"
+    return envelope(raw, status), served, sent
+
+
+async def test_an_endless_request_target_gets_a_414() -> None:
+    message, served, _ = await refused_head(b"GET /", b"a" * 4096, 414)
+    assert str(http11.MAX_TARGET_BYTES) in message
+    assert served.refusals.counts["target_too_long"] == 1
+
+
+async def test_an_endless_header_value_gets_a_431_before_the_head_grows() -> None:
+    message, served, _ = await refused_head(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: ",
+                                            b"v" * 4096, 431)
+    # The value never ends, so no callback sees it: the head's byte bound ends it.
+    assert str(http11.MAX_HEAD_BYTES) in message
+    assert served.refusals.counts["head_too_large"] == 1
+
+
+async def test_many_short_headers_get_a_431_at_the_count() -> None:
+    message, served, _ = await refused_head(b"GET / HTTP/1.1\r\n", b"X-A: b\r\n" * 64, 431)
+    assert f"more than {http11.MAX_HEADERS} headers" in message
+    assert served.refusals.counts["too_many_headers"] == 1
+
+
+async def test_blank_lines_before_a_request_count_toward_its_head() -> None:
+    _, served, _ = await refused_head(b"", b"\r\n" * 2048, 431)
+    assert served.refusals.counts["head_too_large"] == 1
+
+
+async def test_one_long_header_gets_a_431() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        value = "v" * (http11.MAX_HEADER_BYTES + 1)
+        writer.write(f"GET / HTTP/1.1\r\nHost: x\r\nX-Long: {value}\r\n\r\n".encode())
+        raw = await read_all(reader)
+        writer.close()
+    assert str(http11.MAX_HEADER_BYTES) in envelope(raw, 431)
+    assert not served.seen
+    assert served.refusals.counts["header_too_large"] == 1
+
+
+async def test_a_head_at_every_bound_is_served() -> None:
+    """The largest head the router takes: a target of ``MAX_TARGET_BYTES``, ``MAX_HEADERS``
+    headers of which one is ``MAX_HEADER_BYTES`` long, and a body in the same write."""
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        target = "/" + "t" * (http11.MAX_TARGET_BYTES - 1)
+        long_value = "v" * (http11.MAX_HEADER_BYTES - len("x-long"))
+        headers = ["Host: x", "Content-Length: 200000", f"X-Long: {long_value}"]
+        headers += [f"X-{i}: {i}" for i in range(http11.MAX_HEADERS - len(headers))]
+        writer.write(f"POST {target} HTTP/1.1\r\n".encode()
+                     + "".join(f"{h}\r\n" for h in headers).encode() + b"\r\n"
+                     + b"x" * 200_000)
+        async with asyncio.timeout(GUARD_S):
+            status_line = await reader.readline()
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 200"), status_line
+    [record] = served.seen
+    assert record["size"] == 200_000
+    assert len(record["scope"]["headers"]) == http11.MAX_HEADERS
+    assert not any(served.refusals.counts.values())
+
+
+async def test_each_kept_alive_request_gets_its_own_head_bound() -> None:
+    """Pipelined heads of 40 KiB each: together far past ``MAX_HEAD_BYTES``, each within."""
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        filler = "".join(f"X-{i}: {'v' * 1000}\r\n" for i in range(40))
+        request = f"GET /health HTTP/1.1\r\nHost: x\r\n{filler}\r\n".encode()
+        writer.write(request * 5)
+        async with asyncio.timeout(GUARD_S):
+            for _ in range(5):
+                assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b'{"size": 0}')
+        writer.close()
+    assert len(served.seen) == 5
+
+
+@pytest.mark.parametrize("request_head", [
+    # A websocket handshake carrying a body: was held past every deadline, and crashed the
+    # shutdown while open.
+    b"GET /chat HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Content-Length: 100\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, upgrade\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+    b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+])
+async def test_protocol_upgrades_are_refused_at_once(request_head: bytes) -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=60.0) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(request_head)
+        started = time.monotonic()
+        raw = await read_all(reader)
+        waited = time.monotonic() - started
+        writer.close()
+    assert "does not switch protocols" in envelope(raw, 400)
+    assert not served.seen
+    assert waited < 5.0  # answered, not held until a deadline
+    assert served.refusals.counts["upgrade"] == 1
+
+
+async def test_an_upgrade_behind_a_request_being_answered_lets_that_answer_finish() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box, before_read_s=0.3)) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET / HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\n"
+                     b"Upgrade: websocket\r\n\r\n")
+        raw = await read_all(reader)
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    assert raw.endswith(b'{"size": 0}')
+    assert served.refusals.counts["upgrade"] == 1
+
+
+async def test_every_refusal_is_counted_by_reason() -> None:
+    box: list[Served] = []
+    async with serving(echo_app(box)) as served:
+        box.append(served)
+        for raw_request in (b"GARBAGE\r\n\r\n",
+                            b"GET /" + b"a" * (http11.MAX_TARGET_BYTES + 1) + b" HTTP/1.1\r\n"):
+            reader, writer = await served.connect()
+            writer.write(raw_request)
+            await read_all(reader)
+            writer.close()
+    assert served.refusals.counts == {**dict.fromkeys(http11.REFUSAL_REASONS, 0),
+                                      "unparsable": 1, "target_too_long": 1}
+
+
+def test_uvicorns_private_names_that_the_adapter_uses_exist() -> None:
+    """The contract with uvicorn's private protocol (``router/http11.py`` is its one reader):
+    each name it reads or overrides, on the installed version. A uvicorn release that
+    renames one fails here, not in production."""
+    from uvicorn.protocols.http import httptools_impl
+    protocol_names = ["connections", "tasks", "server_state", "transport", "flow", "cycle",
+                      "parser", "headers", "expect_100_continue", "loop", "logger",
+                      "pipeline"]
+    config = uvicorn.Config(echo_app([]), log_config=None, ws="none")
+    config.load()
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = httptools_impl.HttpToolsProtocol(config, ServerState(), {}, loop)
+    finally:
+        loop.close()
+    for name in protocol_names:
+        assert hasattr(protocol, name), name
+    begin = httptools_impl.HttpToolsProtocol.on_message_begin.__code__.co_names
+    assert "url" in begin and "headers" in begin  # per request, set at its start
+    for method in ["connection_made", "connection_lost", "on_message_begin", "on_url",
+                   "on_header", "on_headers_complete", "on_body", "on_message_complete",
+                   "on_response_complete", "shutdown", "send_400_response",
+                   "_unset_keepalive_if_required"]:
+        assert callable(getattr(httptools_impl.HttpToolsProtocol, method)), method
+    cycle_names = ["chunked_encoding", "flow", "disconnected", "response_complete",
+                   "response_started", "transport", "keep_alive", "more_body", "scope",
+                   "message_event", "waiting_for_100_continue", "body"]
+    cycle_init = httptools_impl.RequestResponseCycle.__init__.__code__.co_names
+    for name in cycle_names:
+        assert name in cycle_init, name
+    assert httptools_impl.STATUS_LINE[431].startswith(b"HTTP/1.1 431")
