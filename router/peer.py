@@ -70,7 +70,8 @@ class Peer:
         self.models: dict[str, dict[str, Any]] = {}
         self.peer_ids: dict[str, str] = {}  # this router's id -> the peer's id
         self.outstanding: dict[str, int] = {}  # requests in flight to it, by model id
-        self.connections = ChildConnections(self.host, self.port, PEER_MAX_CONNECTIONS)
+        self.connections = ChildConnections(self.host, self.port, PEER_MAX_CONNECTIONS,
+                                            label=f"peer router {self.url}")
         # The router's own calls to it in progress (``hop``): each ends when it is found
         # frozen, even one the pool would retry on a fresh connection.
         self.calls: set[Callable[[], None]] = set()

@@ -103,7 +103,8 @@ class RemoteUpstream:
     @property
     def connections(self) -> ChildConnections:
         if self._connections is None:
-            self._connections = ChildConnections(self.host, self.port, self._max_connections)
+            self._connections = ChildConnections(self.host, self.port, self._max_connections,
+                                                 label=f"upstream {self.url}")
         return self._connections
 
     async def start(self) -> None:

@@ -39,6 +39,15 @@ Contract:
 * Errors are ``UpstreamError`` (502): ``connect`` failures, a connection lost before the
   headers, a ``101 Switching Protocols`` (the hop relays HTTP only), and ``BrokenBody`` for a
   body cut off after the headers were relayed.
+* The response head is bounded like a request head at the edge: at most
+  ``MAX_RESPONSE_HEAD_BYTES`` (interim 1xx heads included) and ``MAX_RESPONSE_HEADERS``
+  headers, else the exchange fails with a 502 naming the upstream and its connection is
+  aborted; the parser is never fed more of a head than that, so an endless head from a
+  hostile peer or remote costs the router at most that much memory per connection. A head
+  must also arrive whole within the pool's ``head_timeout_s`` of the request being written
+  (``UpstreamTimeout``, 504; llama-server's own read timeout is the default, 600 s): a
+  non-streamed answer's head comes when its generation ends, so this is the longest such a
+  generation may take.
 """
 
 from __future__ import annotations
@@ -59,10 +68,19 @@ IDLE_EXPIRY_S = 4.0  # llama-server closes an idle keep-alive connection after 5
 DEFAULT_MAX_CONNECTIONS = 14  # per child; the supervisor sets it from --threads-http
 CONNECT_TIMEOUT_S = 10.0
 READ_HIGH_WATER = 256 * 1024  # stop reading from the child while this much is unconsumed
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024  # status line, headers and interim responses
+MAX_RESPONSE_HEADERS = 100
+DEFAULT_HEAD_TIMEOUT_S = 600.0  # llama-server's --timeout default
 
 
 class BrokenBody(UpstreamError):
     """The child's response ended early, after its headers were already relayed."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream's response head did not arrive within the pool's deadline (504)."""
+
+    status = 504
 
 
 class InvalidHeader(BadRequest):
@@ -128,8 +146,12 @@ def _line_break_in(target: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Inv
 class _Connection(asyncio.Protocol):
     """One TCP connection to a child, carrying one exchange at a time."""
 
-    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None, *,
+                 label: str = "the upstream",
+                 head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
         self.transport: asyncio.Transport | None = None
+        self.label = label  # names the upstream in errors: "node x (url)", ...
+        self.head_timeout_s = head_timeout_s
         self.closed = False
         self.given_up = False  # aborted by ``abort_all``: the server behind it is gone
         self.idle_since = 0.0
@@ -158,6 +180,9 @@ class _Connection(asyncio.Protocol):
         self.sink: Callable[[bytes], bool] | None = None  # see ``UpstreamResponse.relay_to``
         self._direct: list[bytes] = []  # for the sink, from the read in progress
         self._handed = False  # ``next_chunk`` returned a chunk its caller may still be sending
+        self._in_head = True  # the response head is still due: what arrives is bounded
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
 
     def begin(self, request: bytes, head_only: bool) -> None:
         assert self.transport is not None
@@ -165,7 +190,21 @@ class _Connection(asyncio.Protocol):
         if self.closed:  # closed since it was chosen: fail this exchange, never hang it
             self._fail(ConnectionClosed(received_any=False))
             return
+        self._head_timer = self._loop.call_later(self.head_timeout_s, self._head_late)
         self.transport.write(request)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._in_head:
+            self._fail(UpstreamTimeout(f"{self.label} sent no response head within "
+                                       f"{self.head_timeout_s:g} s"))
+            self.abort()
+
+    def _head_ended(self) -> None:
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     async def headers_received(self) -> None:
         await self._headers_done
@@ -202,6 +241,9 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: UpstreamError) -> None:
         if self.complete or self.error is not None:
             return
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         self.error = error
         if not self._headers_done.done():
             self._headers_done.set_exception(error)
@@ -215,13 +257,33 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
+        if self._in_head:
+            room = MAX_RESPONSE_HEAD_BYTES - self._head_bytes
+            if len(data) > room:  # feed no more of a head than its bound
+                self._head_bytes = MAX_RESPONSE_HEAD_BYTES
+                self._feed(data[:room])
+                if self._in_head:
+                    self._refuse_head(f"a response head over {MAX_RESPONSE_HEAD_BYTES} "
+                                      "bytes")
+                    return
+                data = data[room:]
+            else:
+                self._head_bytes += len(data)
+        self._feed(data)
+
+    def _refuse_head(self, what: str) -> None:
+        self._fail(UpstreamError(f"{self.label} sent {what}; the router reads no more of it"))
+        self.abort()
+
+    def _feed(self, data: bytes) -> None:
+        if not data or self.closed:
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # a 101: on_headers_complete failed the exchange
             self.abort()
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"the model's llama-server sent a malformed response: "
-                                     f"{exc}"))
+            self._fail(UpstreamError(f"{self.label} sent a malformed response: {exc}"))
             self.abort()
         finally:
             if self._direct:  # the body of this read, for the sink: before anyone wakes
@@ -254,7 +316,11 @@ class _Connection(asyncio.Protocol):
     # -- llhttp callbacks ----------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        headers = self.headers
+        if len(headers) >= MAX_RESPONSE_HEADERS:
+            self._refuse_head(f"more than {MAX_RESPONSE_HEADERS} response headers")
+            raise _HeadRefused  # stops the parser; the exchange has failed already
+        headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -266,6 +332,7 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200:  # an interim response: the real one follows
             self.headers = []
             return
+        self._head_ended()
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         framed = False
@@ -327,7 +394,7 @@ async def probe(host: str, port: int, target: bytes) -> int:
     holds). Raises ``UpstreamError`` when it cannot connect or the connection closes first;
     the caller bounds the wait (``asyncio.timeout``). A few syscalls and no pool: what an
     idle router spends on its children's liveness."""
-    conn = _Connection()
+    conn = _Connection(label=f"{host}:{port}")
     await _connect(conn, host, port)
     try:
         conn.begin(encode_request("GET", target, f"{host}:{port}".encode(), (), b"",
@@ -336,6 +403,10 @@ async def probe(host: str, port: int, target: bytes) -> int:
         return conn.status
     finally:
         conn.abort()  # the body, if any, is not wanted; nothing is reused
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop reading a head that was refused."""
 
 
 class ConnectionClosed(UpstreamError):
@@ -426,9 +497,14 @@ class ChildConnections:
     """
 
     def __init__(self, host: str, port: int,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, *,
+                 label: str | None = None,
+                 head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
         self.host = host
         self.port = port
+        # Names the upstream in the errors its exchanges fail with.
+        self.label = label or f"the model's llama-server on port {port}"
+        self.head_timeout_s = head_timeout_s
         self.max_connections = max(1, max_connections)
         self._host_header = f"{host}:{port}".encode()
         self._idle: collections.deque[_Connection] = collections.deque()
@@ -544,7 +620,8 @@ class ChildConnections:
     async def _open_reserved(self) -> _Connection:
         """Connect in a place already counted in ``_open``; the place is freed exactly once,
         by the connection's loss or, if it was never made, here."""
-        conn = _Connection(on_lost=lambda: self._lost(conn))
+        conn = _Connection(on_lost=lambda: self._lost(conn), label=self.label,
+                           head_timeout_s=self.head_timeout_s)
         try:
             await self._connect(conn)
         except BaseException:

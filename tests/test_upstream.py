@@ -636,3 +636,110 @@ async def test_a_sink_never_overtakes_a_chunk_the_relay_still_holds() -> None:
     assert sent == [b"1", b"2", b"34"] and not waiting.done()
     conn.data_received(b"0\r\n\r\n")
     assert await asyncio.wait_for(waiting, TIMEOUT) is None
+
+
+# -- the response head's bounds ----------------------------------------------------------------
+
+
+def endless_head(start: bytes, filler: bytes) -> Handler:
+    """Answers every request with ``start``, then ``filler`` for ever (until the client
+    closes): a hostile peer's response head that never ends."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(start)
+        sent = len(start)
+        while sent < 64 << 20:  # bounded: a broken test cannot run for ever
+            writer.write(filler)
+            sent += len(filler)
+            await writer.drain()
+
+    return handler
+
+
+@pytest.mark.parametrize(("start", "filler", "what"), [
+    (b"HTTP/1.1 200 OK\r\nx-a: ", b"v" * 65536, "over 65536 bytes"),
+    (b"HTTP/1.1 200 OK\r\n", b"x-a: b\r\n" * 1000, "more than 100 response headers"),
+    (b"", b"HTTP/1.1 100 Continue\r\n\r\n" * 1000, "over 65536 bytes"),
+])
+async def test_an_endless_response_head_fails_the_exchange_naming_the_upstream(
+        start: bytes, filler: bytes, what: str) -> None:
+    async with serve(endless_head(start, filler)) as server:
+        pool = ChildConnections("127.0.0.1", server.port, label="peer router http://x:1")
+        fed: list[int] = []
+        real_feed = upstream._Connection._feed
+
+        def counting_feed(self: upstream._Connection, data: bytes) -> None:
+            fed.append(len(data))
+            real_feed(self, data)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(upstream._Connection, "_feed", counting_feed)
+            with pytest.raises(UpstreamError) as caught:
+                async with asyncio.timeout(TIMEOUT):
+                    await pool.send("GET", b"/", [], b"")
+        async with asyncio.timeout(TIMEOUT):
+            await server.closed.wait()  # the connection was aborted, not kept
+    assert caught.value.status == 502
+    assert caught.value.message.startswith("peer router http://x:1 sent ")
+    assert what in caught.value.message
+    assert sum(fed) <= upstream.MAX_RESPONSE_HEAD_BYTES  # never parsed past the bound
+    assert pool.open_connections == 0
+
+
+async def test_a_head_at_the_bounds_is_read() -> None:
+    headers = [b"x-%d: %s" % (i, b"v" * 500) for i in range(upstream.MAX_RESPONSE_HEADERS - 2)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"{}", *headers))
+
+    async with serve(handler) as server:
+        pool = ChildConnections("127.0.0.1", server.port)
+        async with asyncio.timeout(TIMEOUT):
+            response = await pool.send("GET", b"/", [], b"")
+            assert await response.read() == b"{}"
+        response.release()
+    assert response.status == 200
+    assert len(response.headers) == upstream.MAX_RESPONSE_HEADERS
+
+
+async def test_a_response_head_that_never_comes_is_a_504_naming_the_upstream() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")  # a head begun, never ended
+        await reader.read()  # until the router aborts
+
+    async with serve(silent) as server:
+        pool = ChildConnections("127.0.0.1", server.port, label="upstream http://u:9",
+                                head_timeout_s=0.3)
+        with pytest.raises(upstream.UpstreamTimeout) as caught:
+            async with asyncio.timeout(TIMEOUT):
+                await pool.send("POST", b"/v1/chat/completions", [], b"{}")
+        async with asyncio.timeout(TIMEOUT):
+            await server.closed.wait()
+    assert caught.value.status == 504
+    assert caught.value.message == "upstream http://u:9 sent no response head within 0.3 s"
+    assert pool.open_connections == 0
+
+
+async def test_the_head_deadline_ends_with_the_head() -> None:
+    """A body that takes longer than the head deadline is never cut by it."""
+    async def slow_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(4):
+            await asyncio.sleep(0.2)
+            writer.write(b"1\r\nx\r\n")
+        writer.write(b"0\r\n\r\n")
+
+    async with serve(slow_body) as server:
+        pool = ChildConnections("127.0.0.1", server.port, head_timeout_s=0.3)
+        async with asyncio.timeout(TIMEOUT):
+            response = await pool.send("GET", b"/", [], b"")
+            assert await response.read() == b"xxxx"
+        response.release()
