@@ -26,7 +26,9 @@ class StandInPeer:
     a chunk per item put on ``chunks``). Knobs: ``silent`` (/health never answers),
     ``listing`` (the raw ``/models`` body instead of ``models``'), ``endless_line`` (bytes of
     one line without a line end that ``/models/sse`` sends after its next event; what it
-    managed to send adds up in ``sent``)."""
+    managed to send adds up in ``sent``), ``endless_head`` (bytes of a response head that
+    never ends, sent to every relayed request: any path but ``/health``, ``/props`` and
+    ``/models*``; added up in ``sent`` too)."""
 
     def __init__(self, node: str, models: dict[str, str], instance: str = "") -> None:
         self.node = node
@@ -37,6 +39,7 @@ class StandInPeer:
         self.silent = False
         self.listing: bytes | None = None
         self.endless_line = 0
+        self.endless_head = 0
         self.sent = 0
         self.subscriptions = 0
         self.server: asyncio.Server | None = None
@@ -61,6 +64,8 @@ class StandInPeer:
                 await asyncio.sleep(3600)
             if path in ("/models/sse", "/stream"):
                 await self._stream(path, writer)
+            if self.endless_head and path not in ("/health", "/props", "/models"):
+                await self._endless_head(writer)
             answer: dict[str, Any] = {"status": "ok"}
             if path == "/props":
                 answer = {"role": "router", "llama_router": {"node": self.node, **(
@@ -94,6 +99,18 @@ class StandInPeer:
                 data = b"data: " + json.dumps(await self.events.get()).encode() + b"\n\n"
             writer.write(b"%x\r\n%s\r\n" % (len(data), data))
             await writer.drain()
+
+    async def _endless_head(self, writer: asyncio.StreamWriter) -> None:
+        """``endless_head`` bytes of a response head: one header whose value never ends."""
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Endless: ")
+        left = self.endless_head
+        while left > 0:
+            data = ENDLESS_CHUNK[:left]
+            writer.write(data)
+            await writer.drain()
+            self.sent += len(data)
+            left -= len(data)
+        await asyncio.Event().wait()
 
     async def _endless(self, writer: asyncio.StreamWriter) -> None:
         """``endless_line`` bytes of one line, never ended (then the stream stops)."""

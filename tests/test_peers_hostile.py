@@ -127,3 +127,58 @@ def test_a_huge_listing_is_refused_and_models_stays_fast(tmp_path: Path) -> None
                 "gateway_models_median_ms": round(sorted(times)[10] * 1000, 2),
                 "gateway_models_max_ms": round(max(times) * 1000, 2)})
             assert max(times) < 2.0, times  # 6 s each when the listing was taken whole
+
+
+def test_an_endless_response_head_is_cut_and_the_gateway_stays_responsive(
+        tmp_path: Path) -> None:
+    """A peer answering a relayed chat with a head that never ends (128 MiB on offer to each
+    of 4 requests at once): each request gets an envelope naming the peer and the bound once
+    64 KiB of head were read, the gateway's memory stays bounded and it answers its own routes meanwhile (the
+    head used to grow the gateway to 3.8 GiB and starve its loop)."""
+    with stand_in_thread({"m": "loaded"}) as (stand_in, _), \
+            start_router(tmp_path, "--peer", stand_in.url, "--liveness-interval", "0.5") \
+            as gateway:
+        assert wait_until(lambda: peers_of(gateway.url)[0]["up"], DEADLINE_S), gateway.log()
+        process = psutil.Process(gateway.proc.pid)
+        before = process.memory_info().rss
+        stand_in.endless_head = 128 << 20
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        answers: list[httpx.Response] = []
+        health_s: list[float] = []
+
+        def ask() -> None:
+            answers.append(httpx.post(gateway.url + "/v1/chat/completions", json=chat,
+                                      timeout=DEADLINE_S))
+
+        askers = [threading.Thread(target=ask) for _ in range(4)]
+        for asker in askers:
+            asker.start()
+        peak = before
+        with httpx.Client(base_url=gateway.url, timeout=10) as client:
+            while any(a.is_alive() for a in askers):
+                started = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                health_s.append(time.perf_counter() - started)
+                peak = max(peak, process.memory_info().rss)
+                time.sleep(0.02)
+        for asker in askers:
+            asker.join(DEADLINE_S)
+        peak = max(peak, process.memory_info().rss)
+        record("peer_endless_head", {
+            "head_bytes_offered_each": 128 << 20, "requests": 4,
+            "bytes_the_peer_got_out": stand_in.sent,
+            "gateway_rss_before_mib": round(before / 2**20, 1),
+            "gateway_rss_peak_mib": round(peak / 2**20, 1),
+            "gateway_health_max_ms": round(max(health_s, default=0) * 1000, 1)})
+        # A 502 naming the peer; a request arriving once the peer was found failing gets the
+        # 503 of a model whose nodes are not answering, with the same reason.
+        assert sorted({a.status_code for a in answers}) <= [502, 503], \
+            "\n".join(a.text for a in answers)
+        assert 502 in {a.status_code for a in answers}
+        for answer in answers:
+            message = answer.json()["error"]["message"]
+            assert f"peer router {stand_in.url} sent a response head over 65536 bytes" \
+                in message, message
+        assert stand_in.sent < 16 << 20  # the gateway stopped reading; nothing near 4 x 128
+        assert peak - before < 48 << 20, (before, peak)
+        assert max(health_s, default=0) < 5.0, health_s
