@@ -1,0 +1,129 @@
+"""The HTTP/1.1 edge of a real router process, attacked as a client without a key would:
+request heads that never end (an endless target, an endless header value, endless short
+headers) leave its memory bounded and get the envelope; a protocol upgrade carrying a body is
+refused at once and does not disturb the shutdown. Figures: build/reliability/edge_*.json."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from support import fake_binary, start_router, wait_until, write_presets
+
+from router import http11
+
+pytestmark = pytest.mark.process
+
+FIGURES = Path(__file__).resolve().parent.parent / "build" / "reliability"
+OFFERED = 32 << 20  # bytes of head each hostile connection tries to send
+GUARD_S = 60.0
+
+ENDLESS = {  # what the head starts with, and what it goes on with for ever
+    "target": (b"GET /", b"a" * 65536, 414),
+    "header_value": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: ", b"v" * 65536, 431),
+    "short_headers": (b"GET /health HTTP/1.1\r\n", b"X-A: b\r\n" * 8192, 431),
+}
+
+
+def flood(port: int, start: bytes, filler: bytes, answers: list[bytes]) -> None:
+    """Send a head that never ends until the router stops taking it; keep its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=GUARD_S) as sock:
+        sent = 0
+        try:
+            sock.sendall(start)
+            while sent < OFFERED:
+                sock.sendall(filler)
+                sent += len(filler)
+        except OSError:  # refused: the router closed its side
+            pass
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except OSError:
+            pass
+        answers.append(received)
+
+
+@pytest.fixture
+def router_args(tmp_path: Path) -> list[str]:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    presets = write_presets(tmp_path / "p.ini", f"[m]\nmodel = {model}\n")
+    return ["--llama-server", str(fake_binary(tmp_path)), "--presets", str(presets)]
+
+
+def test_endless_request_heads_leave_the_router_bounded(tmp_path: Path,
+                                                        router_args: list[str]) -> None:
+    with start_router(tmp_path, *router_args) as router:
+        process = psutil.Process(router.proc.pid)
+        before = process.memory_info().rss
+        answers: dict[str, list[bytes]] = {kind: [] for kind in ENDLESS}
+        threads = [threading.Thread(target=flood, args=(router.port, start, filler,
+                                                        answers[kind]))
+                   for kind, (start, filler, _) in ENDLESS.items() for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        peak = before
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            while any(t.is_alive() for t in threads):
+                assert client.get("/health").status_code == 200
+                peak = max(peak, process.memory_info().rss)
+                time.sleep(0.02)
+            metrics = client.get("/metrics").text
+        for thread in threads:
+            thread.join(GUARD_S)
+        peak = max(peak, process.memory_info().rss)
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        (FIGURES / "edge_endless_heads.json").write_text(json.dumps({
+            "connections": len(threads), "bytes_offered_each": OFFERED,
+            "rss_before_mib": round(before / 2**20, 1),
+            "rss_peak_mib": round(peak / 2**20, 1)}, indent=2) + "\n")
+        for kind, (_, _, status) in ENDLESS.items():
+            assert len(answers[kind]) == 4
+            for raw in answers[kind]:
+                head, _, body = raw.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 %d " % status), (kind, raw[:200])
+                assert json.loads(body)["error"]["code"] == status
+        # 12 connections, 32 MiB offered each: +114 MiB after 12 MiB when heads were unbounded.
+        assert peak - before < 32 << 20, (before, peak)
+        refused = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("llamarouter_edge_refusals_total{")}
+        assert refused["target_too_long"] == 4
+        assert refused["head_too_large"] == 4
+        assert refused["too_many_headers"] == 4
+        assert set(refused) == set(http11.REFUSAL_REASONS)
+        assert "Traceback" not in router.log()
+
+
+def test_an_upgrade_with_a_body_is_refused_at_once_and_shutdown_stays_clean(
+        tmp_path: Path, router_args: list[str]) -> None:
+    """A websocket handshake announcing a body it never sends: was held past the head and
+    body deadlines, and with one open SIGTERM crashed the shutdown (exit 1, 13 tracebacks)."""
+    with start_router(tmp_path, *router_args, "--body-timeout", "3") as router:
+        handshake = (b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                     b"Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nContent-Length: 1000\r\n"
+                     b"\r\n")
+        held = socket.create_connection(("127.0.0.1", router.port), timeout=GUARD_S)
+        try:
+            started = time.monotonic()
+            held.sendall(handshake)
+            answer = held.recv(65536)
+            assert time.monotonic() - started < 5.0
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 "), answer
+            assert "does not switch protocols" in json.loads(body)["error"]["message"]
+            router.proc.send_signal(signal.SIGTERM)
+            assert router.proc.wait(GUARD_S) == 0
+        finally:
+            held.close()
+        assert wait_until(lambda: router.proc.poll() is not None, GUARD_S)
+        assert "Traceback" not in router.log(), router.log()
