@@ -133,8 +133,8 @@ def test_an_endless_response_head_is_cut_and_the_gateway_stays_responsive(
         tmp_path: Path) -> None:
     """A peer answering a relayed chat with a head that never ends (128 MiB on offer to each
     of 4 requests at once): each request gets an envelope naming the peer and the bound once
-    64 KiB of head were read, the gateway's memory stays bounded and it answers its own routes meanwhile (the
-    head used to grow the gateway to 3.8 GiB and starve its loop)."""
+    64 KiB of head were read, the gateway's memory stays bounded and it answers its own routes
+    meanwhile (the head used to grow the gateway to 3.8 GiB and starve its loop)."""
     with stand_in_thread({"m": "loaded"}) as (stand_in, _), \
             start_router(tmp_path, "--peer", stand_in.url, "--liveness-interval", "0.5") \
             as gateway:
