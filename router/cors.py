@@ -34,6 +34,8 @@ preflight never reaches):
 * without an Origin (a link, an image: the page cannot read the answer), only a sensitive
   route is refused.
 
+``Sec-Fetch-Site`` is compared in any case.
+
 Every ``OPTIONS`` is answered here, with 200 and an empty body as llama-server does (a
 preflight is decided for the method it asks with ``Access-Control-Request-Method``): it
 never reaches the key check, routing or a model.
@@ -166,7 +168,7 @@ def cross_origin(request: RequestContext) -> bool:
     origin = request.headers.get(ORIGIN)
     if origin is not None and not same_origin(origin, request.headers.get(HOST)):
         return True
-    return request.headers.get(FETCH_SITE) in OTHER_SITES
+    return request.fetch_site in OTHER_SITES  # lower case: compared case-insensitively
 
 
 def sensitive(request: RequestContext) -> bool:

@@ -103,8 +103,9 @@ class RequestMetricsMiddleware:
     not a GET/HEAD/OPTIONS (load, unload, pull, ...); reads without a model (model list,
     metrics, logs, event streams, the web UI's and the dashboard's files and polls) are only
     counted. It is the edge: the request's context (``requests.RequestContext``) is made
-    here, before anything else looks at the request, and a failure that nothing inside
-    answered is answered here, with the envelope (500)."""
+    here, before anything else looks at the request; a request its parse refused
+    (``RequestContext.refused``) is answered here, and so is a failure that nothing inside
+    answered, with the envelope (500)."""
 
     def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
                  activity: Activity | None = None) -> None:
@@ -134,7 +135,10 @@ class RequestMetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            if request.refused is not None:  # refused by its one parse (two conversation ids)
+                await send_error(send_wrapper, request.refused)
+            else:
+                await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:
             # uvicorn cancels what is left a little after the shutdown grace period (see
             # server.RouterServer): a request that has not answered yet still gets the 503.

@@ -9,7 +9,14 @@ record says all read this one context: two parsers of one request disagree soone
 and the disagreement is an auth bypass (``?%6dodel=`` read as no model by one and as a model
 by the other). Nothing else looks at the raw query bytes or parses the body again.
 
-The body is never re-encoded: the router forwards the exact bytes it received.
+What two readers could read two ways is refused here, before anything acts on it (a 400
+envelope): two ``X-Conversation-Id`` headers (``refused``), two multipart ``model`` fields,
+and JSON nested deeper than ``MAX_JSON_DEPTH`` (``parse_json``, the one reader of a client's
+JSON).
+
+The body is never re-encoded: the router forwards the exact bytes it received, except where
+the upstream must get the model the router decided (a remote upstream's ``upstream-model``,
+a request the default model took, a peer's own name: ``proxy.for_remote``, ``nodes``).
 """
 
 from __future__ import annotations
@@ -18,18 +25,30 @@ import json
 import re
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope
 
-from .errors import ClientGone, MalformedBody, NestedTooDeeply, PayloadTooLarge
+from .errors import BadRequest, ClientGone, MalformedBody, NestedTooDeeply, PayloadTooLarge
 from .paths import is_local
 
 if TYPE_CHECKING:
     from .keys import KeyScope
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
-_MODEL_PART = re.compile(rb'content-disposition:[^\r\n]*\bname="model"', re.IGNORECASE)
+# The multipart ``model`` field: the header's name and the parameter's name in any case (both
+# are case-insensitive), its value exactly ``model``, as llama.cpp reads form fields: a part
+# named ``MODEL`` is another field, never the model.
+_MODEL_PART = re.compile(rb'(?i:content-disposition):[^\r\n]*;[ \t]*(?i:name)="model"')
+# JSON nested deeper than this is refused (``parse_json``): far past what any API request
+# holds, far below the interpreter's recursion limit, so that neither the parser nor anything
+# that walks or re-encodes the parsed value (``proxy.for_remote``, ``nodes``) can overflow.
+MAX_JSON_DEPTH = 256
+# What measuring a body's nesting keeps of it: quotes and brackets (``_too_deep``).
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_STRING = re.compile(rb'"[^"]*"')  # a string, once only quotes and brackets are left
+_INNERMOST = re.compile(rb"\[\]|\{\}")  # an empty array or object: the innermost level
 
 
 CONTEXT = "llama_router.request"  # the ASGI scope's entry holding its RequestContext
@@ -42,7 +61,8 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # methods whose body may nam
 VIA_HEADER = b"x-llama-router-via"
 CONVERSATION_HEADER = b"x-conversation-id"  # a resumable stream's id (``resumable``)
 WAIT_BUDGET_HEADER = b"x-wait-budget"
-# The headers decisions read (the first of each), kept by the one pass over the headers.
+# The headers decisions read (the first of each), kept by the one pass over the headers;
+# a second X-Conversation-Id refuses the request (``RequestContext.refused``).
 _KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-length",
                    WAIT_BUDGET_HEADER, CONVERSATION_HEADER,
                    # where a browser says it comes from (``cors``)
@@ -61,7 +81,12 @@ class RequestContext:
       model nobody serves (``default_to``; ``defaulted`` says so, ``named`` keeps what it
       named);
     * ``via``: the instance ids of the routers it passed through (``x-llama-router-via``, every
-      such header), ``conv_id``: its ``X-Conversation-Id``;
+      such header), ``conv_id``: its ``X-Conversation-Id``, ``fetch_site``: its
+      ``Sec-Fetch-Site`` in lower case (``cors``);
+    * ``refused``: why the request is refused before anything acts on it (a 400 the edge
+      answers, ``middleware.RequestMetricsMiddleware``): more than one
+      ``X-Conversation-Id`` (the router would check one stream's owner and llama-server keep
+      another); None for none;
     * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
       ``key_hash`` (a keyed hash of the API key presented, ``keys.key_hash``; empty without
       keys: what owns the resumable streams it starts),
@@ -76,7 +101,7 @@ class RequestContext:
 
     __slots__ = ("body", "defaulted", "first_sent", "headers", "key_hash", "key_scope", "local",
                  "method", "model", "model_id", "named", "node", "params", "parsed", "path",
-                 "queue_s", "sent_before", "sent_last", "via")
+                 "queue_s", "refused", "sent_before", "sent_last", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -87,10 +112,14 @@ class RequestContext:
         self.local = is_local(self.path, self.params)
         kept: dict[bytes, bytes] = {}
         via: tuple[str, ...] = ()
+        self.refused: BadRequest | None = None
         for name, value in scope["headers"]:
             if name in _KEPT:
                 if name not in kept:
                     kept[name] = value
+                elif name == CONVERSATION_HEADER:
+                    self.refused = BadRequest(
+                        "more than one X-Conversation-Id header: send one conversation id")
             elif name == VIA_HEADER:
                 via += tuple(hop.strip() for hop in value.decode("latin-1").split(",")
                              if hop.strip())
@@ -137,8 +166,21 @@ class RequestContext:
 
     @property
     def conv_id(self) -> str | None:
+        """Its one ``X-Conversation-Id``; the refusal (400) when it sent several, for a
+        context no edge checked."""
         value = self.headers.get(CONVERSATION_HEADER)
-        return value.decode("latin-1") if value else None
+        if value is None:
+            return None
+        if self.refused is not None:
+            raise self.refused
+        return value.decode("latin-1") or None
+
+    @property
+    def fetch_site(self) -> bytes | None:
+        """``Sec-Fetch-Site`` in lower case (header values such as ``Cross-Site`` are compared
+        case-insensitively); None without one."""
+        value = self.headers.get(b"sec-fetch-site")
+        return value.lower() if value is not None else None
 
     async def read(self, receive: Receive, limit: int, *, parse: bool = True) -> bytes:
         """The body (read once, refused with 413 past ``limit``); with ``parse``, for POST,
@@ -222,14 +264,41 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
 
 
 def parse_json(body: bytes) -> Any:
-    """The JSON value of ``body``: ``MalformedBody`` (400) when it is not JSON,
-    ``NestedTooDeeply`` (400) past the parser's depth, never a ``RecursionError``."""
+    """The JSON value of a client's ``body``: the one reader of every JSON a client sends
+    (proxied bodies, loads and unloads, reload options, stream lookups).
+    ``MalformedBody`` (400) when it is not JSON, ``NestedTooDeeply`` (400) when arrays and
+    objects nest deeper than ``MAX_JSON_DEPTH``; never a ``RecursionError``."""
+    # A body can nest no deeper than it has brackets: two counts at C speed, and most bodies
+    # stop here. Only one with more brackets than the limit is measured (``_too_deep``).
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(body):
+        raise NestedTooDeeply(f"request body is nested too deeply to read (more than "
+                              f"{MAX_JSON_DEPTH} levels of arrays and objects)")
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedBody(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise NestedTooDeeply("request body is nested too deeply to read") from None
+
+
+def _too_deep(body: bytes) -> bool:
+    """Whether ``body``'s arrays and objects nest deeper than ``MAX_JSON_DEPTH``: its
+    brackets outside strings, with the innermost empty pairs removed once per level. A body
+    whose brackets do not pair up is left to the parser (which says what is wrong).
+
+    All at C speed: escaped backslashes, then escaped quotes, go first (left to right, as
+    JSON pairs a run of backslashes), so that every quote left delimits a string; of the rest
+    only quotes and brackets are kept, and the strings among them dropped."""
+    if b'\\"' in body:  # (only an escaped quote could be taken for a string's end)
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRING.sub(b"", body.translate(None, _NOT_STRUCTURE))
+    for _ in range(MAX_JSON_DEPTH):
+        if not brackets:
+            return False
+        brackets, removed = _INNERMOST.subn(b"", brackets)
+        if not removed:
+            return False  # not JSON: the parser's error
+    return bool(brackets)
 
 
 def _check_unicode(name: str) -> None:
@@ -249,21 +318,46 @@ def _multipart_model(content_type: str, body: bytes) -> str | None:
     return body[span[0]:span[1]].decode("utf-8", "replace").strip() or None
 
 
-def with_multipart_model(content_type: str, body: bytes, model: str) -> bytes:
+def with_multipart_model(content_type: str, body: bytes, model: str, *,
+                         add: bool = False) -> bytes:
     """``body`` with the value of its multipart ``model`` field replaced by ``model`` (the
-    field ``model_from_body`` reads); unchanged without one. Only the value's bytes change."""
+    field ``model_from_body`` reads); without one, unchanged, or with ``add`` given a
+    ``model`` field first. Only the value's bytes change (or the new part is added)."""
     span = _model_field(content_type, body)
-    if span is None:
+    if span is not None:
+        return body[:span[0]] + model.encode() + body[span[1]:]
+    if not add:
         return body
-    return body[:span[0]] + model.encode() + body[span[1]:]
+    match = _BOUNDARY.search(content_type)
+    assert match is not None  # _model_field refused a body without one
+    delimiter = b"--" + match.group(1).encode()
+    part = (delimiter + b'\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+            + model.encode() + b"\r\n")
+    at = body.find(delimiter)
+    if at < 0:  # no part at all: the field alone
+        return part + delimiter + b"--\r\n"
+    return body[:at] + part + body[at:]
+
+
+def target_with_model(target: bytes, params: QueryParams, model: str) -> bytes:
+    """The request target ``target`` with its query's ``model`` (as the context decoded it,
+    ``params``) set to ``model`` where it is, added last when it has none; its other
+    parameters re-encoded."""
+    pairs = [(k, model if k == "model" else v) for k, v in params.multi_items()]
+    if "model" not in params:
+        pairs.append(("model", model))
+    return target.partition(b"?")[0] + b"?" + urlencode(pairs).encode("latin-1")
 
 
 def _model_field(content_type: str, body: bytes) -> tuple[int, int] | None:
-    """Where the value of the multipart ``model`` field (not a file) lies in ``body``."""
+    """Where the value of the multipart ``model`` field (not a file) lies in ``body``; a
+    second ``model`` field is refused (400): the router would route by one and a peer
+    (llama.cpp reads the form fields into one object) by the other."""
     match = _BOUNDARY.search(content_type)
     if not match:
         raise MalformedBody("multipart request without a boundary")
     delimiter = b"--" + match.group(1).encode()
+    found: tuple[int, int] | None = None
     at = body.find(delimiter)
     while at >= 0:
         start = at + len(delimiter)
@@ -273,8 +367,11 @@ def _model_field(content_type: str, body: bytes) -> tuple[int, int] | None:
         if head_end >= 0:
             head = body[start:head_end]
             if _MODEL_PART.search(head) and b"filename=" not in head.lower():
+                if found is not None:
+                    raise MalformedBody('more than one "model" field in the multipart body: '
+                                        "send one")
                 value = head_end + 4
                 if end - 2 >= value and body[end - 2:end] == b"\r\n":
                     end -= 2  # the line break before the next delimiter is not the value's
-                return value, end
-    return None
+                found = value, end
+    return found

@@ -9,7 +9,8 @@ serves it (``ConversationOwners``, filled by the proxy), and answers:
   or expired" when no running child owns it, 503 while its model is still loading or
   downloading (retry later). Never loads a model.
 * ``POST /v1/streams/lookup {"conversation_ids": [...]}``: asks only the owning children, each
-  for its own ids, and returns their sessions in one array (``[]`` for an unreadable body).
+  for its own ids, and returns their sessions in one array (``[]`` for an unreadable body;
+  the body is read through the request's context, as every body: at most 1 MiB, 413 past it).
 * ``DELETE /v1/stream?conv_id=<id>``: forwarded to the owning child (which stops it), the
   mapping is forgotten; 204 whatever happened.
 
@@ -70,7 +71,7 @@ Owner = Backend | Peer  # the child that serves a conversation, or the peer it w
 
 DEFAULT_CAPACITY = 10_000
 CHILD_TIMEOUT_S = 5.0
-MAX_LOOKUP_BYTES = 1 << 20  # a peer's answer to a lookup
+MAX_LOOKUP_BYTES = 1 << 20  # a lookup's body, and a peer's answer to one
 
 
 class ConversationTaken(RouterError):
@@ -201,15 +202,18 @@ class StreamResume:
 async def lookup(request: Request, supervisor: Supervisor, owners: ConversationOwners,
                  client: httpx.AsyncClient) -> Response:
     """``POST /v1/streams/lookup``: the owning children's sessions for the given ids."""
+    ctx = context(request.scope)
+    # Through the request's context, as every body: bounded, and a client that stops sending
+    # (the server's body deadline) or leaves ends it quietly (``ClientGone``).
+    raw = await ctx.read(request.receive, MAX_LOOKUP_BYTES, parse=False)
     try:
-        body = parse_json(await request.body())
+        body = parse_json(raw)
         ids = [i for i in body.get("conversation_ids", []) if isinstance(i, str) and i]
     except NestedTooDeeply:
         raise  # a 400 envelope
     except (MalformedBody, AttributeError, TypeError):
         return JSONResponse([])
     per_child: dict[Owner, list[str]] = {}
-    ctx = context(request.scope)
     for conv_id in ids:
         running = _running_owner(owners, supervisor, conv_id, ctx)
         if running is not None:

@@ -21,7 +21,15 @@ from . import dashboard, sse
 from .activity import activity_totals, list_activity
 from .catalogue import across_nodes, merged_listing
 from .downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
-from .errors import BadRequest, ModelMissing, RouterError, UpstreamError, envelope
+from .errors import (
+    BadRequest,
+    MalformedBody,
+    ModelMissing,
+    NestedTooDeeply,
+    RouterError,
+    UpstreamError,
+    envelope,
+)
 from .hop import came_through, forward_admin, loop_error, scrape
 from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
 from .logs import LogRing
@@ -29,7 +37,7 @@ from .metrics import CONTENT_TYPE, merge_child_metrics, only_models, render_merg
 from .nodes import local_model
 from .placement import admin_targets
 from .presets import ModelPreset
-from .requests import context
+from .requests import context, parse_json
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
@@ -253,9 +261,11 @@ async def _allow_empty(request: Request) -> bool:
     if not body.strip():
         return False
     try:
-        options = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"reload options must be a JSON object: {exc}") from None
+        options = parse_json(body)  # the one reader of a client's JSON (its depth guard)
+    except NestedTooDeeply:
+        raise
+    except MalformedBody as exc:
+        raise BadRequest(f"reload options must be a JSON object: {exc.message}") from None
     if not isinstance(options, dict):
         raise BadRequest("reload options must be a JSON object")
     value = options.get("allow_empty", False)

@@ -146,6 +146,10 @@ def context_with(*headers: tuple[bytes, bytes]) -> RequestContext:
     (((b"origin", OWN.encode()), (b"sec-fetch-site", b"cross-site")), True),  # contradictory
     (((b"origin", OWN.encode()),), False),
     (((b"origin", b"http://router.test:9090"), (b"sec-fetch-site", b"same-site")), True),
+    # Header values are compared in any case: a proxy or a client may change it.
+    (((b"sec-fetch-site", b"Cross-Site"),), True),
+    (((b"sec-fetch-site", b"SAME-SITE"),), True),
+    (((b"sec-fetch-site", b"Same-Origin"),), False),
 ])
 def test_a_browser_says_where_a_request_comes_from(headers: tuple[tuple[bytes, bytes], ...],
                                                    cross: bool) -> None:
@@ -271,7 +275,8 @@ async def test_forms_from_other_origins_change_nothing(
 
 
 @pytest.mark.parametrize(("site", "allowed"), [
-    ("cross-site", False), ("same-site", False), ("same-origin", True), ("none", True)])
+    ("cross-site", False), ("same-site", False), ("same-origin", True), ("none", True),
+    ("Cross-Site", False), ("SAME-SITE", False)])
 async def test_sec_fetch_site_alone_decides_without_an_origin(
         tmp_path: Path, help_table: FlagTable, site: str, allowed: bool) -> None:
     async with router_app(tmp_path, help_table) as (client, recorded):

@@ -151,6 +151,43 @@ def test_the_multipart_model_is_renamed_in_place() -> None:
     assert with_multipart_model(content_type, file_only, "y") == file_only
 
 
+def test_multipart_model_field_name_is_matched_exactly() -> None:
+    """``MODEL`` is another field (llama.cpp reads form fields by their exact name): it is
+    neither the model nor a second one; the header and parameter names are any case."""
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    body = multipart([("MODEL", None, b"pub"), ("model", None, b"secret")])
+    assert model_from_body(content_type, body) == ("secret", None)
+    for name in ("MODEL", "Model", "model "):
+        assert model_from_body(content_type, multipart([(name, None, b"m")])) == (None, None)
+    odd = (f"--{BOUNDARY}\r\ncontent-DISPOSITION: form-data; NAME=\"model\"\r\n\r\nm\r\n"
+           f"--{BOUNDARY}\r\nContent-Disposition: form-data; x-name=\"model\"; "
+           f"name=\"other\"\r\n\r\nnot\r\n--{BOUNDARY}--\r\n").encode()
+    assert model_from_body(content_type, odd) == ("m", None)
+
+
+def test_two_multipart_model_fields_are_refused() -> None:
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    for parts in ([("model", None, b"pub"), ("model", None, b"secret")],
+                  [("model", None, b"m"), ("file", "a.wav", b"x"), ("model", None, b"m")]):
+        with pytest.raises(MalformedBody, match='more than one "model" field') as info:
+            model_from_body(content_type, multipart(parts))
+        assert info.value.status == 400
+        with pytest.raises(MalformedBody):  # nor renamed: which one would it be?
+            with_multipart_model(content_type, multipart(parts), "x")
+
+
+def test_a_multipart_model_field_is_added_where_asked() -> None:
+    content_type = f"multipart/form-data; boundary={BOUNDARY}"
+    without = multipart([("file", "a.wav", b"RIFF"), ("prompt", None, b"x")])
+    added = with_multipart_model(content_type, without, "far", add=True)
+    assert added == multipart([("model", None, b"far"), ("file", "a.wav", b"RIFF"),
+                               ("prompt", None, b"x")])
+    assert model_from_body(content_type, added) == ("far", None)
+    named = multipart([("model", None, b"near")])
+    assert with_multipart_model(content_type, named, "far", add=True) == \
+        multipart([("model", None, b"far")])
+
+
 def test_multipart_file_part_named_model_is_not_the_model() -> None:
     body = multipart([("model", "model.bin", b"not-a-name"), ("prompt", None, b"x")])
     assert model_from_body(f"multipart/form-data; boundary={BOUNDARY}", body) == (None, None)

@@ -142,3 +142,44 @@ def test_two_keys_on_one_models_streams(tmp_path: Path, llama_server: Path,
         assert replay(as_a).status_code == 404
         # No key in the log.
         assert key_a not in router.log() and key_b not in router.log()
+
+
+@pytest.mark.real
+def test_a_second_conversation_id_header_cannot_take_over_a_stream(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """Key B names a fresh id for the router and the owner's id for llama-server (which keeps
+    the stream under the last header): refused with a 400 before the child sees it, and the
+    owner's stream is left as it was."""
+    presets = write_presets(tmp_path / "models.ini",
+                            f"[alpha]\nmodel = {tiny_models['alpha']}\nctx-size = 512\n")
+    key_a, key_b = "sk-owner-a-77f0", "sk-other-b-2c4e"
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server",
+                      str(llama_server), "--api-key", key_a, "--api-key", key_b) as router, \
+            router.client() as client:
+        as_a = {"Authorization": f"Bearer {key_a}"}
+        started = client.post("/v1/chat/completions", json={"model": "alpha", **CHAT},
+                              headers={**as_a, "X-Conversation-Id": "conv-a"})
+        assert started.status_code == 200 and "[DONE]" in started.text
+        original = client.get("/v1/stream", params={"conv_id": "conv-a", "from": "0"},
+                              headers=as_a).text
+        assert original == started.text
+        overwrite = {"model": "alpha", **CHAT, "max_tokens": 2,
+                     "messages": [{"role": "user", "content": "something else entirely"}]}
+        for ids in (["fresh-b", "conv-a"], ["conv-a", "conv-a"]):
+            taken = client.post("/v1/chat/completions", json=overwrite, headers=[
+                ("Authorization", f"Bearer {key_b}"),
+                *[("X-Conversation-Id", conv) for conv in ids]])
+            assert taken.status_code == 400, taken.text
+            error = taken.json()["error"]
+            assert error["code"] == 400 and error["type"] == "invalid_request_error"
+            assert "X-Conversation-Id" in error["message"]
+        replay = client.get("/v1/stream", params={"conv_id": "conv-a", "from": "0"},
+                            headers=as_a)
+        assert replay.status_code == 200 and replay.text == original
+        # One header: the owner's id is refused for key B as before (409), a fresh one served.
+        assert client.post("/v1/chat/completions", json=overwrite, headers={
+            "Authorization": f"Bearer {key_b}", "X-Conversation-Id": "conv-a"}
+                           ).status_code == 409
+        assert client.post("/v1/chat/completions", json=overwrite, headers={
+            "Authorization": f"Bearer {key_b}", "X-Conversation-Id": "fresh-b"}
+                           ).status_code == 200
