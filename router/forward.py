@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
@@ -45,10 +45,13 @@ from .proxy import (
     upstream_headers,
     wait_disconnect,
 )
-from .requests import WAIT_BUDGET_HEADER, RequestContext, context
+from .requests import WAIT_BUDGET_HEADER, RequestContext, context, target_with_model
 from .resumable import serves
 from .state import Shutdown, State
 from .webui import StaticUI
+
+if TYPE_CHECKING:
+    from .presets import ModelPreset
 
 log = logging.getLogger("router.forward")
 
@@ -214,15 +217,32 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
                                       running=serves(sup))
         headers = upstream_headers(scope["headers"])
         preset = runtime.preset
+        target = _target(scope)
         if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
-            headers, body = for_remote(headers, body, parsed, preset.upstream_key,
-                                       preset.upstream_model,
-                                       request.headers.get(b"content-type", b""))
-        await relay(lease.child.connections, method, _target(scope), headers, body,
+            headers, body, target = _for_remote(request, preset, headers, body, target)
+        await relay(lease.child.connections, method, target, headers, body,
                     receive=receive, send=send, shutdown=shutdown, direct=direct_body(scope))
     finally:
         lease.learn(request.sent_before, request.sent_last)
         lease.release()
+
+
+def _for_remote(request: RequestContext, preset: ModelPreset,
+                headers: list[tuple[bytes, bytes]], body: bytes, target: bytes
+                ) -> tuple[list[tuple[bytes, bytes]], bytes, bytes]:
+    """The request as the remote upstream of ``preset`` gets it (``proxy.for_remote``). The
+    model it names there is the one the router decided: ``upstream-model`` when set, and for
+    a request the default model took, the default's own name (its ``upstream-model``, else
+    its id), written where it named one or would (the JSON body's ``model``, the multipart
+    field, ``?model=``), never the name the client gave: the upstream must not decide again
+    what the key's scope was checked against."""
+    name = preset.upstream_model or (preset.id if request.defaulted else None)
+    headers, body = for_remote(headers, body, request.parsed, preset.upstream_key, name,
+                               request.headers.get(b"content-type", b""),
+                               add=request.defaulted)
+    if name is not None and ("model" in request.params or (request.defaulted and not body)):
+        target = target_with_model(target, request.params, name)
+    return headers, body, target
 
 
 async def send_unexpected(send: Send, scope: Scope, exc: Exception) -> None:

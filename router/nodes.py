@@ -8,7 +8,8 @@ next turn first where its prompt is cached: ``placement.by_prefix``):
 * this router's turn: ``serve_across_nodes`` returns False and ``forward`` serves the request
   as any other (lease, child);
 * a peer's turn: the request goes to it through the hop (``hop.relay``: as the client sent
-  it, with the peer key and the via chain). A router never sends a request to a router in its
+  it, with the peer key and the via chain; a request the default model took names it there,
+  so that the peer does not choose again). A router never sends a request to a router in its
   via chain, and one that finds itself there serves it itself or refuses it (409 envelope):
   nothing goes round a loop. If the peer cannot be reached, it is marked down at once; if it
   cannot be reached or answers 502, 503 or 504 and another node is left, the request goes to
@@ -18,10 +19,8 @@ next turn first where its prompt is cached: ``placement.by_prefix``):
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
-from urllib.parse import urlencode
 
 from starlette.types import Receive, Scope, Send
 
@@ -32,8 +31,8 @@ from .keys import KeyScope, not_found, resolve_in_scope
 from .peer import Peer
 from .peers import Peers
 from .placement import by_prefix, candidates
-from .proxy import FailOver
-from .requests import RequestContext
+from .proxy import FailOver, with_model
+from .requests import BODY_METHODS, RequestContext, target_with_model
 from .resumable import serves
 from .state import State
 from .supervisor import Supervisor
@@ -115,7 +114,9 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
                          receive: Receive, send: Send, model: str, peer_model: str,
                          target: bytes, fail_over: frozenset[int]) -> None:
     body = request.body or b""
-    if peer_model != model:  # --peer-prefix: the peer knows the model by its own id
+    # --peer-prefix: the peer knows the model by its own id; a request the default model took
+    # names it, so that the peer serves the model the router decided (not its own default).
+    if peer_model != model or request.defaulted:
         body, target = _renamed(body, request.parsed, request, target, peer_model)
     request.node = peer.node
     conv_id = request.conv_id if body else None
@@ -132,12 +133,13 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
 
 def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext,
              target: bytes, model: str) -> tuple[bytes, bytes]:
-    """The body's ``model`` (JSON) or the query's ``model`` (as the request's context decoded
-    it) set to ``model``."""
-    if parsed is not None and "model" in parsed:
-        return json.dumps({**parsed, "model": model}, ensure_ascii=False).encode(), target
-    if "model" in request.params:
-        path = target.partition(b"?")[0]
-        pairs = [(k, model if k == "model" else v) for k, v in request.params.multi_items()]
-        target = path + b"?" + urlencode(pairs).encode("latin-1")
+    """The body's ``model`` (JSON, or the multipart field) and the query's ``model`` (as the
+    request's context decoded it) set to ``model``; for a request the default model took,
+    added where it names none (the query of a bodiless one)."""
+    add = request.defaulted
+    if request.method in BODY_METHODS and body:
+        body = with_model(body, parsed, request.headers.get(b"content-type", b""), model,
+                          add=add)
+    if "model" in request.params or (add and not body):
+        target = target_with_model(target, request.params, model)
     return body, target

@@ -2,7 +2,8 @@
 
 * The body passes through as the bytes the client sent; only headers are filtered:
   hop-by-hop headers (RFC 9110 §7.6.1: the fixed set and every header a ``Connection``
-  header names), ``Host`` and every credential (``Authorization``, ``X-Api-Key``) stay
+  header names), ``Host``, the via chain (``x-llama-router-via``: ``hop`` sends a peer the
+  one the router parsed) and every credential (``Authorization``, ``X-Api-Key``) stay
   behind, so API keys never reach children (a remote upstream gets its own key instead,
   ``for_remote``). Hop-by-hop headers of the child's response stay
   behind too, and so do its CORS headers (``Access-Control-*``: the router answers for
@@ -40,7 +41,7 @@ from starlette.types import Receive, Send
 
 from .errors import UpstreamError, envelope
 from .http11 import BodyWriter, body_writer
-from .requests import CONTEXT, RequestContext, with_multipart_model
+from .requests import CONTEXT, VIA_HEADER, RequestContext, with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -55,10 +56,12 @@ HOP_BY_HOP = frozenset({
     b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization",
 })
 # Not forwarded to the child: hop-by-hop, what the upstream client writes itself (Host,
-# Content-Length), credentials, Expect (the body has been read already), and where a
-# browser says the request comes from (the router decided on it: ``cors``).
+# Content-Length), credentials, Expect (the body has been read already), where a
+# browser says the request comes from (the router decided on it: ``cors``), and the via
+# chain (the router's own between routers: ``hop`` sends the one it parsed, with its own id,
+# to a peer; a child never gets it, nor a client's made-up one).
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"x-api-key",
-                             b"expect", b"origin", b"sec-fetch-site"}
+                             b"expect", b"origin", b"sec-fetch-site", VIA_HEADER}
 # Every CORS header a response may carry (Fetch standard): the router's own, never a child's.
 CORS_HEADERS = frozenset({
     b"access-control-allow-origin", b"access-control-allow-credentials",
@@ -134,21 +137,32 @@ def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]
 
 
 def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, parsed: dict[str, Any] | None,
-               key: str | None, model: str | None, content_type: bytes = b"",
-               ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+               key: str | None, model: str | None, content_type: bytes = b"", *,
+               add: bool = False) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """A request as a remote upstream (``remote``) gets it: its own bearer key (the client's
-    credentials were dropped already), and the body's ``model`` renamed to ``model`` when
-    the preset sets ``upstream-model``: in a JSON body (``parsed``), or the ``model`` field
-    of a multipart body (``content_type``), as the router read it. Only models with
-    ``upstream`` pay for this."""
+    credentials were dropped already), and the body's ``model`` set to ``model`` when the
+    router decides the name the upstream gets (the preset's ``upstream-model``, or the
+    default model's for a request the default took): in a JSON body (``parsed``), or the
+    ``model`` field of a multipart body (``content_type``), as the router read it; with
+    ``add`` a multipart body without the field gets one (a JSON object always does). Only
+    models with ``upstream`` pay for this."""
     if key is not None:
         headers = [*headers, (b"authorization", b"Bearer " + key.encode("latin-1"))]
     if model is not None:
-        if parsed is not None:
-            body = json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
-        elif content_type[:19].lower() == b"multipart/form-data":
-            body = with_multipart_model(content_type.decode("latin-1"), body, model)
+        body = with_model(body, parsed, content_type, model, add=add)
     return headers, body
+
+
+def with_model(body: bytes, parsed: dict[str, Any] | None, content_type: bytes, model: str,
+               *, add: bool = False) -> bytes:
+    """``body`` naming ``model``: the JSON object's ``model`` set (``parsed``: the body as
+    the router read it), or the multipart ``model`` field's value (with ``add``, a field
+    added where it has none); any other body unchanged."""
+    if parsed is not None:
+        return json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
+    if content_type[:19].lower() == b"multipart/form-data":
+        return with_multipart_model(content_type.decode("latin-1"), body, model, add=add)
+    return body
 
 
 def strip_hop_by_hop(raw: list[tuple[bytes, bytes]], drop: frozenset[bytes]

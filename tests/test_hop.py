@@ -21,8 +21,10 @@ import httpx
 import pytest
 from support import proxy_in_uvicorn, start_router, write_presets
 
+from router import hop
 from router.forward import proxy
 from router.proxy import RESPONSE_DROP, upstream_headers
+from router.requests import RequestContext
 from router.state import Shutdown
 from router.upstream import ChildConnections
 
@@ -155,6 +157,32 @@ async def test_connection_named_headers_reach_neither_the_child_nor_the_client()
     assert response.headers["x-child"] == "visible"
     for header in ("x-secret", "keep-alive", "proxy-authenticate", "trailer", "upgrade"):
         assert header not in response.headers, response.headers
+
+
+async def test_a_clients_via_header_never_reaches_the_child() -> None:
+    """``x-llama-router-via`` is the routers' own: a client's made-up chain stays behind."""
+    async with router_before(echo) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers=[
+            ("X-Llama-Router-Via", "made-up"), ("x-llama-router-via", "a,b"),
+            ("X-Kept", "yes")])
+    assert response.status_code == 200, response.text
+    arrived = response.content.lower()
+    assert b"\r\nx-kept: yes\r\n" in arrived
+    assert b"via" not in arrived and b"made-up" not in arrived, arrived
+
+
+def test_the_hop_to_a_peer_sends_the_parsed_via_chain_with_this_routers_id() -> None:
+    """What ``hop.relay`` sends a peer: the client's headers as a child gets them (no via),
+    then one via header: the chain the request came with, this router's instance id last."""
+    raw = [(b"content-type", b"application/json"), (b"x-llama-router-via", b"gw-1, gw-2"),
+           (b"X-Llama-Router-Via", b"gw-3")]
+    request = RequestContext({"method": "POST", "path": "/v1/chat/completions",
+                              "query_string": b"", "headers": raw})
+    peer = SimpleNamespace(auth=[(b"authorization", b"Bearer sk-peer")], own_instance="me")
+    sent = hop._headers(peer, request, upstream_headers(raw))  # type: ignore[arg-type]
+    assert [(k, v) for k, v in sent if k.lower() == b"x-llama-router-via"] == [
+        (b"x-llama-router-via", b"gw-1,gw-2,me")]
+    assert (b"content-type", b"application/json") in sent
 
 
 async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_is_sent(
