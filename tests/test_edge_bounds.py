@@ -127,3 +127,30 @@ def test_an_upgrade_with_a_body_is_refused_at_once_and_shutdown_stays_clean(
             held.close()
         assert wait_until(lambda: router.proc.poll() is not None, GUARD_S)
         assert "Traceback" not in router.log(), router.log()
+
+
+@pytest.mark.real
+def test_a_head_at_the_bounds_reaches_a_real_llama_server_and_one_past_them_does_not(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """The edge's bounds are tighter than llama-server's (cpp-httplib's 8,192 bytes a line and
+    100 headers): the largest head the router takes, with what the router adds on the hop,
+    is served by the real child, never refused with its bare 400; one byte or header more is
+    the router's own envelope."""
+    presets = write_presets(tmp_path / "p.ini", f"[m]\nmodel = {tiny_models['alpha']}\n")
+    with start_router(tmp_path, "--presets", str(presets)) as router:
+        target = "/v1/chat/completions?" + "p" * (http11.MAX_TARGET_BYTES
+                                                  - len("/v1/chat/completions?"))
+        long_value = "v" * (http11.MAX_HEADER_BYTES - len("x-long"))
+        headers = {"X-Long": long_value, "Content-Type": "application/json"}
+        # httpx adds host, accept, accept-encoding, connection, user-agent, content-length.
+        headers |= {f"X-{i}": str(i) for i in range(http11.MAX_HEADERS - len(headers) - 6)}
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=router.url, timeout=60) as client:
+            answer = client.post(target, json=body, headers=headers)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+            over = client.post(target, json=body, headers={**headers, "X-One-More": "1"})
+            assert over.status_code == 431
+            assert over.json()["error"]["code"] == 431
+            longer = client.post(target + "p", json=body)
+            assert longer.status_code == 414 and longer.json()["error"]["code"] == 414
