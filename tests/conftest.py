@@ -4,6 +4,8 @@ a test that starts a process must carry a process marker."""
 from __future__ import annotations
 
 import _posixsubprocess
+import gc
+import inspect
 import os
 import subprocess
 import tempfile
@@ -59,6 +61,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models["long"] = write_tiny_model(directory / "long.gguf", seed=9, name="long",
                                       n_ctx_train=32768)
     return models
+
+
+@pytest.fixture(autouse=True)
+def _collect_what_an_async_test_leaves(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Once an async test's event loop is closed, collect the garbage: what the test left open
+    on that loop (a transport, a pipe, a socket: a cycle with its protocol, so only the
+    collector frees it) then warns, and fails, in this test's teardown, and not in whichever
+    later test the collector happens to run in. A child's output pipes left open by
+    test_spawn.py's last test failed test_sse.py's HEAD test that way ("multiple unraisable
+    exception warnings": two ``_UnixReadPipeTransport`` and their files), the next test to
+    allocate much. Autouse fixtures are set up first, so this one is torn down after the
+    test's event loop (pytest-asyncio's runner fixture)."""
+    yield
+    if inspect.iscoroutinefunction(getattr(request.node, "obj", None)):
+        gc.collect()
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -155,3 +155,9 @@ async def test_a_cancel_while_a_childs_last_output_drains_is_not_swallowed() -> 
             assert child.pid is not None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)  # the sleep, in the child's group
+            # The sleep's death ends the pipes: the readers read to their end, which closes
+            # them. Left reading when this test's loop closes, the pipes would stay open for
+            # good (test_sse.py's HEAD test once failed on the warnings the garbage collector
+            # then raised).
+            async with asyncio.timeout(10):
+                await asyncio.gather(*child._readers)
