@@ -63,6 +63,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--body-timeout", type=float, default=S, metavar="S",
                    help="seconds a request body may pause between two chunks before the "
                    "request ends with a 408 (default 30)")
+    p.add_argument("--upstream-timeout", type=float, default=S, metavar="S",
+                   help="seconds a proxied request may wait for the response head of its "
+                   "child, peer or remote (a non-streamed answer's comes when its generation "
+                   "ends); then a 504 (default 600)")
     p.add_argument("--wait-budget", type=float, default=S, metavar="S",
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",

@@ -24,6 +24,7 @@ from .events import EventBus
 from .liveness import Misses
 from .peerhealth import watch
 from .placement import LOADED, Candidate
+from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 from .upstream import ChildConnections
 
 log = logging.getLogger("router.peers")
@@ -43,7 +44,8 @@ class Peer:
                  own_node: str, own_instance: str = "", api_key: str | None = None,
                  prefix: bool = False, interval: float = 2.0, timeout: float = 3.0,
                  misses: int = 3, label: Callable[[Peer, str], str] | None = None,
-                 missed: Misses[Peer] | None = None) -> None:
+                 missed: Misses[Peer] | None = None,
+                 head_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         assert parts.hostname is not None
         self.url = url
@@ -71,7 +73,8 @@ class Peer:
         self.peer_ids: dict[str, str] = {}  # this router's id -> the peer's id
         self.outstanding: dict[str, int] = {}  # requests in flight to it, by model id
         self.connections = ChildConnections(self.host, self.port, PEER_MAX_CONNECTIONS,
-                                            label=f"peer router {self.url}")
+                                            label=f"peer router {self.url}",
+                                            head_timeout_s=head_timeout)
         # The router's own calls to it in progress (``hop``): each ends when it is found
         # frozen, even one the pool would retry on a fresh connection.
         self.calls: set[Callable[[], None]] = set()

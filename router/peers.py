@@ -37,6 +37,7 @@ from .events import EventBus
 from .keys import parse_file as parse_key_file
 from .liveness import Misses
 from .peer import Peer, new_instance_id
+from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 
 log = logging.getLogger("router.peers")
 
@@ -95,7 +96,8 @@ class Peers:
                  static: Iterable[str] = (), dns: Iterable[str] = (),
                  dns_interval: float = 10.0, api_key: str | None = None, prefix: bool = False,
                  interval: float = 2.0, timeout: float = 3.0, misses: int = 3,
-                 instance: str | None = None) -> None:
+                 instance: str | None = None,
+                 head_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S) -> None:
         self.client = client
         self.events = events
         self.node = own_node  # this router's label
@@ -104,7 +106,7 @@ class Peers:
         self.dns = [dns_target(spec) for spec in dns]
         self.dns_interval = dns_interval
         self._options = {"api_key": api_key, "prefix": prefix, "interval": interval,
-                         "timeout": timeout, "misses": misses}
+                         "timeout": timeout, "misses": misses, "head_timeout": head_timeout}
         self.peers: dict[str, Peer] = {}  # by url
         self.missed: Misses[Peer] = Misses()  # their health checks missed in a row
         # model -> node -> the prompt prefixes sent there lately (``by_prefix``)

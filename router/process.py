@@ -46,7 +46,7 @@ from .errors import UpstreamError
 from .logs import LogRing, relay
 from .settings import HEALTH_POLL_INTERVAL_S
 from .spawn import Spawned, spawn
-from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections, probe
+from .upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ChildConnections, probe
 
 log = logging.getLogger("router.child")
 output_log = logging.getLogger("router.child.output")
@@ -167,6 +167,7 @@ class ChildProcess:
     def __init__(self, model_id: str, argv: Sequence[str], port: int, logs: LogRing,
                  client: httpx.AsyncClient, env: dict[str, str] | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S,
                  cpu: CpuShare | None = None, router_port: int = 0,
                  on_state: StateCallback | None = None) -> None:
         self.model_id = model_id
@@ -187,6 +188,7 @@ class ChildProcess:
         self._child_mode = False  # it wrote a state line: its ready line says when it serves
         self._connections: ChildConnections | None = None
         self._max_connections = max_connections
+        self._head_timeout_s = head_timeout_s
         self._readers: list[asyncio.Task[None]] = []
         self._batch_output = False  # read output every OUTPUT_BATCH_S (once ready)
         self._wakers: set[asyncio.Future[None]] = set()  # readers waiting to read again
@@ -211,7 +213,8 @@ class ChildProcess:
         100 ms longer to exit while a keep-alive connection is open."""
         if self._connections is None:
             self._connections = ChildConnections("127.0.0.1", self.port,
-                                                 self._max_connections)
+                                                 self._max_connections,
+                                                 head_timeout_s=self._head_timeout_s)
         return self._connections
 
     async def close_pool(self) -> None:

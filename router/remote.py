@@ -37,7 +37,7 @@ from .cpus import CpuShare
 from .logs import LogRing
 from .process import ChildTimeout, ask_health, http_error_text
 from .settings import HEALTH_POLL_INTERVAL_S
-from .upstream import DEFAULT_MAX_CONNECTIONS, ChildConnections
+from .upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ChildConnections
 
 log = logging.getLogger("router.remote")
 
@@ -58,7 +58,8 @@ class RemoteUpstream:
 
     def __init__(self, model_id: str, url: str, logs: LogRing, client: httpx.AsyncClient, *,
                  api_key: str | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"not an http:// upstream: {url!r}")
@@ -73,6 +74,7 @@ class RemoteUpstream:
         self.ready_info: dict[str, Any] | None = None
         self._client = client
         self._max_connections = max_connections
+        self._head_timeout_s = head_timeout_s
         self._connections: ChildConnections | None = None
         # Sent with the probes and (``forward``) with every proxied request; never logged.
         self.auth_header: tuple[bytes, bytes] | None = (
@@ -104,7 +106,8 @@ class RemoteUpstream:
     def connections(self) -> ChildConnections:
         if self._connections is None:
             self._connections = ChildConnections(self.host, self.port, self._max_connections,
-                                                 label=f"upstream {self.url}")
+                                                 label=f"upstream {self.url}",
+                                                 head_timeout_s=self._head_timeout_s)
         return self._connections
 
     async def start(self) -> None:

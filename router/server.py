@@ -199,7 +199,8 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
                           dns_interval=settings.peer_dns_interval, api_key=prepared.peer_key,
                           prefix=settings.peer_prefix,
                           interval=settings.liveness_interval or 2.0,
-                          timeout=settings.liveness_timeout, misses=settings.liveness_misses)
+                          timeout=settings.liveness_timeout, misses=settings.liveness_misses,
+                          head_timeout=settings.upstream_timeout)
             peers.start()
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
                                      router_log, reloader, peers)

@@ -28,6 +28,7 @@ DEFAULT_FAIRNESS_S = 10.0
 DEFAULT_CRASH_LOOP_LIMIT = 5
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_UPSTREAM_TIMEOUT_S = 600.0  # llama-server's own read timeout
 HEALTH_POLL_INTERVAL_S = 0.02
 DEFAULT_LIVENESS_INTERVAL_S = 2.0
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
@@ -67,6 +68,9 @@ class Settings(BaseSettings):
     body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0,
                                 description="seconds a request body may pause between chunks "
                                 "(then 408)")
+    upstream_timeout: float = Field(DEFAULT_UPSTREAM_TIMEOUT_S, gt=0,
+                                    description="seconds a proxied request may wait for its "
+                                    "upstream's response head (then 504)")
     log_lines: int = Field(DEFAULT_LOG_LINES, gt=0)
     log_level: str = "info"
     idle_timeout: float = Field(0.0, ge=0, description="unload models idle this long; 0: never")

@@ -45,6 +45,7 @@ from .process import (
 )
 from .remote import RemoteUpstream
 from .runtime import ModelRuntime, http_threads
+from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 
 log = logging.getLogger("router.spawner")
 
@@ -56,8 +57,10 @@ INFO_TIMEOUT_S = 5.0
 class Spawner:
     def __init__(self, binary: Path, table: FlagTable, client: httpx.AsyncClient,
                  events: EventBus, *, router_port: int, cores: list[int],
-                 gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]]) -> None:
+                 gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]],
+                 upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S) -> None:
         self.binary = binary
+        self.upstream_timeout = upstream_timeout  # each pool's response-head deadline
         self.table = table
         self.cores = cores  # shared among CPU children; empty when CPU sharing is off
         self.gpus = gpus
@@ -164,7 +167,8 @@ class Spawner:
             if runtime.preset.upstream is not None:  # served elsewhere: nothing to spawn
                 remote = RemoteUpstream(runtime.id, runtime.preset.upstream, runtime.logs,
                                         self._client, api_key=runtime.preset.upstream_key,
-                                        max_connections=runtime.max_connections)
+                                        max_connections=runtime.max_connections,
+                                        head_timeout_s=self.upstream_timeout)
                 children.append(remote)
                 self.on_started(runtime, remote)
                 await remote.start()
@@ -175,6 +179,7 @@ class Spawner:
                 env = {**child_environment(), **spin_environment()} if self.cores else None
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,
+                                     head_timeout_s=self.upstream_timeout,
                                      cpu=cpu, router_port=self._router_port)
                 child.on_state = functools.partial(self._child_state, runtime, child)
                 children.append(child)  # from now on the caller stops it if anything fails

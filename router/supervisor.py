@@ -109,7 +109,8 @@ class Supervisor:
         self._prober: asyncio.Task[None] | None = None
         self.spawner = spawner or Spawner(binary, table, client, events,
                                           router_port=settings.port, cores=self.cores,
-                                          gpus=self.gpus, models=self.models.values)
+                                          gpus=self.gpus, models=self.models.values,
+                                          upstream_timeout=settings.upstream_timeout)
         self.executor = Executor(settings, self.spawner, events, self.changes,
                                  load=self._load, forget=self._forget)
         self.spawner.on_progress = lambda runtime, progress: self.executor.apply(

@@ -63,6 +63,7 @@ from typing import cast
 import httptools
 
 from .errors import BadRequest, RouterError, UpstreamError
+from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 
 IDLE_EXPIRY_S = 4.0  # llama-server closes an idle keep-alive connection after 5 s
 DEFAULT_MAX_CONNECTIONS = 14  # per child; the supervisor sets it from --threads-http
@@ -70,7 +71,7 @@ CONNECT_TIMEOUT_S = 10.0
 READ_HIGH_WATER = 256 * 1024  # stop reading from the child while this much is unconsumed
 MAX_RESPONSE_HEAD_BYTES = 64 * 1024  # status line, headers and interim responses
 MAX_RESPONSE_HEADERS = 100
-DEFAULT_HEAD_TIMEOUT_S = 600.0  # llama-server's --timeout default
+DEFAULT_HEAD_TIMEOUT_S = DEFAULT_UPSTREAM_TIMEOUT_S  # --upstream-timeout: 600 s
 
 
 class BrokenBody(UpstreamError):

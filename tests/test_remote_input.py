@@ -211,3 +211,35 @@ def test_the_renamed_multipart_field_routes_at_a_router_upstream(
             assert [(r["model"], r["endpoint"]) for r in records] == [
                 ("alpha", "/v1/audio/transcriptions")], records
             print(f"llama-server answered {answer.status_code}: {answer.text[:200]}")
+
+
+@pytest.mark.process
+def test_an_upstream_that_never_sends_its_head_is_a_504_after_the_upstream_timeout(
+        tmp_path: Path) -> None:
+    """A remote that is healthy but holds a request without answering: the request ends
+    with a 504 envelope naming it after ``--upstream-timeout`` (it waited for ever)."""
+    release = threading.Event()
+
+    class Holder(Recorder):
+        def do_POST(self) -> None:
+            release.wait(GUARD_S)  # never answers within the test
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (Holder,), {"seen": []}))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        presets = write_presets(tmp_path / "models.ini", f"[far]\nupstream = {url}\n")
+        with start_router(tmp_path, "--presets", str(presets), "--upstream-timeout", "1") \
+                as router, router.client() as client:
+            answer = client.post("/v1/chat/completions", json={"model": "far", "messages": []})
+            assert answer.status_code == 504, answer.text
+            assert answer.json()["error"]["message"] == (
+                f"upstream {url} sent no response head within 1 s")
+            assert client.get("/health").status_code == 200
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(GUARD_S)
