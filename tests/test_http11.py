@@ -508,3 +508,20 @@ def test_uvicorns_private_names_that_the_adapter_uses_exist() -> None:
     for name in cycle_names:
         assert name in cycle_init, name
     assert httptools_impl.STATUS_LINE[431].startswith(b"HTTP/1.1 431")
+
+
+def test_uvicorns_server_names_that_the_router_server_uses_exist() -> None:
+    """The other half of the contract: what ``server.RouterServer`` reads or overrides of
+    ``uvicorn.Server`` (its main loop, its tick, its signal handling, its task set)."""
+    import inspect
+
+    server = uvicorn.Server(uvicorn.Config(echo_app([]), log_config=None))
+    for name in ("should_exit", "force_exit", "server_state"):
+        assert hasattr(server, name), name
+    assert hasattr(server.server_state, "tasks")
+    for method in ("startup", "shutdown", "main_loop", "on_tick", "capture_signals",
+                   "handle_exit", "run"):
+        assert callable(getattr(uvicorn.Server, method)), method
+    assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
+    # The loop the router replaces refreshes the Date header when counter % 10 == 0.
+    assert "counter % 10" in inspect.getsource(uvicorn.Server.on_tick)
