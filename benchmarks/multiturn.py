@@ -79,6 +79,11 @@ SLOT_CTX = 2048
 START_GAP_S = 0.5
 ARRIVAL_GAP_S = 0.01  # between a turn's requests in the saturated configuration
 THINK_S = (0.3, 2.5)
+# A kept-alive connection idle this long is not reused: under every server's own keep-alive
+# timeout (llama-server's and uvicorn's 5 s, httpx's default expiry too). With equal
+# timeouts a request sent on a connection the server closes at that moment gets no answer
+# (httpx.ReadError; seen on a heavily loaded machine): a race of the client, not a target's.
+KEEPALIVE_S = 2.0
 QUESTIONS = ("In one sentence, what are these notes about?",
              "Which word appears most often in them?",
              "Give me one more detail from the notes.",
@@ -164,7 +169,8 @@ async def conversation(url: str, tag: str, index: int, s: Settings) -> list[Turn
     messages = [{"role": "system", "content": system_prompt(tag, s.system_words)}]
     turns = []
     think = random.Random(index)  # the same pauses for every target
-    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
+    limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False, limits=limits) as client:
         await asyncio.sleep(START_GAP_S * index * s.pace)
         for turn in range(s.turns):
             if turn:  # reading the reply, typing the next question
@@ -183,7 +189,7 @@ async def together(url: str, tag: str, s: Settings) -> list[list[Turn]]:
              for i in range(s.conversations)]
     turns: list[list[Turn]] = [[] for _ in chats]
     shuffle = random.Random(0)
-    limits = httpx.Limits(max_connections=s.conversations)
+    limits = httpx.Limits(max_connections=s.conversations, keepalive_expiry=KEEPALIVE_S)
 
     async def one(client: httpx.AsyncClient, index: int, delay: float, turn: int) -> None:
         await asyncio.sleep(delay)
