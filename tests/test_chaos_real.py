@@ -33,6 +33,8 @@ import psutil
 import pytest
 from fdcheck import VIOLATION, launcher
 from support import start_router
+from test_churn_real import preset_text as churn_presets
+from test_churn_real import save_atomically
 from test_hostile import record
 from test_peers_hostile import stand_in_thread
 
@@ -51,18 +53,7 @@ LEFT = "left"  # the client went away on purpose
 
 
 def preset_text(models: list[Path], changed: set[int]) -> str:
-    lines = ["[*]", "ctx-size = 512", "parallel = 1"]
-    for i in range(MODELS):
-        lines += [f"[m{i:02d}]", f"model = {models[i % len(models)]}"]
-        if i in changed:
-            lines.append("ctx-size = 256")
-    return "\n".join(lines) + "\n"
-
-
-def save_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    return churn_presets(models, changed, count=MODELS, width=2)
 
 
 def judged(response: httpx.Response, body: bytes) -> str:

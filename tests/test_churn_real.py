@@ -47,12 +47,14 @@ CHAT = {"max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}
 BROKEN = ("File exists", "Bad file descriptor", VIOLATION)
 
 
-def preset_text(models: list[Path], changed: set[int]) -> str:
-    """``PRESETS`` models over the tiny ones; those in ``changed`` with another context size
-    (a changed preset: a reload retires the model, or cancels its load under way)."""
+def preset_text(models: list[Path], changed: set[int], count: int = PRESETS,
+                width: int = 4) -> str:
+    """``count`` models (``m`` and ``width`` digits) over the tiny ones; those in ``changed``
+    with another context size (a changed preset: a reload retires the model, or cancels its
+    load under way)."""
     lines = ["[*]", "ctx-size = 512", "parallel = 1"]
-    for i in range(PRESETS):
-        lines += [f"[m{i:04d}]", f"model = {models[i % len(models)]}"]
+    for i in range(count):
+        lines += [f"[m{i:0{width}d}]", f"model = {models[i % len(models)]}"]
         if i in changed:
             lines.append("ctx-size = 256")
     return "\n".join(lines) + "\n"
