@@ -19,9 +19,8 @@ import logging
 from collections.abc import Callable, Iterable
 
 from .gpus import GpuDevice, placement, usage_by_pid
-from .memory import estimate_for_args, measure_rss
+from .memory import RAM, estimate_for_args, measure_rss
 from .runtime import ModelRuntime
-from .scheduler import RAM
 
 log = logging.getLogger("router.accounting")
 

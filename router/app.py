@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
 from .activity import Activity
-from .cors import CorsMiddleware, CorsPolicy
+from .cors import CorsMiddleware
 from .metrics import RouterMetrics
 from .middleware import (
     EXCEPTION_HANDLERS,
@@ -25,6 +25,7 @@ from .middleware import (
     ProxyMiddleware,
     RequestMetricsMiddleware,
 )
+from .origins import CorsPolicy
 from .routes import routes
 from .state import State
 from .webui import StaticUI

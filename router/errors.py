@@ -34,7 +34,10 @@ the boundary where they happen, with ``raise ... from exc``.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, ClassVar
+
+from starlette.types import Scope, Send
 
 
 class RouterError(Exception):
@@ -173,6 +176,11 @@ _TYPES_BY_STATUS = {
 }
 
 
+class ConfigurationError(Exception):
+    """Settings that are well-formed but do not fit this machine (e.g. a GPU that is not
+    there); the CLI prints it and exits 2. Not a request's error: no envelope."""
+
+
 def envelope(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope for ``status``; the type follows the status by default."""
     return {"error": {"code": status, "message": message,
@@ -181,3 +189,20 @@ def envelope(status: int, message: str, type_: str | None = None) -> dict[str, A
 
 def envelope_bytes(status: int, message: str, type_: str | None = None) -> bytes:
     return json.dumps(envelope(status, message, type_)).encode()
+
+
+async def send_error(send: Send, exc: RouterError) -> None:
+    """Answer with the error's envelope and headers, in plain ASGI."""
+    body = envelope_bytes(exc.status, exc.message, exc.type)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_unexpected(send: Send, scope: Scope, exc: Exception) -> None:
+    """Answer a failure that nothing answered (a bug): its traceback to the log, the 500
+    envelope naming its type to the client, in plain ASGI."""
+    logging.getLogger("router.edge").exception(
+        "unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
+    await send_error(send, InternalError(exc))

@@ -22,12 +22,12 @@ from .affinity import Prefix, request_prefix
 from .errors import (
     BadRequest,
     ClientGone,
-    InternalError,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
     RouterError,
-    envelope_bytes,
+    send_error,
+    send_unexpected,
 )
 from .keys import resolve_in_scope
 from .leases import Lease
@@ -245,17 +245,3 @@ def _for_remote(request: RequestContext, preset: ModelPreset,
     return headers, body, target
 
 
-async def send_unexpected(send: Send, scope: Scope, exc: Exception) -> None:
-    """Answer a failure that nothing answered (a bug): its traceback to the log, the 500
-    envelope naming its type to the client, in plain ASGI."""
-    log.exception("unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
-    await send_error(send, InternalError(exc))
-
-
-async def send_error(send: Send, exc: RouterError) -> None:
-    """Answer with the error's envelope and headers, in plain ASGI."""
-    body = envelope_bytes(exc.status, exc.message, exc.type)
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})

@@ -28,8 +28,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .memory import BASE_OVERHEAD_BYTES, Estimate, MiB, option_value, parse_size
-from .scheduler import RAM
+from .memory import BASE_OVERHEAD_BYTES, RAM, Estimate, MiB, option_value, parse_size
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
 DEFAULT_MARGIN_BYTES = 1024 * MiB  # kept free on each GPU (llama-server's --fit-target)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from .settings import ConfigurationError
+from .errors import ConfigurationError
 
 BACKLOG = 2048  # uvicorn's default
 

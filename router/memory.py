@@ -55,6 +55,8 @@ import psutil
 from .flags import FALSEY, TRUTHY
 from .ggufmeta import StringArray, read_metadata
 
+RAM = "ram"  # the host-memory pool; GPUs are "gpu0", "gpu1", ...
+
 __all__ = [
     "AUTO_PARALLEL",
     "BASE_OVERHEAD_BYTES",

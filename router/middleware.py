@@ -22,8 +22,10 @@ from .errors import (
     RouterError,
     Unauthorized,
     envelope,
+    send_error,
+    send_unexpected,
 )
-from .forward import proxy, send_error, send_unexpected
+from .forward import proxy
 from .keys import Forbidden, KeyScope, check_path, key_hash, scope_of
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS

@@ -29,8 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .lifecycle import Status as Status  # its home; re-exported for older imports
-
-RAM = "ram"  # the host-memory pool; GPUs are "gpu0", "gpu1", ...
+from .memory import RAM as RAM  # its home; re-exported for the planner's readers
 
 
 @dataclass(frozen=True)

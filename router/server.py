@@ -27,7 +27,6 @@ from starlette.applications import Starlette
 
 from . import childenv, defaults, gpus, spawn
 from .app import State, create_app
-from .cors import CorsPolicy
 from .events import EventBus
 from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
@@ -44,6 +43,7 @@ from .listen import bind
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .memory import format_size
 from .metrics import RouterMetrics
+from .origins import CorsPolicy
 from .peers import PeerError, Peers, default_node_name, dns_target, peer_url, read_peer_key
 from .reload import Reloader
 from .settings import ConfigurationError, Settings

@@ -12,8 +12,9 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .keys import ApiKey
-from .keys import parse_file as parse_key_file
+from .errors import ConfigurationError as ConfigurationError  # its home: errors
+from .keyfile import ApiKey
+from .keyfile import parse_file as parse_key_file
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -35,11 +36,6 @@ DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 DEFAULT_LIVENESS_MISSES = 3
 DEFAULT_PEER_DNS_INTERVAL_S = 10.0
 DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
-
-
-class ConfigurationError(Exception):
-    """Settings that are well-formed but do not fit this machine (e.g. a GPU that is not
-    there); the CLI prints it and exits 2."""
 
 
 class Settings(BaseSettings):
@@ -165,7 +161,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_cors_origins(cls, value: object) -> object:
         """``LLAMA_ROUTER_CORS_ORIGINS=`` (empty, as in an env file) is unset."""
-        from .cors import CorsPolicy
+        from .origins import CorsPolicy
 
         if value == "":
             return DEFAULT_CORS_ORIGINS
@@ -203,8 +199,8 @@ class Settings(BaseSettings):
     def all_api_keys(self) -> list[str]:
         """Keys from ``--api-key`` (full access) plus ``--api-key-file``: one key per line,
         ``#`` comments, each optionally followed by its scope (``models=`` and ``role=``
-        fields, see ``keys.py``). Each comes back as a ``keys.ApiKey``: the key with its scope
-        (full access for ``--api-key``), whose repr hides it.
+        fields, see ``keyfile.py``). Each comes back as a ``keyfile.ApiKey``: the key with its
+        scope (full access for ``--api-key``), whose repr hides it.
 
         A bad line is a ConfigurationError naming the file, the line and the problem (never
         the key). Asking for keys and getting none (``--api-key ""``,

@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from support import fake_binary, start_router, write_presets
 
 from router.app import create_app
-from router.keys import (
+from router.keyfile import (
     ADMIN,
     FULL,
     INFER,
@@ -29,10 +29,10 @@ from router.keys import (
     ApiKey,
     KeyScope,
     _allows,
-    needed_role,
     parse_file,
     parse_line,
 )
+from router.keys import needed_role
 from router.requests import RequestContext
 from router.routes import EventStream
 from router.server import build_app, prepare
