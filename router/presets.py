@@ -34,7 +34,7 @@ from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from .affinity import ROUTING_PREFIX, ROUTINGS
-from .flags import FALSEY, TRUTHY, FlagTable
+from .flags import FALSEY, TRUTHY, FlagTable, Resolved
 
 GLOBAL_SECTION = "*"
 PATH_KEYS = frozenset({"model", "mmproj"})
@@ -356,77 +356,105 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
     defaults: ParsedSection | None = None
     models: list[ParsedSection] = []
     for section in sections:
-        args: dict[str, str] = {}
-        options: dict[str, object] = {}
-        origins: dict[str, Origin] = {}
-        for key, value, origin in section.entries:
-            if key == "version":
-                problems.append(PresetProblem(
-                    origin, "'version' belongs before the first section", section.name, key))
-                continue
-            preset_key = _PRESET_ONLY_ENV.get(key, key)
-            resolved = table.lookup(key)
-            if resolved is not None and resolved.option.key in PRESET_ONLY:
-                preset_key = resolved.option.key  # a, LLAMA_ARG_ALIAS, LLAMA_ARG_TAGS
-            if preset_key in PRESET_ONLY:
-                parser, attr = PRESET_ONLY[preset_key]
-                if preset_key == "upstream-api-key-file":  # relative to the preset's directory
-                    value = str((path.parent / Path(value).expanduser()).absolute())
-                try:
-                    parsed = parser(value)
-                except ValueError as exc:
-                    problems.append(PresetProblem(origin, str(exc), section.name, key))
-                else:
-                    if attr != "_ignored":
-                        options[attr] = parsed
-                origins[preset_key] = origin
-                continue
-            if resolved is None:
-                close = table.suggest(key, extra=list(PRESET_ONLY))
-                hint = f"; did you mean {' or '.join(close)}?" if close else ""
-                problems.append(PresetProblem(
-                    origin, f"unknown key (not a llama-server flag nor a preset key){hint}",
-                    section.name, key))
-                continue
-            option = resolved.option
-            if option.key in ROUTER_OWNED:
-                warnings.append(PresetProblem(
-                    origin, "ignored: the router sets this itself for every child",
-                    section.name, key))
-                continue
-            if not option.takes_value:
-                try:
-                    flag_on = _parse_bool(value)
-                except ValueError as exc:
-                    problems.append(PresetProblem(origin, str(exc), section.name, key))
-                    continue
-                value = "true" if flag_on != resolved.negated else "false"
-            elif option.key in PATH_KEYS:
-                value = str((path.parent / Path(value).expanduser()).absolute())
-                if not Path(value).is_file():
-                    problems.append(PresetProblem(origin, f"file does not exist: {value}",
-                                                  section.name, key))
-            args[option.key] = value
-            origins[option.key] = origin
-        parsed_section = ParsedSection(section.name, section.origin, args, options)
+        reader = _SectionReader(section, path.parent, table, problems, warnings)
+        parsed_section = reader.read()
         if section.name == GLOBAL_SECTION:
-            for key in SOURCE_KEYS:
-                if key in args:
-                    problems.append(PresetProblem(
-                        origins[key], f"'{key}' cannot be a default for every model",
-                        section.name, key))
-            for key in UPSTREAM_KEYS:
-                if key in origins:
-                    problems.append(PresetProblem(
-                        origins[key], f"'{key}' cannot be a default for every model",
-                        section.name, key))
+            problems += _defaults_problems(parsed_section, reader.origins)
             defaults = parsed_section
         else:
-            problems += _upstream_problems(section.name, args, origins)
+            problems += _upstream_problems(section.name, parsed_section.args, reader.origins)
             models.append(parsed_section)
     if problems:
         raise PresetsInvalid(problems)
     return PresetFile(path, defaults, models, warnings)
+
+
+@dataclass
+class _SectionReader:
+    """Validates one section's entries, in line order, into llama-server args (canonical key
+    → value as a child gets it) and preset-only options (ModelPreset field → parsed value).
+    Problems and warnings go to the file's lists; ``origins`` maps each key read to its line."""
+
+    section: Section
+    directory: Path  # the preset file's: relative paths resolve against it
+    table: FlagTable
+    problems: list[PresetProblem]
+    warnings: list[PresetProblem]
+    args: dict[str, str] = field(default_factory=dict)
+    options: dict[str, object] = field(default_factory=dict)
+    origins: dict[str, Origin] = field(default_factory=dict)
+
+    def read(self) -> ParsedSection:
+        for key, value, origin in self.section.entries:
+            self._read_entry(key, value, origin)
+        return ParsedSection(self.section.name, self.section.origin, self.args, self.options)
+
+    def _problem(self, origin: Origin, message: str, key: str) -> None:
+        self.problems.append(PresetProblem(origin, message, self.section.name, key))
+
+    def _read_entry(self, key: str, value: str, origin: Origin) -> None:
+        if key == "version":
+            self._problem(origin, "'version' belongs before the first section", key)
+            return
+        preset_key = _PRESET_ONLY_ENV.get(key, key)
+        resolved = self.table.lookup(key)
+        if resolved is not None and resolved.option.key in PRESET_ONLY:
+            preset_key = resolved.option.key  # a, LLAMA_ARG_ALIAS, LLAMA_ARG_TAGS
+        if preset_key in PRESET_ONLY:
+            self._read_preset_option(preset_key, key, value, origin)
+        elif resolved is None:
+            close = self.table.suggest(key, extra=list(PRESET_ONLY))
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            self._problem(origin, f"unknown key (not a llama-server flag nor a preset key){hint}",
+                          key)
+        elif resolved.option.key in ROUTER_OWNED:
+            self.warnings.append(PresetProblem(
+                origin, "ignored: the router sets this itself for every child",
+                self.section.name, key))
+        else:
+            self._read_child_arg(resolved, key, value, origin)
+
+    def _read_preset_option(self, preset_key: str, key: str, value: str,
+                            origin: Origin) -> None:
+        parser, attr = PRESET_ONLY[preset_key]
+        if preset_key == "upstream-api-key-file":  # relative to the preset's directory
+            value = str((self.directory / Path(value).expanduser()).absolute())
+        try:
+            parsed = parser(value)
+        except ValueError as exc:
+            self._problem(origin, str(exc), key)
+        else:
+            if attr != "_ignored":
+                self.options[attr] = parsed
+        self.origins[preset_key] = origin
+
+    def _read_child_arg(self, resolved: Resolved, key: str, value: str,
+                        origin: Origin) -> None:
+        """A llama-server flag: a boolean becomes "true"/"false" (its negative spelling
+        inverted), a model file's path becomes absolute and must exist."""
+        option = resolved.option
+        if not option.takes_value:
+            try:
+                flag_on = _parse_bool(value)
+            except ValueError as exc:
+                self._problem(origin, str(exc), key)
+                return
+            value = "true" if flag_on != resolved.negated else "false"
+        elif option.key in PATH_KEYS:
+            value = str((self.directory / Path(value).expanduser()).absolute())
+            if not Path(value).is_file():
+                self._problem(origin, f"file does not exist: {value}", key)
+        self.args[option.key] = value
+        self.origins[option.key] = origin
+
+
+def _defaults_problems(section: ParsedSection,
+                       origins: Mapping[str, Origin]) -> list[PresetProblem]:
+    """``[*]`` sits under every model, so it names no model source and no remote upstream."""
+    keys = [key for key in SOURCE_KEYS if key in section.args]
+    keys += [key for key in UPSTREAM_KEYS if key in origins]
+    return [PresetProblem(origins[key], f"'{key}' cannot be a default for every model",
+                          section.name, key) for key in keys]
 
 
 def _upstream_problems(name: str, args: Mapping[str, str],

@@ -72,55 +72,90 @@ def plan_admission(models: Sequence[ModelSnapshot], target: str, models_max: int
     if memory_budget is not None:
         budgets[RAM] = memory_budget
     need = {RAM: target_memory, **(target_devices or {})}
-    for pool, budget in budgets.items():
-        if need.get(pool, 0) > budget:
-            what = "memory budget" if pool == RAM else f"memory budget of {pool}"
-            return Admission(admit=False, refuse=(
-                f"needs an estimated {need[pool]} bytes but the {what} is {budget} bytes"))
+    reason = _never_fits(need, budgets)
+    if reason is not None:
+        return Admission(admit=False, refuse=reason)
     others = [m for m in models if m.id != target and m.status.holds_process]
-    count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
-    # Host RAM always counts; a GPU only if the target needs room on it (a device that is
-    # over its budget for other reasons is not this load's business).
-    over = {pool: sum(m.pools().get(pool, 0) for m in others) + need.get(pool, 0) - budget
-            for pool, budget in budgets.items() if pool == RAM or need.get(pool, 0) > 0}
-
-    def short() -> bool:
-        return count_over > 0 or any(v > 0 for v in over.values())
-
-    def helps(m: ModelSnapshot) -> bool:  # stopping m frees something still short
-        return count_over > 0 or any(over[p] > 0 and held > 0
-                                     for p, held in m.pools().items() if p in over)
-
-    def free(m: ModelSnapshot) -> None:
-        nonlocal count_over
-        count_over -= 1
-        for pool, held in m.pools().items():
-            if pool in over:
-                over[pool] -= held
-
-    if not short():
+    shortfall = _Shortfall.of(others, need, budgets, models_max)
+    if not shortfall.short():
         return Admission(admit=True)
 
     # Stopping models free their capacity without further action.
     for m in others:
         if m.status is Status.STOPPING:
-            free(m)
+            shortfall.free(m)
+    evict = _evict_idle(others, shortfall)
+    if not shortfall.short():
+        return Admission(admit=False, evict=evict)
+    drain: tuple[str, ...] = ()
+    if fairness_s is not None and waited_s >= fairness_s:
+        drain = _drain_one_busy(others, shortfall)
+    return Admission(admit=False, evict=evict, drain=drain)
+
+
+def _never_fits(need: Mapping[str, int], budgets: Mapping[str, int]) -> str | None:
+    """Why the target's estimate alone exceeds a budget, None when it does not."""
+    for pool, budget in budgets.items():
+        if need.get(pool, 0) > budget:
+            what = "memory budget" if pool == RAM else f"memory budget of {pool}"
+            return f"needs an estimated {need[pool]} bytes but the {what} is {budget} bytes"
+    return None
+
+
+@dataclass
+class _Shortfall:
+    """What the target still lacks: model slots over ``models_max``, and bytes over budget in
+    each pool it is checked against."""
+
+    count_over: int
+    over: dict[str, int]
+
+    @classmethod
+    def of(cls, others: Sequence[ModelSnapshot], need: Mapping[str, int],
+           budgets: Mapping[str, int], models_max: int) -> _Shortfall:
+        count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
+        # Host RAM always counts; a GPU only if the target needs room on it (a device that is
+        # over its budget for other reasons is not this load's business).
+        over = {pool: sum(m.pools().get(pool, 0) for m in others) + need.get(pool, 0) - budget
+                for pool, budget in budgets.items() if pool == RAM or need.get(pool, 0) > 0}
+        return cls(count_over, over)
+
+    def short(self) -> bool:
+        return self.count_over > 0 or any(v > 0 for v in self.over.values())
+
+    def helps(self, m: ModelSnapshot) -> bool:
+        """Stopping ``m`` frees something still short."""
+        return self.count_over > 0 or any(self.over[p] > 0 and held > 0
+                                          for p, held in m.pools().items() if p in self.over)
+
+    def free(self, m: ModelSnapshot) -> None:
+        self.count_over -= 1
+        for pool, held in m.pools().items():
+            if pool in self.over:
+                self.over[pool] -= held
+
+
+def _evict_idle(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+    """Idle loaded models to stop, least recently used first, each freeing something still
+    short, until nothing is short or none is left; ``shortfall`` counts them as freed."""
     idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy),
                   key=lambda m: (m.last_used, m.id))
     evict: list[str] = []
     for m in idle:
-        if not short():
+        if not shortfall.short():
             break
-        if helps(m):
+        if shortfall.helps(m):
             evict.append(m.id)
-            free(m)
-    if not short():
-        return Admission(admit=False, evict=tuple(evict))
+            shortfall.free(m)
+    return tuple(evict)
 
-    drain: tuple[str, ...] = ()
-    if fairness_s is not None and waited_s >= fairness_s:
-        busy = sorted((m for m in others if m.status is Status.LOADED and m.busy and helps(m)),
-                      key=lambda m: (m.last_used, m.id))
-        if busy and not any(m.draining for m in busy):
-            drain = (busy[0].id,)
-    return Admission(admit=False, evict=tuple(evict), drain=drain)
+
+def _drain_one_busy(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+    """The fairness bound: the least recently used busy model that would help, unless one
+    that would is draining already."""
+    busy = sorted((m for m in others if m.status is Status.LOADED and m.busy
+                   and shortfall.helps(m)),
+                  key=lambda m: (m.last_used, m.id))
+    if busy and not any(m.draining for m in busy):
+        return (busy[0].id,)
+    return ()

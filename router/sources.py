@@ -141,34 +141,71 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
                     *, hf_cache: bool = True) -> Catalogue:
     """Load every source and merge them; raise PresetsInvalid listing every problem."""
     problems: list[PresetProblem] = []
+    files = _load_preset_files(preset_paths, table, problems)
+    dir_warnings: list[PresetProblem] = []
+    merged = _scan_model_files(models_dirs, hf_cache, problems, dir_warnings)
+    if problems:
+        raise PresetsInvalid(problems)
+
+    global_args, global_options = _global_defaults(files)
+    for model_id, model in merged.items():  # models-dir entries get [*]'s preset-only keys too
+        merged[model_id] = replace(model, **global_options)  # type: ignore[arg-type]
+    _merge_preset_sections(files, merged, problems)
+    override_args = {option.key: value for option, value in overrides or []}
+    final, aliases = _final_models(merged, global_args, override_args, problems)
+    if problems:
+        raise PresetsInvalid(problems)
+    for model_id in _cache_entries_backing_dedup_presets(final, table):
+        final[model_id] = replace(final[model_id], listed=False)
+    warnings = (*dir_warnings, *(w for f in files for w in f.warnings))
+    return Catalogue(final, aliases, warnings)
+
+
+def _load_preset_files(paths: Iterable[Path], table: FlagTable,
+                       problems: list[PresetProblem]) -> list[PresetFile]:
+    """Every preset file that is valid; the problems of the others go to ``problems``."""
     files: list[PresetFile] = []
-    for path in preset_paths:
+    for path in paths:
         try:
             files.append(load_preset_file(path, table))
         except PresetsInvalid as exc:
             problems.extend(exc.problems)
-    merged: dict[str, ModelPreset] = {}
-    dir_warnings: list[PresetProblem] = []
+    return files
+
+
+def _scan_model_files(models_dirs: Iterable[Path], hf_cache: bool,
+                      problems: list[PresetProblem],
+                      warnings: list[PresetProblem]) -> dict[str, ModelPreset]:
+    """The models of the HF cache, then of each models directory, by id: a later one of the
+    same id replaces an earlier one."""
+    found: dict[str, ModelPreset] = {}
     if hf_cache:
         for model in scan_hf_cache():
-            merged[model.id] = model
+            found[model.id] = model
     for directory in models_dirs:
         try:
-            for model in scan_models_dir(directory, dir_warnings):
-                merged[model.id] = model
+            for model in scan_models_dir(directory, warnings):
+                found[model.id] = model
         except PresetsInvalid as exc:
             problems.extend(exc.problems)
-    if problems:
-        raise PresetsInvalid(problems)
+    return found
 
+
+def _global_defaults(files: list[PresetFile]) -> tuple[dict[str, str], dict[str, object]]:
+    """The ``[*]`` sections of every file, later files over earlier: (args, options)."""
     global_args: dict[str, str] = {}
     global_options: dict[str, object] = {}
     for preset_file in files:
         if preset_file.defaults is not None:
             global_args.update(preset_file.defaults.args)
             global_options.update(preset_file.defaults.options)
-    for model_id, model in merged.items():  # models-dir entries get [*]'s preset-only keys too
-        merged[model_id] = replace(model, **global_options)  # type: ignore[arg-type]
+    return global_args, global_options
+
+
+def _merge_preset_sections(files: list[PresetFile], merged: dict[str, ModelPreset],
+                           problems: list[PresetProblem]) -> None:
+    """Put each preset section into ``merged``, over a scanned model of the same id key by
+    key; a model defined twice, or a remote upstream over a local file, is a problem."""
     seen_in: dict[str, Origin] = {}
     for preset_file in files:
         for section in preset_file.models:
@@ -189,7 +226,12 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
                 own = replace(own, args=MappingProxyType({**base.args, **own.args}))
             merged[section.name] = own
 
-    override_args = {option.key: value for option, value in overrides or []}
+
+def _final_models(merged: dict[str, ModelPreset], global_args: dict[str, str],
+                  override_args: dict[str, str], problems: list[PresetProblem]
+                  ) -> tuple[dict[str, ModelPreset], dict[str, str]]:
+    """Every model by id, in id order, with its final args (``[*]`` under its own, the
+    command line's over both), and the aliases (alias → id)."""
     final: dict[str, ModelPreset] = {}
     aliases: dict[str, str] = {}
     for model_id in sorted(merged):
@@ -205,12 +247,7 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
                 "'hf-repo = owner/repo:QUANT'", model_id))
         final[model_id] = _with_cached_files(replace(model, args=MappingProxyType(args)))
         _add_aliases(model, merged, aliases, problems)
-    if problems:
-        raise PresetsInvalid(problems)
-    for model_id in _cache_entries_backing_dedup_presets(final, table):
-        final[model_id] = replace(final[model_id], listed=False)
-    warnings = (*dir_warnings, *(w for f in files for w in f.warnings))
-    return Catalogue(final, aliases, warnings)
+    return final, aliases
 
 
 def _add_aliases(model: ModelPreset, merged: dict[str, ModelPreset], aliases: dict[str, str],

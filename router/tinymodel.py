@@ -26,6 +26,8 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +170,29 @@ def _validate(n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_ctx_trai
         raise ValueError(f"head size ({n_embd // n_head}) must be even for RoPE")
 
 
+_F32Array = np.ndarray[Any, np.dtype[np.float32]]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The model's hyperparameters, as the tensors and the GGUF metadata both need them."""
+
+    n_vocab: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ctx_train: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_ff(self) -> int:
+        return 2 * self.n_embd
+
+
 def write_tiny_model(
     path: str | os.PathLike[str],
     *,
@@ -186,31 +211,47 @@ def write_tiny_model(
     """
     _validate(n_layer, n_embd, n_head, n_head_kv, n_ctx_train)
     out = Path(path)
-    head_dim = n_embd // n_head
-    n_ff = 2 * n_embd
     tokens, types, merges = tokenizer_vocab()
-    n_vocab = len(tokens)
-    rng = np.random.default_rng(seed)
+    shape = _Shape(len(tokens), n_layer, n_embd, n_head, n_head_kv, n_ctx_train)
+    tensors = _random_tensors(np.random.default_rng(seed), shape, tokens)
+    with _replacing(out) as tmp:
+        w = gguf.GGUFWriter(tmp, arch=ARCH)
+        _add_hyperparameters(w, name, shape)
+        _add_tokenizer(w, tokens, types, merges)
+        for tensor_name, data in tensors:
+            w.add_tensor(tensor_name, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
 
-    def mat(rows: int, cols: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+
+def _random_tensors(rng: np.random.Generator, shape: _Shape,
+                    tokens: list[str]) -> list[tuple[str, _F32Array]]:
+    """Every tensor of the model, by name, in file order: random matrices drawn from ``rng``
+    in that order (so a seed gives the same weights), norms of ones."""
+
+    def mat(rows: int, cols: int) -> _F32Array:
         # numpy shape (rows, cols) == ggml ne {cols, rows}
         scale = np.float32(1.0 / np.sqrt(cols))
         return rng.standard_normal((rows, cols), dtype=np.float32) * scale
 
-    def ones(n: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    def ones(n: int) -> _F32Array:
         return np.ones((n,), dtype=np.float32)
 
     t = gguf.MODEL_TENSOR
-    tensors: list[tuple[str, np.ndarray[Any, np.dtype[np.float32]]]] = [
-        (_tensor_name(t.TOKEN_EMBD), mat(n_vocab, n_embd)),
+    n_embd, head_dim, n_ff = shape.n_embd, shape.head_dim, shape.n_ff
+    tensors: list[tuple[str, _F32Array]] = [
+        (_tensor_name(t.TOKEN_EMBD), mat(shape.n_vocab, n_embd)),
     ]
-    for i in range(n_layer):
+    for i in range(shape.n_layer):
         tensors += [
             (_tensor_name(t.ATTN_NORM, i), ones(n_embd)),
-            (_tensor_name(t.ATTN_Q, i), mat(n_head * head_dim, n_embd)),
-            (_tensor_name(t.ATTN_K, i), mat(n_head_kv * head_dim, n_embd)),
-            (_tensor_name(t.ATTN_V, i), mat(n_head_kv * head_dim, n_embd)),
-            (_tensor_name(t.ATTN_OUT, i), mat(n_embd, n_head * head_dim)),
+            (_tensor_name(t.ATTN_Q, i), mat(shape.n_head * head_dim, n_embd)),
+            (_tensor_name(t.ATTN_K, i), mat(shape.n_head_kv * head_dim, n_embd)),
+            (_tensor_name(t.ATTN_V, i), mat(shape.n_head_kv * head_dim, n_embd)),
+            (_tensor_name(t.ATTN_OUT, i), mat(n_embd, shape.n_head * head_dim)),
             (_tensor_name(t.FFN_NORM, i), ones(n_embd)),
             (_tensor_name(t.FFN_GATE, i), mat(n_ff, n_embd)),
             (_tensor_name(t.FFN_UP, i), mat(n_ff, n_embd)),
@@ -218,54 +259,59 @@ def write_tiny_model(
         ]
     tensors += [
         (_tensor_name(t.OUTPUT_NORM), ones(n_embd)),
-        (_tensor_name(t.OUTPUT), _output_head(mat(n_vocab, n_embd), tokens)),
+        (_tensor_name(t.OUTPUT), _output_head(mat(shape.n_vocab, n_embd), tokens)),
     ]
+    return tensors
 
+
+@contextlib.contextmanager
+def _replacing(out: Path) -> Iterator[Path]:
+    """A temporary file next to ``out`` to write: it replaces ``out`` when the block ends
+    without an error, and is removed when it does not."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; make it look like a normal file
     try:
-        w = gguf.GGUFWriter(tmp, arch=ARCH)
-        w.add_name(name)
-        w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-        w.add_vocab_size(n_vocab)
-        w.add_context_length(n_ctx_train)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_rope_dimension_count(head_dim)
-        w.add_rope_freq_base(10000.0)
-
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_bos_token_id(tokens.index(BOS_TOKEN))
-        w.add_eos_token_id(tokens.index(EOS_TOKEN))
-        w.add_eot_token_id(tokens.index(IM_END))
-        w.add_pad_token_id(tokens.index(BOS_TOKEN))
-        w.add_add_bos_token(False)
-        w.add_add_eos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
-
-        for tensor_name, data in tensors:
-            w.add_tensor(tensor_name, data)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        yield tmp
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    return out
+
+
+def _add_hyperparameters(w: gguf.GGUFWriter, name: str, shape: _Shape) -> None:
+    w.add_name(name)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_vocab_size(shape.n_vocab)
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(shape.n_embd)
+    w.add_block_count(shape.n_layer)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(shape.head_dim)
+    w.add_rope_freq_base(10000.0)
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, tokens: list[str], types: list[int],
+                   merges: list[str]) -> None:
+    """The byte-level BPE tokenizer and the ChatML template (see the module's docstring)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index(BOS_TOKEN))
+    w.add_eos_token_id(tokens.index(EOS_TOKEN))
+    w.add_eot_token_id(tokens.index(IM_END))
+    w.add_pad_token_id(tokens.index(BOS_TOKEN))
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def ensure_tiny_model(path: str | os.PathLike[str], **kw: Any) -> Path:

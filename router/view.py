@@ -142,8 +142,24 @@ class ModelView:
 
     def entry(self, created: int) -> dict[str, Any]:
         """Its ``/models`` entry, in llama.cpp's shape plus the router's status fields."""
-        runtime, sup = self._runtime, self._sup
+        runtime = self._runtime
         preset = runtime.preset
+        entry: dict[str, Any] = {
+            "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
+            "object": "model", "owned_by": "llamacpp", "created": created,
+            "status": self._status(), "source": preset.source,
+            "can_remove": preset.source == "cache",
+        }
+        if preset.upstream is not None:  # a remote upstream (its key is never shown)
+            entry["upstream"] = preset.upstream
+        if runtime.info and runtime.status is not Status.UNLOADED:
+            for key, value in runtime.info.items():
+                entry.setdefault(key, value)
+        return entry
+
+    def _status(self) -> dict[str, Any]:
+        """The entry's ``status``: its state, command line and counters, then the parts."""
+        runtime, sup = self._runtime, self._sup
         child = runtime.child
         status: dict[str, Any] = {
             "value": runtime.status.public,
@@ -153,60 +169,78 @@ class ModelView:
             "in_flight": runtime.in_flight,
             "waiting": runtime.waiting,
         }
-        if child is not None:
-            status.update(pid=child.pid, port=child.port)
-        if runtime.loaded_at is not None:
-            status["uptime_s"] = round(clock.now() - runtime.loaded_at, 1)
-        if child is not None and preset.upstream is None:
-            status["cpu"] = child.cpu.describe() if child.cpu is not None else {
-                "threads": preset.args.get("threads"), "cores": None,
-                "placed_by": "preset" if sup.cores else "llama-server"}
-            if sup.cpu_gate.is_paused(child):
-                status["cpu"]["paused"] = True  # waiting for its turn on the CPU
-        if preset.replicas > 1 or len(runtime.replicas) > 1:
+        status.update(self._process_status())
+        if runtime.preset.replicas > 1 or len(runtime.replicas) > 1:
             status["replicas"] = [{"pid": r.pid, "port": r.port, "in_flight": r.in_flight,
                                    **({"cpu": r.cpu} if r.cpu else {}),
                                    **({"pace": r.pace} if r.pace is not None else {})}
                                   for r in self.replicas()]
+        status.update(self._progress_status())
+        status["memory"] = self._memory_status()
+        status.update(self._trouble_status())
+        return status
+
+    def _process_status(self) -> dict[str, Any]:
+        """Its child process: pid, port, uptime and, for a local model, its CPU placement."""
+        runtime, sup = self._runtime, self._sup
+        preset, child = runtime.preset, runtime.child
+        fields: dict[str, Any] = {}
+        if child is not None:
+            fields.update(pid=child.pid, port=child.port)
+        if runtime.loaded_at is not None:
+            fields["uptime_s"] = round(clock.now() - runtime.loaded_at, 1)
+        if child is not None and preset.upstream is None:
+            fields["cpu"] = child.cpu.describe() if child.cpu is not None else {
+                "threads": preset.args.get("threads"), "cores": None,
+                "placed_by": "preset" if sup.cores else "llama-server"}
+            if sup.cpu_gate.is_paused(child):
+                fields["cpu"]["paused"] = True  # waiting for its turn on the CPU
+        return fields
+
+    def _progress_status(self) -> dict[str, Any]:
+        """Where it is on its way: stopping, draining, loading progress, place in the queue."""
+        runtime, admission = self._runtime, self._sup.admission
+        fields: dict[str, Any] = {}
         if runtime.status is Status.STOPPING:
-            status["stopping"] = True
+            fields["stopping"] = True
         if runtime.draining:
-            status["draining"] = True
+            fields["draining"] = True
         if runtime.status is Status.LOADING and runtime.progress is not None:
-            status["progress"] = dict(runtime.progress)
-        position = sup.admission.position(runtime)
+            fields["progress"] = dict(runtime.progress)
+        position = admission.position(runtime)
         if position is not None:
-            status["queue_position"] = position
-            status["expected_wait_s"] = sup.admission.expected_wait_s(runtime)
+            fields["queue_position"] = position
+            fields["expected_wait_s"] = admission.expected_wait_s(runtime)
+        return fields
+
+    def _memory_status(self) -> dict[str, Any]:
+        """Its memory, estimated and (while it serves) measured: host RAM, then each GPU."""
+        runtime = self._runtime
         memory: dict[str, Any] = {"estimate": runtime.estimate or None}
         if runtime.replicas:
             memory["measured"] = self.measured()
-        if sup.gpus:
+        if self._sup.gpus:
             measured = self.measured_devices() if runtime.replicas else {}
             memory["gpus"] = {
                 pool: {"estimate": runtime.estimate_devices.get(pool),
                        **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
                 for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
-        status["memory"] = memory
+        return memory
+
+    def _trouble_status(self) -> dict[str, Any]:
+        """What keeps it from serving: not downloaded yet, downloading, failed, crash loop."""
+        runtime = self._runtime
+        preset = runtime.preset
+        fields: dict[str, Any] = {}
         if preset.model_path is None and preset.hf_repo:
-            status.update(downloaded=False,
+            fields.update(downloaded=False,
                           message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
         if runtime.download and runtime.status is Status.DOWNLOADING:
-            status["download"] = dict(runtime.download)
+            fields["download"] = dict(runtime.download)
         if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
-            status.update(failed=True, exit_code=runtime.failure.exit_code,
+            fields.update(failed=True, exit_code=runtime.failure.exit_code,
                           message=runtime.failure.message,
                           last_lines=list(runtime.failure.last_lines))
         if runtime.crash_loop:
-            status["crash_loop"] = True
-        entry: dict[str, Any] = {
-            "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
-            "object": "model", "owned_by": "llamacpp", "created": created, "status": status,
-            "source": preset.source, "can_remove": preset.source == "cache",
-        }
-        if preset.upstream is not None:  # a remote upstream (its key is never shown)
-            entry["upstream"] = preset.upstream
-        if runtime.info and runtime.status is not Status.UNLOADED:
-            for key, value in runtime.info.items():
-                entry.setdefault(key, value)
-        return entry
+            fields["crash_loop"] = True
+        return fields
