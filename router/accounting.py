@@ -85,9 +85,14 @@ class Accounting:
                     log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
         return runtime.estimate
 
-    def forget(self, model_id: str) -> None:
-        """The model's file or arguments changed: estimate it again before its next load."""
-        self._estimated.discard(model_id)
+    def forget(self, runtime: ModelRuntime) -> None:
+        """The model's file or arguments changed: its estimates are unknown until it is
+        estimated again, before its next load."""
+        self._estimated.discard(runtime.id)
+        runtime.estimate = 0
+        runtime.estimate_devices = {}
+        runtime.cache_ram_mib = None
+        runtime.n_layer = None
 
     # ----------------------------------------------------------------- measurements
 

@@ -4,9 +4,7 @@
 its model, method, path, status, time queued for the model, time to the first response byte,
 total time and the tokens the model generated. A record holds names and numbers only: never a
 body, a prompt, a query string or a header. The token count comes from the end of the response
-(llama-server's ``"timings": {"predicted_n": N}`` in the last event of a stream and in a plain
-body, or an OpenAI-style ``"usage"``), read once the response has ended from at most
-``TAIL_BYTES`` that the middleware kept (the last two body chunks); whole bodies are never
+(``tail.ResponseTail.tokens``), read once the response has ended; whole bodies are never
 buffered or parsed.
 
 Memory is bounded: the last ``capacity`` records (a deque) and one ``Totals`` per model id ever
@@ -20,7 +18,6 @@ Routes: ``GET /activity`` (records, newest first; ``?model=``, ``?limit=``, ``?a
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,28 +32,7 @@ from .keys import key_scope_of
 from .requests import context
 
 DEFAULT_CAPACITY = 500
-TAIL_BYTES = 4096
 MAX_PATH_CHARS = 200  # a record keeps at most this much of a path
-
-# The generated-token count as llama-server writes it: ``predicted_n`` in ``timings`` wins over
-# the usage fields of the OpenAI (``completion_tokens``), Anthropic and Responses
-# (``output_tokens``) shapes and of ``/completion`` (``tokens_predicted``).
-_TOKENS = re.compile(
-    rb'"(predicted_n|completion_tokens|output_tokens|tokens_predicted)"\s*:\s*(\d+)')
-
-
-def generated_tokens(tail: bytes) -> int | None:
-    """The number of tokens generated, from the end of a response body (a stream's last events
-    or a JSON body's last bytes); None when it says nothing about generated tokens."""
-    predicted: int | None = None
-    usage: int | None = None
-    for match in _TOKENS.finditer(tail[-TAIL_BYTES:]):
-        if match.group(1) == b"predicted_n":
-            predicted = int(match.group(2))
-        else:
-            usage = int(match.group(2))
-    return predicted if predicted is not None else usage
-
 
 @dataclass(slots=True)
 class Record:

@@ -29,7 +29,7 @@ from .placement import LOADED, LOADING
 from .sse import EventTooLarge, aiter_events
 
 if TYPE_CHECKING:
-    from .keys import KeyScope
+    from .keyfile import KeyScope
     from .peer import Peer
     from .peers import Peers
     from .supervisor import Supervisor

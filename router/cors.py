@@ -50,7 +50,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import RouterError, send_error
-from .keys import ADMIN, needed_role
+from .keyfile import ADMIN
+from .keys import needed_role
 from .origins import (
     ALLOW_ORIGIN,
     FETCH_SITE,

@@ -8,7 +8,10 @@ effects they return, and runs what produces the events of a serving model.
   ``apply`` again; a command the lifecycle refuses comes back as its ``Refuse``.
 * The executor owns the tasks that carry out effects: each model's load task (``StartLoad``:
   ``load`` in a task that reports ``LoadEnded`` when it ends, before anyone awaiting it
-  resumes), stop and replacement tasks.
+  resumes), its download task (``download``, with the flag its worker thread reads), stop and
+  replacement tasks. It is the one writer of ``ModelRuntime``'s task fields and its preset;
+  everything else about a run (failure, backoff clock, download progress, killed replicas)
+  is in the state, written by ``transition``.
 * Every serving child has an exit watcher: a child that exits while its model is loaded
   (not asked to stop) is a crash, ``ReplicaExited``; the last replica's crash unloads the
   model, an earlier one is replaced one child at a time under the crash backoff.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -35,6 +39,7 @@ from .lifecycle import (
     ChildGone,
     Effect,
     Event,
+    Failure,
     FailureCounted,
     Forget,
     KillReplica,
@@ -53,8 +58,9 @@ from .lifecycle import (
     Stopped,
     transition,
 )
+from .presets import ModelPreset
 from .process import ChildError, ChildExited
-from .runtime import Failure, ModelRuntime, Replica
+from .runtime import ModelRuntime, Replica
 from .settings import Settings
 from .spawner import Spawner
 
@@ -74,14 +80,16 @@ def backoff_s(failures_in_row: int) -> float:
 class Executor:
     def __init__(self, settings: Settings, spawner: Spawner, events: EventBus, changes: Changes,
                  *, load: Callable[[ModelRuntime], Coroutine[Any, Any, None]],
-                 forget: ModelCallback) -> None:
+                 forget: ModelCallback,
+                 download: Callable[[ModelRuntime, threading.Event],
+                                    Coroutine[Any, Any, None]] | None = None) -> None:
         self.settings = settings
         self._spawner = spawner
         self._events = events
         self._changes = changes
         self._load = load  # a model's load (``Loader.load``), run as its load task
         self._forget = forget  # drop a removed model
-        self._last_failure_at: dict[str, float] = {}
+        self._download = download  # a model's download (``Loader.fetch_files``), as a task
         # Cancelled tasks still stopping what they started (a replacement child).
         self._ending: set[asyncio.Task[Any]] = set()
 
@@ -117,6 +125,21 @@ class Executor:
             self.apply(runtime, Stop(reason))
         return runtime.stop_task
 
+    def set_preset(self, runtime: ModelRuntime, preset: ModelPreset) -> None:
+        """The model's preset from now on (a reconfiguration; a download that resolved its
+        files)."""
+        runtime.preset = preset
+
+    def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
+        """The model's download task, started unless one runs (shared by the load and by
+        ``POST /models``)."""
+        if runtime.download_task is None or runtime.download_task.done():
+            assert self._download is not None
+            runtime.download_cancel = cancel = threading.Event()
+            runtime.download_task = _task(self._download(runtime, cancel),
+                                          f"download:{runtime.id}")
+        return runtime.download_task
+
     def cancel_download(self, runtime: ModelRuntime) -> asyncio.Task[None] | None:
         """Stop the model's download (an unload, a reconfiguration, the shutdown): the worker
         thread sees the flag, the task its cancellation. The task, if one runs."""
@@ -135,8 +158,9 @@ class Executor:
 
     def backoff_left(self, runtime: ModelRuntime) -> float:
         """Seconds until the model may start a child again after its recent failures."""
-        return (self._last_failure_at.get(runtime.id, 0.0)
-                + backoff_s(runtime.state.failures_in_row) - clock.now())
+        failure = runtime.state.failure
+        since = failure.clock_at if failure is not None else 0.0
+        return since + backoff_s(runtime.state.failures_in_row) - clock.now()
 
     # ----------------------------------------------------------------- effects out
 
@@ -176,7 +200,6 @@ class Executor:
             case Forget():
                 self._forget(runtime)
             case FailureCounted(crash_loop):
-                self._last_failure_at[runtime.id] = clock.now()
                 if crash_loop:
                     log.error("failed %d times in a row; not restarting until POST /models/load",
                               runtime.state.failures_in_row,
@@ -206,17 +229,17 @@ class Executor:
 
     async def _watch_exit(self, runtime: ModelRuntime, replica: Replica) -> None:
         code = await replica.child.wait_exit()
-        killed = replica.killed_because is not None  # already out of ``replicas``
-        if ((replica not in runtime.replicas and not killed)
+        killed = next((why for r, why in runtime.state.killed if r is replica), None)
+        if ((replica not in runtime.replicas and killed is None)
                 or runtime.status is not Status.LOADED):
             return  # an intended stop; _stop_children records it
-        message = (replica.killed_because
-                   or f"llama-server exited unexpectedly with code {code}")
-        runtime.failure = Failure(message, code, runtime.logs.tail(FAILURE_LOG_LINES))
+        message = killed or f"llama-server exited unexpectedly with code {code}"
+        failure = Failure(message, code, tuple(runtime.logs.tail(FAILURE_LOG_LINES)),
+                          clock.now())
         log.error("%s", message, extra={"event": "crashed", "model": runtime.id,
                                         "pid": replica.child.pid, "exit_code": code})
         ran_for = clock.now() - (replica.child.started_at or clock.now())
-        self.apply(runtime, ReplicaExited(replica, code, ran_for))  # out of service now
+        self.apply(runtime, ReplicaExited(replica, code, ran_for, failure))  # out of service
         if replica.in_flight == 0:  # else the last request to finish closes it
             self.close_pool_later(replica)
         await replica.child.stop(0)  # reap the group
@@ -241,11 +264,11 @@ class Executor:
             await to_the_end(self.stop_started(runtime, children))
             if not isinstance(exc, Exception):  # cancelled: the model is stopping
                 raise
-            runtime.failure = failure_from(exc)
-            log.error("replica restart failed: %s", runtime.failure.message,
+            failure = failure_from(exc)
+            log.error("replica restart failed: %s", failure.message,
                       extra={"event": "replica_failed", "model": runtime.id})
             runtime.replace_task = None
-            self.apply(runtime, ReplicaFailed())
+            self.apply(runtime, ReplicaFailed(failure))
             return
         replica = Replica(children[-1])
         log.info("replica restarted", extra={
@@ -273,7 +296,8 @@ class Executor:
             self.apply(runtime, ReplicaUnresponsive(replica, why))
 
     def _kill_replica(self, runtime: ModelRuntime, replica: Replica, why: str) -> None:
-        replica.killed_because = why  # its exit watcher reports the crash with this
+        """Kill an unresponsive replica; the state keeps ``why`` (``killed``), which its exit
+        watcher reports the crash with."""
         log.error("%s", why, extra={"event": "unresponsive", "model": runtime.id,
                                     "pid": replica.child.pid})
         replica.child.kill_now()
@@ -283,13 +307,15 @@ class Executor:
 
 
 def failure_from(exc: BaseException) -> Failure:
+    """What a failed start is counted as, now (``clock``)."""
+    now = clock.now()
     if isinstance(exc, ChildExited):
-        return Failure(str(exc), exc.exit_code, exc.last_lines)
+        return Failure(str(exc), exc.exit_code, tuple(exc.last_lines), now)
     if isinstance(exc, ChildError):
-        return Failure(str(exc), None, exc.last_lines)
+        return Failure(str(exc), None, tuple(exc.last_lines), now)
     if isinstance(exc, LoadFailed):
-        return Failure(exc.message, None, [])
-    return Failure(f"could not start llama-server: {exc}", None, [])
+        return Failure(exc.message, None, (), now)
+    return Failure(f"could not start llama-server: {exc}", None, (), now)
 
 
 async def to_the_end(cleanup: Coroutine[Any, Any, None]) -> None:

@@ -9,11 +9,9 @@ default model (``defaults``) like every other request without a model, or get th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
@@ -21,7 +19,6 @@ from starlette.types import Receive, Scope, Send
 from .affinity import Prefix, request_prefix
 from .errors import (
     BadRequest,
-    ClientGone,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
@@ -30,7 +27,6 @@ from .errors import (
     send_unexpected,
 )
 from .keys import resolve_in_scope
-from .leases import Lease
 from .nodes import local_model, raise_if_elsewhere, serve_across_nodes
 from .paths import (
     API_ROOTS,
@@ -47,42 +43,16 @@ from .proxy import (
 )
 from .requests import WAIT_BUDGET_HEADER, RequestContext, context, target_with_model
 from .resumable import serves
-from .state import Shutdown, State
+from .state import State
+from .wait import Ends
 from .webui import StaticUI
 
 if TYPE_CHECKING:
+    from .leases import Lease
     from .presets import ModelPreset
+    from .view import ModelView
 
 log = logging.getLogger("router.forward")
-
-
-async def _acquire_unless_disconnected(acquire: Coroutine[Any, Any, Lease],
-                                       receive: Receive, shutdown: Shutdown) -> Lease:
-    """Wait for a lease, but leave the queue at once if the client goes away or the
-    shutdown grace period ends (then with the shutdown's 503)."""
-    acquire_task = asyncio.ensure_future(acquire)
-    watch_task = asyncio.ensure_future(wait_disconnect(receive))
-    over_task = asyncio.ensure_future(shutdown.over.wait())
-    try:
-        await asyncio.wait({acquire_task, watch_task, over_task},
-                           return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone = watch_task.done() and not watch_task.cancelled()
-        over = over_task.done() and not over_task.cancelled()
-        watch_task.cancel()
-        over_task.cancel()
-        if gone or over or not acquire_task.done():
-            acquire_task.cancel()
-        results = await asyncio.gather(watch_task, over_task, acquire_task,
-                                       return_exceptions=True)
-    lease = results[2]
-    if gone or over or not acquire_task.done():
-        if isinstance(lease, Lease):  # granted in the same instant: give it back
-            lease.release()
-        if over:
-            raise shutdown.error()
-        raise ClientGone("client disconnected while waiting for its model")
-    return acquire_task.result()
 
 
 def _autoload(params: QueryParams, default: bool) -> bool:
@@ -137,94 +107,144 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
+    """A proxied request, step by step: read it, name its model (or answer a web UI page),
+    let the peers holding the model serve it, else resolve the model here, wait for a lease
+    on one of its replicas and relay to that child. Each step reads the request context the
+    edge made (``requests``) and records its decision there."""
     state: State = scope["app"].state.router
+    request, body = await _read(state, scope, receive)
+    model = request.model or await _default_or_page(state, scope, send, request)
+    if model is None:
+        return  # a page of the web UI was the answer
+    conv_id = request.conv_id if body else None  # a resumable stream (``resumable``)
+    if await _across_nodes(state, scope, receive, send, request, model, conv_id):
+        return
+    runtime = _resolve(state, request, model)
+    request.model_id = runtime.preset.id
+    if conv_id:  # a resumable stream: remember whose it is, also while the model loads
+        state.conversations.claim(conv_id, runtime.id, request.key_hash,
+                                  running=serves(state.supervisor))
+    lease = await _lease(state, scope, receive, request, runtime)
+    try:
+        if conv_id:
+            state.conversations.claim(conv_id, runtime.id, request.key_hash, lease.child,
+                                      running=serves(state.supervisor))
+        await _relay(state, scope, receive, send, request, runtime, lease, body)
+    finally:
+        lease.learn(request.tail())
+        lease.release()
+
+
+async def _read(state: State, scope: Scope, receive: Receive) -> tuple[RequestContext, bytes]:
+    """The request's context and its body (bounded); refused while the router stops, for a
+    method llama-server has no route for, or a target that is no path."""
     shutdown = state.shutdown
     if shutdown.closing.is_set():  # stopping: start nothing new (the connection closes)
         raise shutdown.refusal()
-    sup = state.supervisor
     method: str = scope["method"]
     if method not in METHODS:
         raise MethodNotAllowed(f"method {method} is not allowed")
     if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
         raise BadRequest("the request target must be an absolute path such as /v1/models")
     request = context(scope)
-    body = await request.read(receive, sup.settings.max_body_bytes)
-    parsed = request.parsed
-    model = request.model  # the body's, else ?model=: what the key check saw too
-    if not model:
-        webui: StaticUI | None = scope["app"].state.webui
-        if webui is not None and method in ("GET", "HEAD") and await webui.answer(
-                scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
-            return
-        if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
-            raise NotFound("File Not Found")
-        model = request.default_to(state.default.for_request(sup))  # else a 400 naming it
-    budget = _budget(request)  # the supervisor caps it by the model's own wait budget
-    key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
+    body = await request.read(receive, state.supervisor.settings.max_body_bytes)
+    return request, body
+
+
+async def _default_or_page(state: State, scope: Scope, send: Send, request: RequestContext
+                           ) -> str | None:
+    """For a request naming no model: a web UI page (answered here: None), or the default
+    model (else a 400 naming what is missing)."""
+    method = request.method
+    webui: StaticUI | None = scope["app"].state.webui
+    if webui is not None and method in ("GET", "HEAD") and await webui.answer(
+            scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
+        return None
+    if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
+        raise NotFound("File Not Found")
+    return request.default_to(state.default.for_request(state.supervisor))
+
+
+async def _across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
+                        request: RequestContext, model: str, conv_id: str | None) -> bool:
+    """Whether peers holding the model (except those the request passed through, its via
+    chain) served it (``nodes``); a model held here too may still fall to this router."""
     peers = state.peers
-    # The peers holding the model, except those the request passed through (its via chain).
     holders = peers.holders(model, request.via) if peers is not None and peers.peers else None
-    conv_id = request.conv_id if body else None  # a resumable stream (``resumable``)
-    if holders:  # on other nodes too (``nodes``)
-        local = local_model(sup, key_scope, model)
-        request.model_id = model if local is None else local.preset.id
-        if conv_id:  # refused before any node is tried if another key or model holds it
-            state.conversations.claim(conv_id, request.model_id, request.key_hash,
-                                      running=serves(sup))
-        if await serve_across_nodes(state, scope, request, receive, send, holders, local,
-                                    _target(scope)):
-            return
+    if not holders:
+        return False
+    sup = state.supervisor
+    local = local_model(sup, request.key_scope, model)
+    request.model_id = model if local is None else local.preset.id
+    if conv_id:  # refused before any node is tried if another key or model holds it
+        state.conversations.claim(conv_id, request.model_id, request.key_hash,
+                                  running=serves(sup))
+    return await serve_across_nodes(state, scope, request, receive, send, holders, local,
+                                    _target(scope))
+
+
+def _resolve(state: State, request: RequestContext, model: str) -> ModelView:
+    """The model a request gets here, as its key sees the router (out of scope reads as not
+    found), with ``--unknown-model-to-default`` for a name nobody uses."""
+    sup = state.supervisor
+    key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
     try:
-        runtime = resolve_in_scope(sup, key_scope, model)  # a read-only view
+        return resolve_in_scope(sup, key_scope, model)
     except ModelNotFound as exc:
         if request.defaulted:  # the default model is not this key's: never named to it
             raise NotFound('no model is named in the request, and the default model is not '
                            'one this API key may use: set "model" (GET /v1/models lists '
                            'them)') from None
-        if peers is not None:
-            raise_if_elsewhere(peers, model, request)
+        if state.peers is not None:
+            raise_if_elsewhere(state.peers, model, request)
         fallback = state.default.for_unknown(sup)  # --unknown-model-to-default
         if fallback is None:
             raise
-        model = request.default_to(fallback)
         try:
-            runtime = resolve_in_scope(sup, key_scope, model)
+            return resolve_in_scope(sup, key_scope, request.default_to(fallback))
         except ModelNotFound:
             raise exc from None  # not this key's either: the 404 of the name it gave
-    request.model_id = runtime.preset.id
+
+
+async def _lease(state: State, scope: Scope, receive: Receive, request: RequestContext,
+                 runtime: ModelView) -> Lease:
+    """A lease on a replica of the model: at once when it serves (no task, no await), else
+    the whole wait (``wait``), ended by its budget, the client leaving or the shutdown."""
+    sup = state.supervisor
     autoload = _autoload(request.params, sup.settings.models_autoload)
+    budget = _budget(request)  # the model's own wait budget caps it (``wait``)
     prefix: Prefix | None = None  # the prompt's prefix, for replicas (``affinity``)
-    if parsed is not None and runtime.preset.prefix_routing:
-        prefix = request_prefix(parsed)
+    if request.parsed is not None and runtime.preset.prefix_routing:
+        prefix = request_prefix(request.parsed)
         if not prefix.keys:
             prefix = None
-    if conv_id:  # a resumable stream: remember whose it is, also while the model loads
-        state.conversations.claim(conv_id, runtime.id, request.key_hash, running=serves(sup))
-    if runtime.serving:  # hot path: no waiting, no tasks
-        lease = await sup.acquire(model, autoload=autoload, budget=budget, prefix=prefix)
-    else:
-        waited = time.perf_counter()
-        try:
-            lease = await _acquire_unless_disconnected(
-                sup.acquire(model, autoload=autoload, budget=budget, prefix=prefix), receive,
-                shutdown)
-        finally:  # for the activity record, also when the wait failed
-            request.queue_s = queued = time.perf_counter() - waited
-        state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    if runtime.serving:  # the hot path
+        return await sup.acquire(runtime.id, autoload=autoload, budget=budget, prefix=prefix)
+    shutdown = state.shutdown
+    waited = time.perf_counter()
     try:
-        if conv_id:
-            state.conversations.claim(conv_id, runtime.id, request.key_hash, lease.child,
-                                      running=serves(sup))
-        headers = upstream_headers(scope["headers"])
-        preset = runtime.preset
-        target = _target(scope)
-        if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
-            headers, body, target = _for_remote(request, preset, headers, body, target)
-        await relay(lease.child.connections, method, target, headers, body,
-                    receive=receive, send=send, shutdown=shutdown, direct=direct_body(scope))
-    finally:
-        lease.learn(request.sent_before, request.sent_last)
-        lease.release()
+        lease = await sup.acquire(runtime.id, autoload=autoload, budget=budget, prefix=prefix,
+                                  ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
+                                            shutdown.error))
+    finally:  # for the activity record, also when the wait failed
+        request.queue_s = queued = time.perf_counter() - waited
+    state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    return lease
+
+
+async def _relay(state: State, scope: Scope, receive: Receive, send: Send,
+                 request: RequestContext, runtime: ModelView, lease: Lease, body: bytes
+                 ) -> None:
+    """Send the request to the leased replica's child (a remote upstream gets its key and
+    maybe its own model name) and its answer back as the child writes it."""
+    headers = upstream_headers(scope["headers"])
+    preset = runtime.preset
+    target = _target(scope)
+    if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
+        headers, body, target = _for_remote(request, preset, headers, body, target)
+    await relay(lease.child.connections, request.method, target, headers, body,
+                receive=receive, send=send, shutdown=state.shutdown,
+                direct=direct_body(scope))
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,

@@ -21,18 +21,7 @@ from typing import TYPE_CHECKING
 from starlette.types import Scope
 
 from .errors import ModelNotFound, RouterError
-from .keyfile import (  # noqa: F401  (re-exported for the edge: keys are checked here)
-    ADMIN,
-    FULL,
-    INFER,
-    METRICS,
-    ROLES,
-    ApiKey,
-    KeyScope,
-    parse_file,
-    parse_line,
-    scope_of,
-)
+from .keyfile import ADMIN, INFER, METRICS, KeyScope
 from .paths import (
     ADMIN_PROXIED_PREFIXES,
     ADMIN_PROXIED_WRITES,

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from . import clock
 from .affinity import Prefix
 from .backend import Backend
-from .pace import Ticket, parse_timings
+from .pace import Ticket
 from .runtime import ModelRuntime, Replica
-
-TAIL_BYTES = 4096  # of each of the last two body chunks: a stream's last event, then [DONE]
+from .tail import ResponseTail
 
 ModelCallback = Callable[[ModelRuntime], None]
 RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
@@ -47,12 +46,11 @@ class Lease:
     def child(self) -> Backend:
         return self.replica.child
 
-    def learn(self, before: bytes, last: bytes) -> None:
+    def learn(self, tail: ResponseTail) -> None:
         """For a request routed by prefix, teach its replica's ``Pace`` from the child's
-        ``timings`` in the last two chunks of its response (``RequestContext.sent_before``,
-        ``sent_last``); call before ``release``."""
-        if self.ticket is not None and last and not self._released:
-            timings = parse_timings(before[-TAIL_BYTES:] + last[-TAIL_BYTES:])
+        ``timings`` at the end of its response; call before ``release``."""
+        if self.ticket is not None and not self._released:
+            timings = tail.timings
             if timings is not None:
                 self.replica.pace.learn(timings, self.ticket.chars,
                                         self.ticket.cached_chars)
@@ -87,7 +85,7 @@ class Leases:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
         runtime.in_flight += 1
-        runtime.last_used = now
+        runtime.used_at = now
         if runtime.in_flight == 1:
             self._on_busy(runtime)
         return Lease(self, runtime, replica, ticket)
@@ -96,7 +94,7 @@ class Leases:
                 ticket: Ticket | None = None) -> None:
         replica.in_flight -= 1
         runtime.in_flight -= 1
-        runtime.last_used = now = clock.now()
+        runtime.used_at = now = clock.now()
         if ticket is not None:
             replica.backlog.remove(ticket, now, runtime.slots)
         if replica.in_flight == 0 and replica not in runtime.replicas:

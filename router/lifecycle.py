@@ -59,6 +59,7 @@ the transition (``Refuse``), so the preconditions live with the states they read
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -89,6 +90,19 @@ class Status(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a run of a model ended badly: its message, exit code and last log lines; ``at``
+    wall-clock time (for people), ``clock_at`` the core's clock (``clock``), which the crash
+    backoff counts from."""
+
+    message: str
+    exit_code: int | None
+    last_lines: tuple[str, ...] = ()
+    clock_at: float = 0.0
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelState:
     status: Status = Status.UNLOADED
     draining: bool = False  # loaded, taking no new requests until it stops
@@ -99,6 +113,12 @@ class ModelState:
     failed: bool = False  # the last run ended in a failure (shown while unloaded)
     failures_in_row: int = 0
     crash_loop: bool = False  # failed crash_loop_limit times in a row: no automatic restart
+    failure: Failure | None = None  # the last failure counted, kept for messages and backoff
+    # While downloading: bytes so far per file, {file: {"done": n, "total": n}}.
+    download: Mapping[str, Any] | None = None
+    # Serving replicas the router killed (``liveness``), out of service until their exit is
+    # reported: (replica, why), the failure their exit is reported with.
+    killed: tuple[tuple[Any, str], ...] = ()
     # While loading: llama.cpp's {stages, current, value} of the least advanced child.
     progress: Mapping[str, Any] | None = None
     # Its children, by phase. ``starting``: started for a load or a crashed replica's
@@ -140,6 +160,7 @@ class Downloaded:
 class DownloadFailed:
     cancelled: bool = False  # an unload or reconfiguration stopped it: not a failure
     error: str = "cancelled"
+    failure: Failure | None = None  # what it is counted as (not cancelled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +200,7 @@ class SpawnFailed:
 
     exit_code: int | None = None
     cancelled: bool = False
+    failure: Failure | None = None  # what it is counted as (not cancelled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,11 +260,14 @@ class ReplicaExited:
     replica: Any
     exit_code: int | None
     ran_for: float  # seconds it ran
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaFailed:
     """A child started to replace a crashed replica did not become healthy."""
+
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,13 +483,14 @@ def _status_change(old: ModelState, new: ModelState, **extra: Any) -> Publish:
     return Publish("status_change", MappingProxyType(data))
 
 
-def _count_failure(state: ModelState, limit: int, ran_for: float | None = None
-                   ) -> tuple[ModelState, FailureCounted]:
+def _count_failure(state: ModelState, limit: int, failure: Failure | None,
+                   ran_for: float | None = None) -> tuple[ModelState, FailureCounted]:
     failures = 0 if ran_for is not None and ran_for >= STABLE_RUN_S else state.failures_in_row
     failures += 1
     crash_loop = failures >= limit
     return (replace(state, failed=True, failures_in_row=failures,
-                    crash_loop=state.crash_loop or crash_loop),
+                    crash_loop=state.crash_loop or crash_loop,
+                    failure=failure or state.failure),
             FailureCounted(crash_loop and not state.crash_loop))
 
 
@@ -493,7 +519,7 @@ def _start_load(s: ModelState, *, on_demand: bool) -> Result:
 def _to_unloaded(state: ModelState, **changes: Any) -> ModelState:
     return replace(state, status=Status.UNLOADED, draining=False, drained_for=None,
                    stop_when_idle=None, progress=None, replicas=(), stopping=(), info=None,
-                   loaded_at=None,
+                   loaded_at=None, download=None, killed=(),
                    **changes)
 
 
@@ -507,7 +533,8 @@ def _download(s: ModelState, e: Download, limit: int) -> Result:
 
 
 def _download_progress(s: ModelState, e: DownloadProgress, limit: int) -> Result:
-    return s, (Publish("download_progress", MappingProxyType({"progress": e.progress})),)
+    return replace(s, download=e.progress), (
+        Publish("download_progress", MappingProxyType({"progress": e.progress})),)
 
 
 def _downloaded(s: ModelState, e: Downloaded, limit: int) -> Result:
@@ -526,7 +553,7 @@ def _download_failed(s: ModelState, e: DownloadFailed, limit: int) -> Result:
     if e.cancelled:
         effects.append(_status_change(s, new, reason="cancelled"))
     else:
-        new, counted = _count_failure(new, limit)
+        new, counted = _count_failure(new, limit, e.failure)
         effects += [counted, _status_change(s, new)]
     new, after = _after_run(new)
     return new, (*effects, *after)
@@ -560,7 +587,7 @@ def _spawn_failed(s: ModelState, e: SpawnFailed, limit: int) -> Result:
         new = replace(new, failed=False)
         effects.append(_status_change(s, new, reason="cancelled"))
     else:
-        new, counted = _count_failure(new, limit)
+        new, counted = _count_failure(new, limit, e.failure)
         effects += [counted, _status_change(s, new, exit_code=e.exit_code)]
     new, after = _after_run(new)
     return new, (*effects, *after)
@@ -612,8 +639,10 @@ def _stopped(s: ModelState, e: Stopped, limit: int) -> Result:
 
 
 def _replica_exited(s: ModelState, e: ReplicaExited, limit: int) -> Result:
-    new, counted = _count_failure(replace(s, replicas=_without(s.replicas, e.replica)), limit,
-                                  e.ran_for)
+    new, counted = _count_failure(
+        replace(s, replicas=_without(s.replicas, e.replica),
+                killed=tuple(k for k in s.killed if k[0] is not e.replica)),
+        limit, e.failure, e.ran_for)
     if new.replicas:
         replace_them = () if new.draining or new.crash_loop else (ReplaceReplicas(),)
         return new, (counted, *replace_them)
@@ -633,14 +662,15 @@ def _replica_started(s: ModelState, e: ReplicaStarted, limit: int) -> Result:
 def _replica_unresponsive(s: ModelState, e: ReplicaUnresponsive, limit: int) -> Result:
     if not any(r is e.replica for r in s.replicas):
         return s, ()  # already out of service (killed, or its crash came first)
-    new = replace(s, replicas=_without(s.replicas, e.replica))
+    new = replace(s, replicas=_without(s.replicas, e.replica),
+                  killed=(*s.killed, (e.replica, e.why)))
     return new, (Publish("unresponsive", MappingProxyType({"pid": e.replica.child.pid,
                                                            "reason": e.why})),
                  KillReplica(e.replica, e.why))
 
 
 def _replica_failed(s: ModelState, e: ReplicaFailed, limit: int) -> Result:
-    new, counted = _count_failure(s, limit)
+    new, counted = _count_failure(s, limit, e.failure)
     return new, (counted,) if new.crash_loop else (counted, ReplaceReplicas())
 
 

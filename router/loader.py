@@ -24,7 +24,7 @@ from .backend import Backend
 from .changes import Changes
 from .downloads import DownloadCancelled, HfRef, download, resolve_remote
 from .errors import LoadFailed
-from .executor import Executor, consume_exception, failure_from, to_the_end
+from .executor import Executor, failure_from, to_the_end
 from .lifecycle import (
     UNLOADED,
     Admitted,
@@ -32,11 +32,12 @@ from .lifecycle import (
     Downloaded,
     DownloadFailed,
     DownloadProgress,
+    Failure,
     Ready,
     SpawnFailed,
     Status,
 )
-from .runtime import Failure, ModelRuntime, Replica
+from .runtime import ModelRuntime, Replica
 from .settings import Settings
 from .spawner import Spawner
 
@@ -56,7 +57,7 @@ class Loader:
         self._changes = changes
 
     async def load(self, runtime: ModelRuntime) -> None:
-        """Load the model; raises LoadFailed (the reason is also in ``runtime.failure``).
+        """Load the model; raises LoadFailed (the reason is also the state's ``failure``).
         Cancelled by an unload (``CancelLoad(UNLOADED)``), it ends with LoadFailed saying so,
         which is what the requests waiting for it answer; cancelled for any other reason (a
         reconfiguration, the shutdown, nobody waiting) it ends cancelled."""
@@ -71,7 +72,7 @@ class Loader:
     async def _load(self, runtime: ModelRuntime) -> None:
         remote = runtime.preset.upstream is not None  # served elsewhere (``remote``)
         if runtime.preset.model_path is None and not remote:  # an hf-repo model to download
-            await asyncio.shield(self.start_download(runtime))
+            await asyncio.shield(self._executor.start_download(runtime))
         while runtime.status is not Status.UNLOADED:  # an old child is draining or stopping
             if runtime.serving:
                 return  # its drain was lifted: the old child serves the waiters
@@ -98,11 +99,11 @@ class Loader:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 raise asyncio.CancelledError from exc
-            runtime.failure = failure_from(exc)
-            log.error("load failed: %s", runtime.failure.message,
+            failure = failure_from(exc)
+            log.error("load failed: %s", failure.message,
                       extra={"event": "load_failed", "model": runtime.id})
-            self._executor.apply(runtime, SpawnFailed(runtime.failure.exit_code))
-            raise LoadFailed(load_failed_message(runtime.id, runtime.failure)) from exc
+            self._executor.apply(runtime, SpawnFailed(failure.exit_code, failure=failure))
+            raise LoadFailed(load_failed_message(runtime.id, failure)) from exc
         for replica in runtime.replicas:
             self._executor.watch_exit(runtime, replica)
 
@@ -120,7 +121,7 @@ class Loader:
         if errors:
             raise errors[0]
         own_info = await self._spawner.model_info(children[0])
-        loaded_at = runtime.last_used = clock.now()
+        loaded_at = clock.now()
         duration = round(loaded_at - started, 4)
         runtime.last_load_s = duration
         info = {**own_info, "id": runtime.id} if own_info else None
@@ -136,34 +137,30 @@ class Loader:
 
     # ----------------------------------------------------------------- downloading
 
-    def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
-        """Download an hf-repo model into the HF cache (one task per model, shared)."""
-        if runtime.download_task is None or runtime.download_task.done():
-            runtime.download_cancel = threading.Event()
-            runtime.download_task = asyncio.create_task(self._download(runtime),
-                                                        name=f"download:{runtime.id}")
-            runtime.download_task.add_done_callback(consume_exception)
-        return runtime.download_task
-
-    async def _download(self, runtime: ModelRuntime) -> None:
+    async def fetch_files(self, runtime: ModelRuntime, cancel: threading.Event) -> None:
+        """Download an hf-repo model into the HF cache: the body of the model's download task
+        (``Executor.start_download``, which owns it and its ``cancel`` flag, read by the worker
+        thread)."""
         preset = runtime.preset
         assert preset.hf_repo is not None
         loop = asyncio.get_running_loop()
         last_event = 0.0
+        files: dict[str, dict[str, int | None]] = {}  # file: done/total
 
         def on_progress(name: str, done: int, total: int | None) -> None:  # event loop
             nonlocal last_event
-            runtime.download[name] = {"done": done, "total": total}
+            files[name] = {"done": done, "total": total}
             now = clock.now()
             if now - last_event >= DOWNLOAD_EVENT_INTERVAL_S or done == total:
                 last_event = now
+                # A fresh copy per event (JSON-ready for the events it is published in):
+                # nobody changes it afterwards.
                 self._executor.apply(runtime, DownloadProgress(
-                    {name: dict(counts) for name, counts in runtime.download.items()}))
+                    {name: dict(counts) for name, counts in files.items()}))
 
         def progress(name: str, done: int, total: int | None) -> None:  # worker thread
             loop.call_soon_threadsafe(on_progress, name, done, total)
 
-        runtime.download = {}
         self._executor.apply(runtime, Download())
         log.info("downloading %s", preset.hf_repo, extra={"event": "download",
                                                           "model": runtime.id})
@@ -171,9 +168,9 @@ class Loader:
             ref = HfRef.parse(preset.hf_repo)
             resolution = await asyncio.to_thread(resolve_remote, ref, preset.args.get("hf-file"))
             paths = await asyncio.to_thread(download, resolution, progress,
-                                            runtime.download_cancel.is_set)
+                                            cancel.is_set)
         except (asyncio.CancelledError, DownloadCancelled) as exc:
-            runtime.download_cancel.set()
+            cancel.set()  # the worker thread stops at its next chunk
             self._executor.apply(runtime, DownloadFailed(cancelled=True))
             if isinstance(exc, DownloadCancelled):
                 raise LoadFailed(f"model '{runtime.id}': download cancelled") from exc
@@ -181,15 +178,15 @@ class Loader:
         except Exception as exc:
             message = f"download of {preset.hf_repo} failed: {exc}"
             log.error("%s", message, extra={"event": "download_failed", "model": runtime.id})
-            runtime.failure = Failure(message, None, [])
-            self._executor.apply(runtime, DownloadFailed(error=str(exc)))
+            failure = Failure(message, None, (), clock.now())
+            self._executor.apply(runtime, DownloadFailed(error=str(exc), failure=failure))
             raise LoadFailed(f"model '{runtime.id}': {message}") from exc
         if runtime.preset is preset:  # else reconfigured meanwhile: the new preset stands
             args = {**preset.args, "model": str(paths[0])}
             if resolution.mmproj is not None:
                 args["mmproj"] = str(paths[-1])
-            runtime.preset = replace(preset, args=MappingProxyType(args))
-        self._accounting.forget(runtime.id)
+            self._executor.set_preset(runtime, replace(preset, args=MappingProxyType(args)))
+        self._accounting.forget(runtime)
         log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
                                                        "model": runtime.id})
         self._executor.apply(runtime, Downloaded())

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .activity import TAIL_BYTES, Activity, generated_tokens
+from .activity import Activity
 from .errors import (
     InternalError,
     RouterError,
@@ -26,7 +26,8 @@ from .errors import (
     send_unexpected,
 )
 from .forward import proxy
-from .keys import Forbidden, KeyScope, check_path, key_hash, scope_of
+from .keyfile import KeyScope, scope_of
+from .keys import Forbidden, check_path, key_hash
 from .metrics import RouterMetrics
 from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
 from .requests import BODY_TIMED_OUT, CONTEXT, RequestContext, context
@@ -167,18 +168,14 @@ class RequestMetricsMiddleware:
             if BODY_TIMED_OUT in scope:  # the HTTP server answered 408 instead (``http11``)
                 status = 408
             ended = time.perf_counter()
-            # The last two chunks (a stream ends with its last event, then "data: [DONE]"),
-            # for the token count.
-            last, first = request.sent_last, request.first_sent
-            tail = request.sent_before[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
-            self._observe(request, status, ended - started,
-                          first - started if first else None, tail)
+            first = request.first_sent
+            self._observe(request, status, ended - started, first - started if first else None)
 
     def _observe(self, request: RequestContext, status: int, total_s: float,
-                 ttft_s: float | None, tail: bytes) -> None:
+                 ttft_s: float | None) -> None:
         model = request.model_id
         proxied = not request.local
-        tokens = generated_tokens(tail) if proxied and model and tail else None
+        tokens = request.tail().tokens if proxied and model else None
         metrics = self.metrics()
         if metrics is not None:
             path = request.path

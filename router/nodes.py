@@ -27,7 +27,8 @@ from starlette.types import Receive, Scope, Send
 from . import hop
 from .affinity import PrefixTable, request_keys
 from .errors import ModelNotFound, Unavailable, UpstreamError
-from .keys import KeyScope, not_found, resolve_in_scope
+from .keyfile import KeyScope
+from .keys import not_found, resolve_in_scope
 from .peer import Peer
 from .peers import Peers
 from .placement import by_prefix, candidates

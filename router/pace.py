@@ -9,7 +9,7 @@ wait is and how fast a prompt is computed, so both are measured:
 * ``Timings``: what llama-server reports at the end of every completion (``"timings"``: the
   prompt tokens it computed, ``prompt_n``, in ``prompt_ms``; those it took from its cache,
   ``cache_n``; the tokens it generated, ``predicted_n``, in ``predicted_ms``), read from the
-  last bytes of a response (``parse_timings``).
+  last bytes of a response (``tail.ResponseTail``).
 * ``Pace``: one replica's running estimates (exponentially weighted, ``WEIGHT`` for the newest
   sample): seconds per character of prompt computed, seconds per generated token, tokens per
   reply, and how much of the prefix its table says it holds it really had in its cache
@@ -33,12 +33,12 @@ then teach the estimates.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from .affinity import MISS, OVERRIDE, PREFIX_HIT, Decision, Prefix
+from .tail import Timings
 
 WEIGHT: Final = 0.3  # of the newest sample in a running estimate
 # A prompt computation shorter than this says more about fixed costs than about speed.
@@ -50,34 +50,6 @@ OVERRUN_SHARE: Final = 0.25
 # taken as equal: the longest prefix decides among them, not noise in the speeds learned.
 COST_TOLERANCE: Final = 0.02
 COST_TOLERANCE_S: Final = 0.02
-
-_TIMINGS = re.compile(rb'"timings"\s*:\s*\{([^{}]*)\}')
-_FIELD = re.compile(rb'"(prompt_n|prompt_ms|cache_n|predicted_n|predicted_ms)"\s*:\s*'
-                    rb'(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)')
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    prompt_n: int = 0  # prompt tokens computed
-    prompt_ms: float = 0.0
-    cache_n: int = 0  # prompt tokens taken from the cache
-    predicted_n: int = 0  # tokens generated
-    predicted_ms: float = 0.0
-
-
-def parse_timings(tail: bytes) -> Timings | None:
-    """The last ``"timings"`` object in ``tail`` (the end of a response body or stream); None
-    when there is none. Fields missing or malformed count as 0."""
-    found = list(_TIMINGS.finditer(tail))
-    if not found:
-        return None
-    values: dict[str, float] = {}
-    for match in _FIELD.finditer(found[-1].group(1)):
-        values[match.group(1).decode()] = float(match.group(2))
-    return Timings(int(values.get("prompt_n", 0)), values.get("prompt_ms", 0.0),
-                   int(values.get("cache_n", 0)), int(values.get("predicted_n", 0)),
-                   values.get("predicted_ms", 0.0))
-
 
 def _blend(old: float | None, new: float) -> float:
     return new if old is None else old + WEIGHT * (new - old)

@@ -34,7 +34,7 @@ import httpx
 from .affinity import PrefixTable
 from .catalogue import REFUSED
 from .events import EventBus
-from .keys import parse_file as parse_key_file
+from .keyfile import parse_file as parse_key_file
 from .liveness import Misses
 from .peer import Peer, new_instance_id
 from .settings import DEFAULT_UPSTREAM_TIMEOUT_S

@@ -32,9 +32,10 @@ from starlette.types import Receive, Scope
 
 from .errors import BadRequest, ClientGone, MalformedBody, NestedTooDeeply, PayloadTooLarge
 from .paths import is_local
+from .tail import ResponseTail
 
 if TYPE_CHECKING:
-    from .keys import KeyScope
+    from .keyfile import KeyScope
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 # The multipart ``model`` field: the header's name and the parameter's name in any case (both
@@ -96,12 +97,13 @@ class RequestContext:
     * the response as it went out (``sent``: every non-empty body chunk, through the ASGI
       ``send`` or a direct ``http11.BodyWriter``): ``first_sent`` (``perf_counter`` of its
       first chunk, 0 before it) and its last two chunks (``sent_before``, ``sent_last``),
-      which the metrics middleware reads for the time to first byte and the token count.
+      which the metrics middleware reads for the time to first byte, and ``tail()``: what
+      their end says (``tail.ResponseTail``: timings, tokens), read once.
     """
 
-    __slots__ = ("body", "defaulted", "first_sent", "headers", "key_hash", "key_scope", "local",
-                 "method", "model", "model_id", "named", "node", "params", "parsed", "path",
-                 "queue_s", "refused", "sent_before", "sent_last", "via")
+    __slots__ = ("_tail", "body", "defaulted", "first_sent", "headers", "key_hash", "key_scope",
+                 "local", "method", "model", "model_id", "named", "node", "params", "parsed",
+                 "path", "queue_s", "refused", "sent_before", "sent_last", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -136,6 +138,7 @@ class RequestContext:
         self.named: str | None = None
         self.first_sent = 0.0
         self.sent_before = self.sent_last = b""
+        self._tail: ResponseTail | None = None
 
     def sent(self, body: bytes) -> None:
         """A non-empty chunk of the response body went out. O(1), no copies: the streaming
@@ -143,6 +146,13 @@ class RequestContext:
         if not self.first_sent:
             self.first_sent = time.perf_counter()
         self.sent_before, self.sent_last = self.sent_last, body
+
+    def tail(self) -> ResponseTail:
+        """What the end of the response says (``tail``): made once, when the response has
+        ended, and read by the lease (the replica's pace) and the metrics (tokens)."""
+        if self._tail is None:
+            self._tail = ResponseTail(self.sent_before, self.sent_last)
+        return self._tail
 
     def __repr__(self) -> str:  # never the credentials
         return f"<RequestContext {self.method} {self.path[:80]} model={self.model!r}>"

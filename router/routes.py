@@ -31,7 +31,8 @@ from .errors import (
     envelope,
 )
 from .hop import came_through, forward_admin, loop_error, scrape
-from .keys import Forbidden, KeyScope, key_scope_of, resolve_in_scope
+from .keyfile import KeyScope
+from .keys import Forbidden, key_scope_of, resolve_in_scope
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, merge_child_metrics, only_models, render_merged
 from .nodes import local_model

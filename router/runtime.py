@@ -1,7 +1,11 @@
-"""Run state of each model: its lifecycle state, replicas (children), counters, failure.
+"""Run state of each model: its lifecycle state, replicas (children), counters.
 
-Plain data, written only by the supervisor and its parts; ``state`` (the status, the children
-by phase, the pending load) changes only through ``lifecycle.transition`` (``Executor.apply``).
+One record per model, each field with one writer (``tests/test_one_writer.py`` checks it):
+``state`` (the status, the children by phase, the pending load, the failure, the download's
+progress) changes only through ``lifecycle.transition`` (``Executor.apply``), which also owns
+the tasks and the preset; the leases own the request counters (``in_flight``, ``used_at``),
+the wait its ``waiting`` count (``wait``), admission ``queued_since``, accounting the
+estimates, the loader ``last_load_s``. Everything else reads.
 A model has ``replicas`` children (1 unless its
 preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
 a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
@@ -12,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .affinity import Decision, Prefix, PrefixTable, choose_among
 from .backend import Backend
+from .lifecycle import Failure as Failure  # its home; re-exported for the record's readers
 from .lifecycle import ModelState, Status
 from .logs import LogRing
 from .pace import Backlog, Option, Pace, by_cost
@@ -33,21 +37,10 @@ MIN_HTTP_THREADS = 16
 RESERVED_HTTP_THREADS = 2
 
 
-@dataclass
-class Failure:
-    """Why the last run of a model ended badly."""
-
-    message: str
-    exit_code: int | None
-    last_lines: list[str]
-    at: float = field(default_factory=time.time)
-
-
 @dataclass(eq=False)
 class Replica:
     child: Backend
     in_flight: int = 0
-    killed_because: str | None = None  # why the router killed its child (liveness), if it did
     # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
     # as its KV cache does.
     prefixes: PrefixTable = field(default_factory=PrefixTable)
@@ -84,16 +77,15 @@ class ModelRuntime:
     state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
     in_flight: int = 0
     waiting: int = 0  # requests waiting for this model to become ready
-    last_used: float = 0.0
-    download_task: asyncio.Task[None] | None = None
-    download: dict[str, dict[str, int | None]] = field(default_factory=dict)  # file: done/total
-    download_cancel: threading.Event = field(default_factory=threading.Event)
+    used_at: float = 0.0  # clock time a request last took or released it (``leases``)
     # The tasks that carry out its lifecycle's effects, each created by the executor: its
-    # one load (``StartLoad``), a stop (``StopChildren``), crashed replicas' replacement.
+    # download (with the flag its worker thread reads), its one load (``StartLoad``), a stop
+    # (``StopChildren``), crashed replicas' replacement.
+    download_task: asyncio.Task[None] | None = None
+    download_cancel: threading.Event = field(default_factory=threading.Event)
     load_task: asyncio.Task[None] | None = None
     stop_task: asyncio.Task[None] | None = None
     replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
-    failure: Failure | None = None  # the last failure, kept for messages
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took
 
@@ -105,6 +97,22 @@ class ModelRuntime:
     @property
     def id(self) -> str:
         return self.preset.id
+
+    @property
+    def last_used(self) -> float:
+        """Clock time it was last used: a request's, or its load's (``clock``)."""
+        loaded_at = self.state.loaded_at
+        return self.used_at if loaded_at is None else max(self.used_at, loaded_at)
+
+    @property
+    def failure(self) -> Failure | None:
+        """The last failure counted (kept for messages)."""
+        return self.state.failure
+
+    @property
+    def download(self) -> Mapping[str, Any] | None:
+        """While downloading: bytes so far per file, ``{file: {"done", "total"}}``."""
+        return self.state.download
 
     @property
     def status(self) -> Status:

@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 
-from . import clock, reconfig
 from .accounting import Accounting
 from .admission import Admission
 from .affinity import Prefix
@@ -33,14 +32,7 @@ from .changes import Changes
 from .cpugate import CpuGate
 from .cpus import machine_cores
 from .errors import (
-    BadRequest,
-    LoadFailed,
     ModelNotFound,
-    ModelNotLoaded,
-    QueueFull,
-    RouterError,
-    ShuttingDown,
-    WaitBudgetExceeded,
 )
 from .events import EventBus
 from .executor import Executor
@@ -49,36 +41,26 @@ from .gpus import GpuDevice
 from .idle import reap_idle
 from .leases import Lease, Leases, RoutedCallback
 from .lifecycle import (
-    ALREADY_RUNNING,
-    CLOSING,
-    CRASH_LOOP,
     ChildGone,
     ChildStarted,
     Closing,
     Drain,
-    Forgotten,
     Idle,
-    Listed,
     LoadProgress,
-    LoadWanted,
-    NobodyWaits,
-    Refuse,
-    Reset,
-    Retire,
-    Status,
     Undrain,
     Unload,
 )
 from .liveness import Liveness
 from .loader import Loader
-from .logs import LogRing
 from .memory import total_ram_bytes
+from .modelset import ModelSet
 from .presets import ModelPreset
 from .runtime import ModelRuntime, cpu_turn_members
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner
 from .view import ModelView
+from .wait import NOTHING_ELSE, Ends, ModelWait, refusal
 
 log = logging.getLogger("router.supervisor")
 
@@ -98,11 +80,9 @@ class Supervisor:
         self.cpu_gate = CpuGate(lambda: cpu_turn_members(self.models.values()))
         self.gpus = list(gpus or [])
         self.accounting = Accounting(self.gpus)
-        self.catalogue = catalogue
+        self.model_set = ModelSet(catalogue, settings.log_lines)
+        self.models = self.model_set.records  # read-only here: ``ModelSet`` writes it
         self.events = events
-        self.models: dict[str, ModelRuntime] = {
-            mid: ModelRuntime(preset, LogRing(settings.log_lines))
-            for mid, preset in catalogue.models.items()}
         self.changes = Changes()
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -112,7 +92,8 @@ class Supervisor:
                                           gpus=self.gpus, models=self.models.values,
                                           upstream_timeout=settings.upstream_timeout)
         self.executor = Executor(settings, self.spawner, events, self.changes,
-                                 load=self._load, forget=self._forget)
+                                 load=self._load, forget=self.model_set.forget,
+                                 download=lambda r, cancel: self.loader.fetch_files(r, cancel))
         self.spawner.on_progress = lambda runtime, progress: self.executor.apply(
             runtime, LoadProgress(progress))
         self.spawner.on_started = lambda runtime, child: self.executor.apply(
@@ -135,6 +116,9 @@ class Supervisor:
                                  on_unresponsive=self.executor.kill_unresponsive)
         self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
                              on_replica_done=self.executor.close_pool_later)
+        self.wait = ModelWait(settings, self.executor, self.admission, self.leases,
+                              self.models.values)
+        self.model_set.wire(self.executor, self.accounting, self.wait, self.changes)
 
     # ----------------------------------------------------------------- lookups
 
@@ -190,51 +174,16 @@ class Supervisor:
 
     @property
     def total_waiting(self) -> int:
-        return sum(r.waiting for r in self.models.values())
+        return self.wait.total
 
     # ----------------------------------------------------------------- requests
 
     async def acquire(self, name: str, *, autoload: bool = True, budget: float | None = None,
-                      prefix: Prefix | None = None) -> Lease:
-        """Wait until the model serves (loading it if allowed) and hold a replica for one
-        request (chosen by the prompt's ``prefix`` if given: ``affinity``). Raises
-        ModelNotLoaded, QueueFull, LoadFailed or WaitBudgetExceeded."""
-        runtime = self.resolve(name)
-        if runtime.serving:
-            return self.leases.take(runtime, prefix=prefix)
-        if not autoload and runtime.status is Status.UNLOADED:
-            raise ModelNotLoaded(runtime.id)
-        if self.total_waiting >= self.settings.max_queue:
-            raise QueueFull(f"{self.total_waiting} requests are already waiting for models "
-                            f"(limit {self.settings.max_queue}); try again later",
-                            headers={"Retry-After": "1"})
-        seconds = min(budget, self._budget_of(runtime)) if budget else self._budget_of(runtime)
-        deadline = clock.now() + seconds
-        runtime.waiting += 1
-        try:
-            while not runtime.serving:
-                if runtime.removed:
-                    raise ModelNotFound(runtime.id, [])
-                task = self._ensure_load_task(runtime, on_demand=True)
-                remaining = deadline - clock.now()
-                if remaining <= 0:
-                    raise self._budget_exceeded(runtime, seconds)
-                try:  # not asyncio.wait_for: on 3.11 it may swallow this request's cancel
-                    async with asyncio.timeout(remaining):
-                        await asyncio.shield(task)
-                except TimeoutError:
-                    raise self._budget_exceeded(runtime, seconds) from None
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if not task.cancelled() or (current is not None and current.cancelling()):
-                        raise  # this request itself was cancelled (its client went away)
-                    # The load was cancelled for a reconfiguration: start over with the new
-                    # configuration (an unload ends the load with LoadFailed instead).
-            return self.leases.take(runtime, prefix=prefix)
-        finally:
-            runtime.waiting -= 1
-            if runtime.waiting == 0:
-                self._cancel_unwanted_load(runtime)
+                      prefix: Prefix | None = None, ends: Ends = NOTHING_ELSE) -> Lease:
+        """A lease on a serving replica of the model a request names (``wait``: loading it if
+        allowed, within the wait budget, while ``ends`` lets it wait)."""
+        return await self.wait.acquire(self.resolve(name), autoload=autoload, budget=budget,
+                                       prefix=prefix, ends=ends)
 
     def lease_child(self, model: str, child: Backend) -> Lease | None:
         """A lease on the very replica running ``child`` while its model serves (resuming a
@@ -252,69 +201,21 @@ class Supervisor:
         self.cpu_gate.idle(runtime.id)
         self.executor.apply(runtime, Idle())
 
-    def _budget_of(self, runtime: ModelRuntime) -> float:
-        return runtime.preset.wait_budget or self.settings.wait_budget
-
-    def _budget_exceeded(self, runtime: ModelRuntime, seconds: float) -> WaitBudgetExceeded:
-        position = self.admission.position(runtime)
-        where = f", queue position {position}" if position is not None else ""
-        return WaitBudgetExceeded(
-            f"model '{runtime.id}' was not ready within the wait budget of {seconds:g} s "
-            f"(status: {runtime.status.value}{where})", headers={"Retry-After": "5"})
-
     # ----------------------------------------------------------------- loading
 
     async def _load(self, runtime: ModelRuntime) -> None:
         await self.loader.load(runtime)
 
-    def _ensure_load_task(self, runtime: ModelRuntime, *, on_demand: bool,
-                          explicit: bool = False) -> asyncio.Task[None]:
-        """The model's load task, started if none is pending (``LoadWanted``); raises what
-        the lifecycle refuses (``explicit``: POST /models/load) or LoadFailed for a preset
-        without a model."""
-        if (runtime.preset.model_path is None and runtime.preset.hf_repo is None
-                and runtime.preset.upstream is None):
-            raise LoadFailed(f"model '{runtime.id}' has no model file")
-        refused = self.executor.command(runtime,
-                                        LoadWanted(explicit=explicit, on_demand=on_demand))
-        if refused is not None:
-            raise self._refusal(runtime, refused)
-        assert runtime.load_task is not None
-        return runtime.load_task
-
-    def _refusal(self, runtime: ModelRuntime, refused: Refuse) -> RouterError:
-        """What a client is told about a command the lifecycle refused."""
-        if refused.reason == CLOSING:
-            return ShuttingDown("the router is shutting down and starts no new loads")
-        if refused.reason == CRASH_LOOP:
-            failure = runtime.failure
-            last = f" (last: {failure.message})" if failure else ""
-            return LoadFailed(
-                f"model '{runtime.id}' failed {runtime.state.failures_in_row} times in a "
-                f"row{last}; not restarting it. Fix the cause, then POST /models/load.")
-        what = "is already running" if refused.reason == ALREADY_RUNNING else "is not running"
-        return BadRequest(f"model '{runtime.id}' {what} (status: {runtime.status.value})")
-
-    def _cancel_unwanted_load(self, runtime: ModelRuntime) -> None:
-        """The last request waiting for the model left (``NobodyWaits``): a load they started
-        that has not spawned anything yet (it waits for the model's old child to stop, sits
-        out a backoff or queues for admission) is cancelled."""
-        self.executor.apply(runtime, NobodyWaits())
-
-    def _load_again(self, runtime: ModelRuntime) -> None:
-        with contextlib.suppress(LoadFailed):
-            self._ensure_load_task(runtime, on_demand=False)
-
     async def load(self, name: str) -> ModelRuntime:
         """Start loading a model and return at once (``POST /models/load``); BadRequest if
         it is not unloaded. An explicit load also clears a crash loop."""
         runtime = self.resolve(name)
-        self._ensure_load_task(runtime, on_demand=False, explicit=True)
+        self.wait.load_task(runtime, on_demand=False, explicit=True)
         return runtime
 
     def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
         """Download an hf-repo model into the HF cache (``POST /models``)."""
-        return self.loader.start_download(runtime)
+        return self.executor.start_download(runtime)
 
     def _evict(self, model_id: str) -> None:
         self.executor.stop(self.models[model_id], "evicted")
@@ -335,63 +236,21 @@ class Supervisor:
 
     # ----------------------------------------------------------------- the catalogue
 
+    @property
+    def catalogue(self) -> Catalogue:
+        return self.model_set.catalogue
+
     def add_model(self, preset: ModelPreset) -> ModelRuntime:
         """Add a model at run time (``POST /models``)."""
-        models = {**self.catalogue.models, preset.id: preset}
-        self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
-        runtime = ModelRuntime(preset, LogRing(self.settings.log_lines))
-        self.models[preset.id] = runtime
-        self.executor.apply(runtime, Listed())
-        return runtime
+        return self.model_set.add(preset)
 
     def remove_model(self, model_id: str) -> None:
         """Forget a model that is not running (``DELETE /models``)."""
-        runtime = self.models[model_id]
-        models = {k: v for k, v in self.catalogue.models.items() if k != runtime.id}
-        self.catalogue = Catalogue(models, self.catalogue.aliases, self.catalogue.warnings)
-        self._forget(runtime)
+        self.model_set.remove(model_id)
 
     def reconfigure(self, catalogue: Catalogue) -> dict[str, list[str]]:
-        """Apply a new catalogue as a diff, without dropping a request.
-
-        * new models are listed (and loaded if ``load-on-startup``);
-        * removed models stop taking requests, finish what they have, stop, and disappear;
-        * changed models (llama-server args or replicas) finish their in-flight requests on
-          the old child, then stop and load again; requests arriving meanwhile wait for the
-          new child;
-        * unchanged models keep their child (same pid); other preset fields update in place.
-        """
-        change = reconfig.diff({m: r.preset for m, r in self.models.items()}, catalogue.models)
-        self.catalogue = catalogue
-        for model_id in change.added:
-            self.models[model_id] = ModelRuntime(catalogue.models[model_id],
-                                                 LogRing(self.settings.log_lines))
-        for model_id in change.removed:
-            runtime = self.models[model_id]
-            self.executor.apply(runtime, Retire("removed", removed=True,
-                                                idle=runtime.in_flight == 0))
-        for model_id in change.update:
-            self.models[model_id].preset = catalogue.models[model_id]
-        for model_id in change.restart:
-            runtime = self.models[model_id]
-            runtime.preset = catalogue.models[model_id]
-            self.accounting.forget(model_id)
-            runtime.estimate = 0
-            runtime.estimate_devices = {}
-            runtime.cache_ram_mib = None
-            self.executor.apply(runtime, Reset())
-            self.executor.apply(runtime, Retire("reconfigured", removed=False,
-                                                idle=runtime.in_flight == 0))
-        for model_id in change.added:
-            if catalogue.models[model_id].load_on_startup:
-                self._load_again(self.models[model_id])
-        self.changes.notify()
-        return change.summary()
-
-    def _forget(self, runtime: ModelRuntime) -> None:
-        if self.models.get(runtime.id) is runtime and runtime.id not in self.catalogue.models:
-            del self.models[runtime.id]
-            self.executor.apply(runtime, Forgotten())
+        """Apply a new catalogue as a diff, without dropping a request (``ModelSet``)."""
+        return self.model_set.reconfigure(catalogue)
 
     # ----------------------------------------------------------------- stopping
 
@@ -404,7 +263,7 @@ class Supervisor:
                 if t is not None and not t.done()]
         refused = self.executor.command(runtime, Unload(explicit=explicit))
         if refused is not None:
-            raise self._refusal(runtime, refused)
+            raise refusal(runtime, refused)
         for task in busy:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(task)
@@ -453,7 +312,7 @@ class Supervisor:
 
     async def load_startup_models(self) -> None:
         startup = [r for r in self.models.values() if r.preset.load_on_startup]
-        await asyncio.gather(*(self._ensure_load_task(r, on_demand=False) for r in startup))
+        await asyncio.gather(*(self.wait.load_task(r, on_demand=False) for r in startup))
 
     async def wait_startup_models(self) -> list[str]:
         """Wait until every load-on-startup model is loaded or failed; the failed ones."""
@@ -462,7 +321,7 @@ class Supervisor:
             if not runtime.preset.load_on_startup:
                 continue
             try:
-                task = runtime.load_task or self._ensure_load_task(runtime, on_demand=False)
+                task = runtime.load_task or self.wait.load_task(runtime, on_demand=False)
                 await asyncio.shield(task)
             except Exception:
                 pass

@@ -6,8 +6,9 @@ leases, liveness probes and idle reaper) runs in-process on a virtual-time event
 random driver plays a schedule on it: requests for several models with random lengths, wait
 budgets and clients that leave; explicit loads and unloads; children that crash, freeze
 (stop answering their health checks and their requests), start slowly, fail to start or never
-become healthy; ``--models-max`` 1 to 3, replicas, memory budgets, reconfigurations. Requests go
-through the same wait as the proxy's (``forward._acquire_unless_disconnected``).
+become healthy; ``--models-max`` 1 to 3, replicas, memory budgets, reconfigurations. Requests
+make the same call as the proxy's (``Supervisor.acquire`` with its ``wait.Ends``: the client's
+disconnect and the shutdown).
 
 Whenever the loop is quiescent (everything ran as far as it can at this instant, right before
 virtual time moves on), and on every lifecycle event, the invariants are checked:
@@ -50,7 +51,6 @@ from router import clock
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
 from router.flags import FlagTable
-from router.forward import _acquire_unless_disconnected
 from router.leases import Lease
 from router.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
 from router.presets import ModelPreset
@@ -61,6 +61,7 @@ from router.sources import Catalogue
 from router.spawner import Spawner
 from router.state import Shutdown
 from router.supervisor import Supervisor
+from router.wait import Ends
 
 MODEL_IDS = ("a", "b", "c", "d")
 MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget
@@ -492,17 +493,19 @@ class Simulation:
                 await asyncio.sleep(max(0.0, leave_at - clock.now()))
             return {"type": "http.disconnect"}
 
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
         try:
             runtime = sup.resolve(r.model)
-            if runtime.serving:
-                lease = await sup.acquire(r.model, budget=budget)
-            else:
-                lease = await _acquire_unless_disconnected(
-                    sup.acquire(r.model, budget=budget), receive, shutdown)
+            lease = await sup.acquire(r.model, budget=budget,
+                                      ends=Ends(gone, shutdown.over, shutdown.error))
         except ClientGone:
             return self._end(r, "left")
         except RouterError as exc:
-            bound = min(budget or 1e9, sup._budget_of(runtime)) + ANSWER_SLACK_S
+            own = runtime.preset.wait_budget or sup.settings.wait_budget
+            bound = min(budget or 1e9, own) + ANSWER_SLACK_S
             if clock.now() - r.started > bound:
                 self.violate(f"request {r.id} for {r.model} answered {exc.status} after "
                              f"{clock.now() - r.started:.2f} s, past its budget ({bound:g} s)")

@@ -17,12 +17,13 @@ from starlette.types import Receive, Scope, Send
 
 import router.middleware as middleware_module
 import router.requests as requests_module
-from router.activity import TAIL_BYTES, Activity, Record, generated_tokens
+from router.activity import Activity, Record
 from router.app import create_app
 from router.dashboard import DASHBOARD_PATHS
 from router.metrics import RouterMetrics
 from router.middleware import RequestMetricsMiddleware
 from router.requests import context
+from router.tail import TAIL_BYTES, generated_tokens
 
 # The end of a real llama-server b11434 chat stream: the last event carries the timings.
 STREAM_END = (

@@ -17,7 +17,7 @@ def serving(ttl: float | None = None, **state: object) -> ModelRuntime:
     preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl)
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED, **state))
     runtime.state = replace(runtime.state, replicas=tuple([Replica(object.__new__(ChildProcess))]))
-    runtime.last_used = 100.0
+    runtime.used_at = 100.0
     return runtime
 
 

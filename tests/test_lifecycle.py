@@ -30,6 +30,7 @@ from router.lifecycle import (
     DownloadProgress,
     Drain,
     Event,
+    Failure,
     FailureCounted,
     Forget,
     Forgotten,
@@ -387,12 +388,14 @@ def test_informational_events_are_published_as_effects() -> None:
 
 def test_an_unresponsive_replica_is_taken_out_and_killed_through_the_lifecycle() -> None:
     state, effects = run(ModelState(OK, replicas=(R1, R2)), ReplicaUnresponsive(R1, "frozen"))
-    assert state == ModelState(OK, replicas=(R2,))
+    assert state == ModelState(OK, replicas=(R2,), killed=((R1, "frozen"),))  # why, kept
     assert published(effects) == [("unresponsive", {"pid": 7, "reason": "frozen"})]
     assert KillReplica(R1, "frozen") in effects
     assert run(state, ReplicaUnresponsive(R1, "frozen")) == (state, ())  # already out
-    state, effects = run(state, ReplicaExited(R1, -9, 1.0))  # its exit: a crash, R2 serves
+    failure = Failure("frozen", -9, (), clock_at=3.0)
+    state, effects = run(state, ReplicaExited(R1, -9, 1.0, failure))  # a crash, R2 serves
     assert state.status is OK and state.replicas == (R2,) and ReplaceReplicas() in effects
+    assert state.killed == () and state.failure is failure  # its exit reported, with why
 
 
 def test_load_progress_is_published_once_per_change_and_cleared_after_the_load() -> None:

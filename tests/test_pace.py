@@ -25,13 +25,12 @@ from router.pace import (
     Backlog,
     Option,
     Pace,
-    Timings,
     by_cost,
-    parse_timings,
 )
 from router.presets import ModelPreset
 from router.process import ChildProcess
 from router.runtime import ModelRuntime, Replica
+from router.tail import ResponseTail, Timings, parse_timings
 
 # -- timings from a response's end ------------------------------------------------------------
 
@@ -257,7 +256,7 @@ async def simulate(policy: str, monkeypatch: pytest.MonkeyPatch, conversations: 
         for end, lease, timings in sorted(ends, key=lambda e: e[0]):
             now = end
             if policy == "cost":
-                lease.learn(b"", timings_event(timings))
+                lease.learn(ResponseTail(b"", timings_event(timings)))
             lease.release()
     return follow_ups, reused
 
@@ -295,17 +294,17 @@ def test_only_a_request_routed_by_prefix_holds_a_ticket_and_teaches_its_replica(
     explicit = leases.take(runtime, runtime.replicas[1], PROMPT)
     assert plain.ticket is None and explicit.ticket is None
     for lease in (plain, explicit):
-        lease.learn(b"", LAST_EVENT)
+        lease.learn(ResponseTail(b"", LAST_EVENT))
         lease.release()
     assert [r.pace for r in runtime.replicas] == [Pace(), Pace()]
     routed = leases.take(runtime, prefix=PROMPT)
     assert routed.ticket is not None and routed.replica.backlog.tickets == [routed.ticket]
     # a stream's last two chunks: its last event, then [DONE]
     head, done = LAST_EVENT.split(b"\n\n", 1)
-    routed.learn(head + b"\n\n", done)
+    routed.learn(ResponseTail(head + b"\n\n", done))
     routed.release()
     routed.release()  # exactly once
-    routed.learn(b"", LAST_EVENT)  # after the release: nothing more
+    routed.learn(ResponseTail(b"", LAST_EVENT))  # after the release: nothing more
     assert routed.replica.backlog.tickets == [] and runtime.in_flight == 0
     assert routed.replica.pace.prompt_s_per_char == pytest.approx(0.825 / (4140 * 100 / 1100))
     assert runtime.replicas[1].pace == Pace()

@@ -19,7 +19,7 @@ import pytest
 from starlette.applications import Starlette
 from support import SSEClient, fake_binary, start_router, wait_until, write_presets
 
-from router.keys import FULL, INFER, KeyScope
+from router.keyfile import FULL, INFER, KeyScope
 from router.metrics import only_models
 from router.routes import EventStream
 from router.server import build_app, prepare

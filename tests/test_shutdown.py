@@ -33,6 +33,7 @@ from support import (
 
 from router.state import Shutdown
 from router.upstream import ChildConnections
+from router.wait import NOTHING_ELSE, Ends, raise_if_ended, start_watchers
 
 TIMEOUT = 10.0  # a hang guard, never a measurement
 GRACE_S = 1.0
@@ -86,13 +87,17 @@ class FakeSupervisor:
                                serving=model != "loading")
 
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      prefix: object = None) -> SimpleNamespace:
-        if model == "loading":
+                      prefix: object = None, ends: Ends = NOTHING_ELSE) -> SimpleNamespace:
+        if model == "loading":  # the load never ends: only what ``ends`` names ends the wait
             self.waiting += 1
             self.waits.set()
+            watchers = start_watchers(ends)
             try:
-                await asyncio.Event().wait()  # the load never ends
+                await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+                raise_if_ended(watchers, ends)
             finally:
+                for watcher in watchers:
+                    watcher.cancel()
                 self.waiting -= 1
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None, learn=lambda before, last: None)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from simulation import Config, Simulation, describe, run_schedule
 
+from router.lifecycle import NobodyWaits
+
 SCHEDULES = int(os.environ.get("LLAMA_ROUTER_SIM_SCHEDULES", "2000"))
 FIRST_SEED = int(os.environ.get("LLAMA_ROUTER_SIM_SEED", "0"))
 
@@ -143,13 +145,13 @@ def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
     async def scenario() -> None:
         sup = sim.build()
         runtime = sup.models["a"]
-        first = sup._ensure_load_task(runtime, on_demand=True)
+        first = sup.wait.load_task(runtime, on_demand=True)
         assert runtime.state.load_pending and runtime.state.load_on_demand
-        sup._cancel_unwanted_load(runtime)  # nobody waits: cancelled before its first step
+        sup.executor.apply(runtime, NobodyWaits())  # cancelled before its first step
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert first.cancelled() and not runtime.state.load_pending
-        second = sup._ensure_load_task(runtime, on_demand=False)
+        second = sup.wait.load_task(runtime, on_demand=False)
         assert second is not first and runtime.state.load_pending
         await second
         assert runtime.serving and not runtime.state.load_pending

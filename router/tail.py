@@ -1,0 +1,85 @@
+"""What the end of a response body says, read once per request.
+
+The router keeps a response's last two body chunks (``requests.RequestContext.sent``: a
+stream's last event, then ``data: [DONE]``), at most ``TAIL_BYTES`` of each, and reads two
+things from them, each at most once and only when asked (``ResponseTail``):
+
+* ``timings``: what llama-server reports at the end of every completion (``"timings"``: the
+  prompt tokens it computed, ``prompt_n``, in ``prompt_ms``; those it took from its cache,
+  ``cache_n``; the tokens it generated, ``predicted_n``, in ``predicted_ms``), which a replica's
+  ``pace`` learns from;
+* ``tokens``: the number of tokens generated, for the metrics and the activity record:
+  llama-server's ``predicted_n`` wins over the usage fields of the OpenAI
+  (``completion_tokens``), Anthropic and Responses (``output_tokens``) shapes and of
+  ``/completion`` (``tokens_predicted``).
+
+Whole bodies are never buffered or parsed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+TAIL_BYTES = 4096  # of each of the last two body chunks: a stream's last event, then [DONE]
+
+_TIMINGS = re.compile(rb'"timings"\s*:\s*\{([^{}]*)\}')
+_FIELD = re.compile(rb'"(prompt_n|prompt_ms|cache_n|predicted_n|predicted_ms)"\s*:\s*'
+                    rb'(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)')
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    prompt_n: int = 0  # prompt tokens computed
+    prompt_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens taken from the cache
+    predicted_n: int = 0  # tokens generated
+    predicted_ms: float = 0.0
+
+
+def parse_timings(tail: bytes) -> Timings | None:
+    """The last ``"timings"`` object in ``tail`` (the end of a response body or stream); None
+    when there is none. Fields missing or malformed count as 0."""
+    found = list(_TIMINGS.finditer(tail))
+    if not found:
+        return None
+    values: dict[str, float] = {}
+    for match in _FIELD.finditer(found[-1].group(1)):
+        values[match.group(1).decode()] = float(match.group(2))
+    return Timings(int(values.get("prompt_n", 0)), values.get("prompt_ms", 0.0),
+                   int(values.get("cache_n", 0)), int(values.get("predicted_n", 0)),
+                   values.get("predicted_ms", 0.0))
+
+
+_TOKENS = re.compile(
+    rb'"(predicted_n|completion_tokens|output_tokens|tokens_predicted)"\s*:\s*(\d+)')
+
+
+def generated_tokens(tail: bytes) -> int | None:
+    """The number of tokens generated, from the end of a response body (a stream's last events
+    or a JSON body's last bytes); None when it says nothing about generated tokens."""
+    predicted: int | None = None
+    usage: int | None = None
+    for match in _TOKENS.finditer(tail[-TAIL_BYTES:]):
+        if match.group(1) == b"predicted_n":
+            predicted = int(match.group(2))
+        else:
+            usage = int(match.group(2))
+    return predicted if predicted is not None else usage
+
+
+class ResponseTail:
+    """The end of one response (its last two chunks, ``TAIL_BYTES`` of each), read lazily:
+    each of ``timings`` and ``tokens`` is parsed at most once, when first asked."""
+
+    def __init__(self, before: bytes, last: bytes) -> None:
+        self.bytes = before[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
+
+    @cached_property
+    def timings(self) -> Timings | None:
+        return parse_timings(self.bytes) if self.bytes else None
+
+    @cached_property
+    def tokens(self) -> int | None:
+        return generated_tokens(self.bytes) if self.bytes else None
