@@ -82,7 +82,7 @@ class FakeSupervisor:
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
                       prefix: object = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None, learn=lambda before, last: None)
+                               release=lambda: None, learn=lambda tail: None)
 
 
 @contextlib.asynccontextmanager

@@ -100,7 +100,7 @@ class FakeSupervisor:
                     watcher.cancel()
                 self.waiting -= 1
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None, learn=lambda before, last: None)
+                               release=lambda: None, learn=lambda tail: None)
 
 
 @contextlib.asynccontextmanager
