@@ -19,6 +19,9 @@ Contract:
 * Nothing that could change the request's framing is ever written: a header name that is not
   an HTTP token, or a CR, LF or NUL in a header value or the target, is refused with
   ``InvalidHeader`` (400) before a connection is even taken.
+* A connection's lifecycle is one state (``ConnState``: idle, head due, body, done, closed,
+  with the failure's reason) that only one pure function changes (``transition``; the
+  connection's ``_apply`` is its one caller), once per exchange, never per chunk.
 * A connection returns to the pool only when its response was read to the end and both sides
   kept it alive; anything else closes it. ``abort()`` closes it at once, which tells
   llama-server to stop generating.
@@ -62,6 +65,30 @@ from typing import cast
 
 import httptools
 
+from .connstate import (  # the connection's lifecycle
+    BEGIN_LAST,
+    BEGIN_REUSABLE,
+    BODY,
+    BODY_ENDED,
+    CLOSE,
+    CLOSED,
+    DONE,
+    HEAD_DUE,
+    HEADS,
+    IDLE,
+    IDLE_STATE,
+    Aborted,
+    ConnectionView,
+    Event,
+    GivenUp,
+    HeadLate,
+    InvalidTransition,
+    Lost,
+    Refused,
+    transition,
+)
+from .connstate import BrokenBody as BrokenBody  # re-exported: the relay's readers
+from .connstate import ConnectionClosed as ConnectionClosed  # idem
 from .errors import BadRequest, RouterError, UpstreamError
 from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 
@@ -74,10 +101,6 @@ MAX_RESPONSE_HEADERS = 100
 DEFAULT_HEAD_TIMEOUT_S = DEFAULT_UPSTREAM_TIMEOUT_S  # --upstream-timeout: 600 s
 
 
-class BrokenBody(UpstreamError):
-    """The child's response ended early, after its headers were already relayed."""
-
-
 class UpstreamTimeout(UpstreamError):
     """The upstream's response head did not arrive within the pool's deadline (504)."""
 
@@ -86,6 +109,10 @@ class UpstreamTimeout(UpstreamError):
 
 class InvalidHeader(BadRequest):
     """A header that cannot be written as itself (400): it would end its line early."""
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop reading a head that was refused."""
 
 
 # -- the request's bytes -----------------------------------------------------------------------
@@ -144,8 +171,17 @@ def _line_break_in(target: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Inv
     return InvalidHeader("the request target has a CR, LF or NUL in it")
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection to a child, carrying one exchange at a time."""
+class _Connection(ConnectionView, asyncio.Protocol):
+    """One TCP connection to a child, carrying one exchange at a time.
+
+    Its lifecycle is one ``ConnState`` (``_state``): set to ``IDLE_STATE`` by ``__init__``,
+    then changed only by ``_apply`` (``tests/test_connection_state.py`` checks both), and so
+    is the head deadline that goes with ``HEAD_DUE``. What the pool and the relay ask
+    (``closed``, ``complete``, ``reusable``, ``error``, ``given_up``, ...) is read from it.
+    The other fields are the exchange's data (the parser, the response head, the request's
+    ``_head_only``) and its flow control (the queue, ``_paused``, ``_handed``, the sink,
+    ``_head_bytes``), not its lifecycle.
+    """
 
     def __init__(self, on_lost: Callable[[], None] | None = None, *,
                  label: str = "the upstream",
@@ -153,12 +189,46 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.label = label  # names the upstream in errors: "node x (url)", ...
         self.head_timeout_s = head_timeout_s
-        self.closed = False
-        self.given_up = False  # aborted by ``abort_all``: the server behind it is gone
         self.idle_since = 0.0
         self.on_lost = on_lost  # called once, when a connection that was made closes
         self._loop = asyncio.get_running_loop()
+        # Set here, not as class defaults: an instance attribute that shadows a class one is
+        # read unspecialised (slower) on every chunk.
+        self._state = IDLE_STATE
+        self._head_timer: asyncio.TimerHandle | None = None  # armed exactly while HEAD_DUE
+        self._paused = False
         self._reset(head_only=False)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _apply(self, event: Event) -> None:
+        """The one place the state changes: ``transition``, then what the change means for
+        the exchange (the head deadline, the head's waiter, the body's waiter)."""
+        old = self._state
+        new = self._state = transition(old, event)
+        phase = new.phase
+        if phase is BODY:  # from HEAD_DUE: the head is here, its deadline goes
+            timer = self._head_timer
+            if timer is not None:
+                self._head_timer = None
+                timer.cancel()
+            self._headers_done.set_result(None)
+        elif phase is DONE:  # from BODY
+            self._wake()
+        elif phase is HEAD_DUE:  # from IDLE or DONE
+            self._head_timer = self._loop.call_later(self.head_timeout_s, self._head_late)
+        elif new is not old:  # CLOSED
+            timer = self._head_timer
+            if timer is not None:  # the head was due: its deadline goes
+                self._head_timer = None
+                timer.cancel()
+            error = new.error
+            if error is not None and error is not old.error:  # the exchange failed
+                headers_done = self._headers_done
+                if not headers_done.done():
+                    headers_done.set_exception(error)
+                    headers_done.exception()  # retrieved: nobody may be awaiting it yet
+                self._wake()
 
     # -- exchange state ---------------------------------------------------------------------
 
@@ -167,45 +237,32 @@ class _Connection(asyncio.Protocol):
         self._head_only = head_only
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.received_any = False
-        self.complete = False
-        self.keep_alive = False
         self.event_stream = False
-        self.until_eof = False  # the body has no length: it ends where the connection does
-        self.error: UpstreamError | None = None
         self._headers_done: asyncio.Future[None] = self._loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        self._paused = False
+        if self._paused and self.transport is not None:  # a body left unread past the mark
+            self._paused = False
+            self.transport.resume_reading()
         self._body_waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[bytes], bool] | None = None  # see ``UpstreamResponse.relay_to``
         self._direct: list[bytes] = []  # for the sink, from the read in progress
         self._handed = False  # ``next_chunk`` returned a chunk its caller may still be sending
-        self._in_head = True  # the response head is still due: what arrives is bounded
-        self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # of the response head so far, interim heads included
 
-    def begin(self, request: bytes, head_only: bool) -> None:
+    def begin(self, request: bytes, head_only: bool, keep_alive: bool = True) -> None:
+        """Write ``request``: its response head is now due. ``keep_alive`` False: the
+        connection carries no other exchange after this one."""
         assert self.transport is not None
         self._reset(head_only)
-        if self.closed:  # closed since it was chosen: fail this exchange, never hang it
-            self._fail(ConnectionClosed(received_any=False))
-            return
-        self._head_timer = self._loop.call_later(self.head_timeout_s, self._head_late)
-        self.transport.write(request)
+        self._apply(BEGIN_REUSABLE if keep_alive and not head_only else BEGIN_LAST)
+        if self._state.phase is HEAD_DUE:  # else closed since it was chosen: failed at once
+            self.transport.write(request)
 
     def _head_late(self) -> None:
-        self._head_timer = None
-        if self._in_head:
-            self._fail(UpstreamTimeout(f"{self.label} sent no response head within "
-                                       f"{self.head_timeout_s:g} s"))
-            self.abort()
-
-    def _head_ended(self) -> None:
-        self._in_head = False
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._apply(HeadLate(UpstreamTimeout(f"{self.label} sent no response head within "
+                                             f"{self.head_timeout_s:g} s")))
+        self.abort()
 
     async def headers_received(self) -> None:
         await self._headers_done
@@ -215,10 +272,11 @@ class _Connection(asyncio.Protocol):
         Calling it again says the chunk it returned last has been sent on."""
         self._handed = False
         while not self._chunks:
-            if self.complete:
+            state = self._state
+            if state.error is not None:
+                raise state.error
+            if state.phase is not BODY and state.phase is not HEAD_DUE:  # ``complete``
                 return None
-            if self.error is not None:
-                raise self.error
             self._body_waiter = self._loop.create_future()
             try:
                 await self._body_waiter
@@ -239,52 +297,52 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _fail(self, error: UpstreamError) -> None:
-        if self.complete or self.error is not None:
-            return
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-        self.error = error
-        if not self._headers_done.done():
-            self._headers_done.set_exception(error)
-            self._headers_done.exception()  # retrieved: nobody may be awaiting it yet
-        self._wake()
-
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        self.received_any = True
-        if self._in_head:
+        phase = self._state.phase
+        if phase is BODY:  # the hot path: one check per read
+            self._feed(data)
+        elif phase is HEAD_DUE:
             room = MAX_RESPONSE_HEAD_BYTES - self._head_bytes
             if len(data) > room:  # feed no more of a head than its bound
                 self._head_bytes = MAX_RESPONSE_HEAD_BYTES
                 self._feed(data[:room])
-                if self._in_head:
+                if self._state.phase is HEAD_DUE:
                     self._refuse_head(f"a response head over {MAX_RESPONSE_HEAD_BYTES} "
                                       "bytes")
+                if self._state.phase is CLOSED:  # refused, here or while parsing
                     return
                 data = data[room:]
             else:
                 self._head_bytes += len(data)
-        self._feed(data)
+            self._feed(data)
+        elif phase is DONE:  # after the response: a HEAD's announced body, or unasked-for
+            self._feed(data)
+        elif phase is IDLE:  # before any request: no answer to anything, never read
+            self.abort()
+        # CLOSED: aborted or closed here, nothing more is read
 
     def _refuse_head(self, what: str) -> None:
-        self._fail(UpstreamError(f"{self.label} sent {what}; the router reads no more of it"))
+        self._apply(Refused(UpstreamError(f"{self.label} sent {what}; the router reads no "
+                                          "more of it")))
         self.abort()
 
     def _feed(self, data: bytes) -> None:
-        if not data or self.closed:
+        if not data:
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # a 101: on_headers_complete failed the exchange
             self.abort()
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"{self.label} sent a malformed response: {exc}"))
+            if isinstance(exc.__context__, InvalidTransition):  # a bug, not the upstream's
+                raise exc.__context__ from None
+            self._apply(Refused(UpstreamError(f"{self.label} sent a malformed response: "
+                                              f"{exc}")))
             self.abort()
         finally:
             if self._direct:  # the body of this read, for the sink: before anyone wakes
@@ -299,24 +357,24 @@ class _Connection(asyncio.Protocol):
             self._queue(body)
 
     def eof_received(self) -> bool | None:
-        if self.until_eof and self.error is None:  # a clean close ends such a body
-            self.on_message_complete()
-        return False  # close the transport; connection_lost follows
+        state = self._state
+        if state.until_eof:  # a clean close ends such a body
+            self._apply(BODY_ENDED)
+        elif state.phase is IDLE or state.phase is DONE:  # closed now: never handed out
+            self._apply(CLOSE)
+        return False  # close the transport; connection_lost follows (and fails an exchange)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self._apply(Lost(self._head_bytes > 0))
         on_lost, self.on_lost = self.on_lost, None
         if on_lost is not None:
             on_lost()
-        if self._headers_done.done():
-            self._fail(BrokenBody("the model's llama-server closed the connection "
-                                  "mid-response"))
-        else:
-            self._fail(ConnectionClosed(self.received_any))
 
     # -- llhttp callbacks ----------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._state.phase is DONE:  # a head nobody asked for, after the response
+            raise _HeadRefused  # stops the parser: ``_feed`` refuses what was sent
         headers = self.headers
         if len(headers) >= MAX_RESPONSE_HEADERS:
             self._refuse_head(f"more than {MAX_RESPONSE_HEADERS} response headers")
@@ -324,35 +382,39 @@ class _Connection(asyncio.Protocol):
         headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self._state.phase is not HEAD_DUE:  # a head nobody asked for, after the response
+            raise _HeadRefused
         status = self._parser.get_status_code()
         if status == 101:  # llhttp stops here (HttpParserUpgrade); the hop is HTTP only
-            self._fail(UpstreamError("the model's llama-server answered 101 Switching "
-                                     "Protocols; the router does not relay protocol upgrades"))
+            self._apply(Refused(UpstreamError(
+                "the model's llama-server answered 101 Switching Protocols; the router does "
+                "not relay protocol upgrades")))
             self.abort()  # what follows is another protocol: never read, never reused
             return
         if 100 <= status < 200:  # an interim response: the real one follows
             self.headers = []
             return
-        self._head_ended()
         self.status = status
-        self.keep_alive = self._parser.should_keep_alive()
         framed = False
+        event_stream = False
         for name, value in self.headers:  # one pass, names already lower-case
             if name == b"content-type":
-                self.event_stream = self.event_stream or value.startswith(b"text/event-stream")
+                event_stream = event_stream or value.startswith(b"text/event-stream")
             elif name == b"content-length":
                 framed = True
             elif name == b"transfer-encoding":
                 framed = framed or value.rstrip().lower().endswith(b"chunked")
-        self._headers_done.set_result(None)
-        if self._head_only or status in (204, 304):
-            self.on_message_complete()
-        elif not framed:  # RFC 9112 §6.3: read until the child closes; never reuse
-            self.until_eof = True
-            self.keep_alive = False
+        self.event_stream = event_stream
+        no_body = self._head_only or status in (204, 304)
+        # llama-server closes the connection after every event stream although it announces
+        # keep-alive: such a connection is never reused (the pool opens a fresh one).
+        self._apply(HEADS[self._parser.should_keep_alive() and not event_stream]
+                    [not framed and not no_body])
+        if no_body:
+            self._apply(BODY_ENDED)
 
     def on_body(self, body: bytes) -> None:
-        if self.complete:  # a HEAD response's announced body: not part of the answer
+        if self._state.phase is not BODY:  # a HEAD response's announced body: not the answer
             return
         if self.sink is not None and not self._chunks and not self._handed:
             self._direct.append(body)  # to the sink once this read is parsed (``_to_sink``)
@@ -369,22 +431,26 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.status == 0 or self.complete:  # end of an interim response, or HEAD's body
-            return
-        self.complete = True
-        if self._head_only:
-            self.keep_alive = False  # llhttp cannot skip a HEAD response's body: never reuse
-        self._wake()
+        if self._state.phase is BODY:  # else an interim response's end, or a HEAD's body
+            self._apply(BODY_ENDED)
 
     # -- lifetime ------------------------------------------------------------------------------
 
     def abort(self) -> None:
-        self.closed = True
+        """Close the connection at once; an exchange in progress fails."""
+        self._apply(Aborted(self._head_bytes > 0))
+        if self.transport is not None:
+            self.transport.abort()
+
+    def give_up(self) -> None:
+        """``abort``, for ``abort_all``: the exchange in progress is never retried."""
+        self._apply(GivenUp(self._head_bytes > 0))
         if self.transport is not None:
             self.transport.abort()
 
     def close(self) -> None:
-        self.closed = True
+        """Close the connection once what was written is sent: nothing is left to read."""
+        self._apply(CLOSE)
         if self.transport is not None:
             self.transport.close()
 
@@ -399,23 +465,11 @@ async def probe(host: str, port: int, target: bytes) -> int:
     await _connect(conn, host, port)
     try:
         conn.begin(encode_request("GET", target, f"{host}:{port}".encode(), (), b"",
-                                  close=True), head_only=False)
+                                  close=True), head_only=False, keep_alive=False)
         await conn.headers_received()
         return conn.status
     finally:
         conn.abort()  # the body, if any, is not wanted; nothing is reused
-
-
-class _HeadRefused(Exception):
-    """Raised from a parser callback to stop reading a head that was refused."""
-
-
-class ConnectionClosed(UpstreamError):
-    """The connection closed before a complete response head arrived."""
-
-    def __init__(self, received_any: bool) -> None:
-        super().__init__("the model's llama-server closed the connection without a response")
-        self.received_any = received_any
 
 
 class Cancel:
@@ -548,7 +602,7 @@ class ChildConnections:
                     self._release(conn)
                     raise ConnectionClosed(received_any=False)
                 cancel.conn = conn
-            conn.begin(request, head_only)
+            conn.begin(request, head_only, keep_alive)
             try:
                 await conn.headers_received()
             except ConnectionClosed as exc:
@@ -561,8 +615,6 @@ class ChildConnections:
             except BaseException:
                 conn.abort()
                 raise
-            if not keep_alive:
-                conn.keep_alive = False
             return UpstreamResponse(self, conn)
 
     async def aclose(self) -> None:
@@ -582,8 +634,7 @@ class ChildConnections:
             self.ended = error
             self._closed = True
         for conn in list(self._made):
-            conn.given_up = True  # never retried on a fresh one: that would hang as well
-            conn.abort()
+            conn.give_up()  # never retried on a fresh one: that would hang as well
 
     # -- pool ---------------------------------------------------------------------------------
 
@@ -660,7 +711,7 @@ class ChildConnections:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_EXPIRY_S:
+            if conn.reusable and now - conn.idle_since < IDLE_EXPIRY_S:
                 return conn
             conn.close()
         return None
@@ -669,8 +720,7 @@ class ChildConnections:
         if (conn.event_stream and conn.complete and not self._closed and not self._warming
                 and not self._waiters):
             self._warm_one_later()
-        if (self._closed or conn.closed or not conn.complete or not conn.keep_alive
-                or conn.event_stream):
+        if self._closed or not conn.reusable:  # closed, unfinished, or not to be kept alive
             if conn.complete:
                 conn.close()
             else:
@@ -702,9 +752,7 @@ class ChildConnections:
             conn = await self._open_reserved()
         except UpstreamError:
             return  # the next request finds out for itself
-        conn.complete = True  # no exchange yet: reusable
-        conn.keep_alive = True
-        self._release(conn)
+        self._release(conn)  # no exchange yet: reusable
 
     async def _connect(self, conn: _Connection) -> None:
         await _connect(conn, self.host, self.port)

@@ -600,12 +600,24 @@ async def test_valid_headers_with_any_other_bytes_in_values_pass_through() -> No
                          b"X-Mixed-Case!#$%&'*+.^_`|~9: "]
 
 
+class NullTransport(asyncio.Transport):
+    """A transport that takes every write and call, for a connection fed by the test."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
 async def test_a_sink_never_overtakes_a_chunk_the_relay_still_holds() -> None:
     """Chunks go to the relay's sink as they arrive; one the sink refused goes through
     ``next_chunk``, and while the relay holds it (sending it on) every later chunk queues
     behind it: the client gets them in order. Once the relay asks again with nothing queued,
     the sink takes them directly again."""
     conn = upstream._Connection()
+    conn.connection_made(NullTransport())
+    conn.begin(b"GET / HTTP/1.1\r\n\r\n", head_only=False)  # a response is read once asked for
     conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                        b"transfer-encoding: chunked\r\n\r\n")
     await conn.headers_received()
