@@ -8,7 +8,9 @@ A peer's models come from its ``GET /models`` (ids unchanged; ``NODE/ID`` with
 ``/models``. Its states are kept live by following its ``/models/sse`` (``follow``, through
 ``hop.stream`` and ``sse.aiter_events``: a line or an event over 1 MiB gives the stream up,
 the peer's stream is shown broken, and the next health check follows again); each of its
-events is relayed on this router's ``/models/sse`` with ``"node"`` added.
+events is relayed on this router's ``/models/sse`` with ``"node"`` added. What is read here
+goes to the peer's state as events (``peer``: ``Listed``, ``Heard``, ...), which keeps the
+listing and publishes.
 
 A model that several nodes list (peers, and this router) is one model with replicas across
 machines: ``merge_entries`` makes its one entry, ``across_nodes`` its status in events.
@@ -16,7 +18,6 @@ machines: ``merge_entries`` makes its one entry, ``across_nodes`` its status in 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import json
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import hop
 from .errors import UpstreamError
+from .peerstate import FollowerEnded, Heard, Listed, Listing, PeerEvent, Resynced, Unreachable
 from .placement import LOADED, LOADING
 from .sse import EventTooLarge, aiter_events
 
@@ -45,8 +47,9 @@ class ListingRefused(ValueError):
     """A peer's ``/models`` over the caps: the peer is not used (the message says why)."""
 
 
-async def import_models(peer: Peer) -> None:
-    """The peer's listing, as its models (``ListingRefused`` over the caps)."""
+async def import_models(peer: Peer) -> Listing:
+    """The peer's listing, as its models (``ListingRefused`` over the caps); the peer's
+    state takes it as an event (``Reached``, ``Listed``, ``Resynced``)."""
     try:
         status, raw = await hop.ask(peer, "GET", b"/models", deadline=peer.timeout * 2,
                                     limit=MAX_LISTING_BYTES)
@@ -75,12 +78,7 @@ async def import_models(peer: Peer) -> None:
         entry["id"] = local
         models[local] = entry
         ids[local] = peer_id
-    gone = peer.models.keys() - models.keys()
-    peer.models, peer.peer_ids = models, ids
-    for model_id in gone:
-        peer.events.publish_payload({"model": model_id, "event": "status_change",
-                                     "node": peer.node,
-                                     "data": {"status": "unloaded", "removed": True}})
+    return Listing(models, ids)
 
 
 def _refused(peer: Peer, why: str) -> ListingRefused:
@@ -89,34 +87,27 @@ def _refused(peer: Peer, why: str) -> ListingRefused:
     return ListingRefused(REFUSED + why)
 
 
-def import_soon(peer: Peer) -> None:
-    """Import the peer's models again, in the background (once at a time)."""
-    if peer.resync is None or peer.resync.done():
-        peer.resync = asyncio.create_task(_import_quietly(peer))
-
-
-async def _import_quietly(peer: Peer) -> None:
+async def resync(peer: Peer) -> PeerEvent:
+    """Import the peer's models again (``peer.Task.RESYNC``: a model it did not list, or
+    events it dropped); a listing refused takes the peer down."""
     try:
-        await import_models(peer)
+        return Resynced(await import_models(peer))
     except ListingRefused as exc:
-        peer.mark_down(str(exc))
+        return Unreachable(str(exc))
     except (UpstreamError, ValueError, TypeError, AttributeError):
-        pass  # the next events or health check try again
+        return Resynced()  # the next events or health check try again
 
 
-def follow(peer: Peer) -> None:
-    peer.follower = asyncio.create_task(_follow_quietly(peer), name=f"peer-sse:{peer.url}")
-
-
-async def _follow_quietly(peer: Peer) -> None:
+async def follow(peer: Peer) -> FollowerEnded:
+    """Follow the peer's events (``peer.Task.FOLLOW``) until its stream ends or is given
+    up (the next health check follows again)."""
     try:
         await follow_events(peer)
     except EventTooLarge as exc:
-        peer.events_problem = f"its /models/sse was given up: {exc}"
-        log.warning("peer %s: %s (the next health check follows it again)", peer.node,
-                    peer.events_problem, extra={"event": "peer_events_broken"})
+        return FollowerEnded(f"its /models/sse was given up: {exc}")
     except Exception as exc:  # the next check follows again
         log.warning("peer %s: events stopped: %r", peer.node, exc)
+    return FollowerEnded()
 
 
 async def follow_events(peer: Peer) -> None:
@@ -128,42 +119,36 @@ async def follow_events(peer: Peer) -> None:
             # Subscribed: import again, so that nothing between the first import and the
             # subscription is missed.
             with contextlib.suppress(UpstreamError, ValueError, TypeError, AttributeError):
-                await import_models(peer)
+                peer.apply(Listed(await import_models(peer)))
             async for event in aiter_events(response.next_chunk):
-                with contextlib.suppress(ValueError):
-                    apply(peer, json.loads(event.data))
-                peer.events_problem = ""
+                try:
+                    heard = read_event(peer, json.loads(event.data))
+                except ValueError:
+                    heard = Heard()
+                peer.apply(heard)
 
 
-def apply(peer: Peer, event: Any) -> None:
-    """One of the peer's events: update the model table and relay it, with its node and
-    the via chain (``"via"``: the instance ids it came through). An event that came
-    through this router already (routers that front each other) is dropped."""
+def read_event(peer: Peer, event: Any) -> Heard:
+    """One of the peer's events, as its state takes it: the model's status, and the event
+    to relay with its node and the via chain (``"via"``: the instance ids it came through).
+    An event that came through this router already (routers that front each other) is not
+    relayed; a model the peer did not list before, or events it dropped, import its models
+    again."""
     if not isinstance(event, dict) or not isinstance(event.get("model"), str):
-        return
+        return Heard()
     via = event.get("via")
     via = [v for v in via if isinstance(v, str)] if isinstance(via, list) else []
     if peer.own_instance in via:
-        return
+        return Heard()
     peer_id = event["model"]
     if peer_id == "*":
-        if event.get("event") == "events_dropped":
-            import_soon(peer)
-        return
+        return Heard(resync=event.get("event") == "events_dropped")
     model_id = peer.local_id(peer_id)
     data: dict[str, Any] = event["data"] if isinstance(event.get("data"), dict) else {}
-    entry = peer.models.get(model_id)
-    if entry is None:
-        import_soon(peer)  # a model the peer did not list before
-    elif isinstance(data.get("status"), str):
-        status = entry.get("status")
-        if isinstance(status, dict):
-            status["value"] = data["status"]
-        else:
-            entry["status"] = {"value": data["status"]}
-    peer.events.publish_payload({**event, "model": model_id,
-                                 "node": event.get("node", peer.node),
-                                 "via": [*via, peer.via]})
+    status = data["status"] if isinstance(data.get("status"), str) else None
+    return Heard(model_id, status, {**event, "model": model_id,
+                                    "node": event.get("node", peer.node),
+                                    "via": [*via, peer.via]})
 
 
 # --------------------------------------------------------------------- across nodes
@@ -208,7 +193,7 @@ def merge_entries(model_id: str, peers: list[Peer], local: dict[str, Any] | None
         entry = copy.deepcopy(local)
     else:
         source = next((p for p in peers if p.up), peers[0])
-        entry = copy.deepcopy(source.models[model_id])
+        entry = copy.deepcopy(dict(source.models[model_id]))
         entry["id"] = model_id
     status: dict[str, Any] = entry["status"] if isinstance(entry.get("status"), dict) else {}
     entry["status"] = status

@@ -11,8 +11,8 @@ or stop, a metrics scrape, the peer's ``/props`` and ``/models`` and its ``/mode
   a loop of routers that front each other;
 * have deadlines: the pool's connect deadline, and for the router's own calls one for the
   whole answer (``NoAnswer``); a stream's headers must come within its deadline;
-* end when the peer is found frozen (``Peer.mark_down`` with ``abort``: each call in
-  ``peer.calls`` is cancelled, every connection of the pool aborted);
+* end when the peer is found frozen (its state's ``Frozen``: each call made
+  ``peer.calling`` is cancelled, every connection of the pool aborted);
 * read bounded answers: at most ``limit`` bytes (``TooLarge``), and event streams through
   ``sse.aiter_events`` (a line or event over 1 MiB ends the stream).
 
@@ -113,26 +113,24 @@ async def stream(peer: Peer, method: str, target: bytes, *, body: bytes = b"",
     caller's to read (released on leaving). Ends with ``UpstreamError`` when the peer is
     found frozen, ``NoAnswer`` when the headers are late."""
     cancel = Cancel()
-    peer.calls.add(cancel)
-    try:
+    with peer.calling(cancel):
         try:
-            async with asyncio.timeout(deadline):
-                response = await peer.connections.send(
-                    method, target, _headers(peer, request, headers), body, cancel=cancel)
-        except TimeoutError:
-            raise NoAnswer(f"node {peer.node} ({peer.url}) did not answer within "
-                           f"{deadline:g} s") from None
-        try:
-            yield response
-        finally:
-            response.release()
-    except UpstreamError as exc:
-        if cancel.cancelled:
-            raise UpstreamError(f"node {peer.node} ({peer.url}) stopped answering: "
-                                f"{peer.reason}") from exc
-        raise
-    finally:
-        peer.calls.discard(cancel)
+            try:
+                async with asyncio.timeout(deadline):
+                    response = await peer.connections.send(
+                        method, target, _headers(peer, request, headers), body, cancel=cancel)
+            except TimeoutError:
+                raise NoAnswer(f"node {peer.node} ({peer.url}) did not answer within "
+                               f"{deadline:g} s") from None
+            try:
+                yield response
+            finally:
+                response.release()
+        except UpstreamError as exc:
+            if cancel.cancelled:
+                raise UpstreamError(f"node {peer.node} ({peer.url}) stopped answering: "
+                                    f"{peer.reason}") from exc
+            raise
 
 
 async def ask(peer: Peer, method: str, target: bytes, body: bytes = b"", *,

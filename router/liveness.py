@@ -20,7 +20,7 @@ A child the CPU gate has paused for its turn (``cpugate``) is not answering eith
 that ends while it is paused is not counted.
 
 ``Misses`` is the count of health checks missed in a row, kept here for children and remote
-upstreams and by ``peerhealth`` for peer routers: one rule for "stopped answering".
+upstreams; a peer router counts its own in its state (``peer.PeerState.missed``).
 """
 
 from __future__ import annotations

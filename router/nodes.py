@@ -124,12 +124,9 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
     if conv_id:  # a resumable stream: resumed through the peer that has it (``resumable``)
         state.conversations.claim(conv_id, request.model_id or model, request.key_hash, peer,
                                   running=serves(state.supervisor))
-    peer.outstanding[model] = peer.outstanding.get(model, 0) + 1
-    try:
+    with peer.sending(model):
         await hop.relay(peer, scope, request, receive, send, scope["method"], target, body,
                         shutdown=state.shutdown, fail_over=fail_over)
-    finally:
-        peer.outstanding[model] -= 1
 
 
 def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext,

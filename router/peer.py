@@ -1,11 +1,19 @@
-"""One peer router: what this router knows of it, and its lifetime.
+"""One peer router: the one owner of what this router knows of it (``peerstate``).
 
-A ``Peer`` holds the peer's identity (its address, its instance id and node name from its
-``/props``, the label it is shown under), whether it is up and why not, its models
-(``catalogue``), the requests in flight to it, and the one way to reach it: a keep-alive pool
-(``upstream.ChildConnections``) with the peer key (``--peer-api-key-file``) as a bearer token,
-used by every call through ``hop``. ``start`` runs its health checks (``peerhealth``), which
-bring it up, follow its events (``catalogue``) and mark it down.
+``Peer.apply`` is the only writer of a peer's state: the other modules send it events
+(``peerhealth`` its probes and what ``/props`` said, ``catalogue`` its listings and events,
+``hop`` a call that could not reach it) and read its properties. It performs the effects and
+owns the peer's tasks: its health checks (``peerhealth.watch``), the reach of a peer that
+answers again (``peerhealth.reach``: who it is, its models), the follower of its events
+(``catalogue.follow``) and the import of its models again (``catalogue.resync``). Each task
+reports its end as an event; a task that was ended (cancelled) reports nothing, and a report
+that comes when its task is no longer wanted is ignored.
+
+Besides its state, a ``Peer`` holds its configuration (set once, in ``__init__``), the one
+way to reach it: a keep-alive pool (``upstream.ChildConnections``) with the peer key
+(``--peer-api-key-file``) as a bearer token, used by every call through ``hop``; the router's
+own calls to it in progress (``calling``: aborted when it is found frozen) and the requests in
+flight to it by model (``sending``: placement's load measure).
 """
 
 from __future__ import annotations
@@ -14,21 +22,42 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from .events import EventBus
-from .liveness import Misses
-from .peerhealth import watch
+from .peerstate import (  # the peer's state: its one writer is ``Peer.apply``
+    Abort,
+    Begin,
+    Close,
+    End,
+    FollowerEnded,
+    Frozen,
+    Log,
+    PeerConfig,
+    PeerEvent,
+    PeerState,
+    Phase,
+    Publish,
+    ReachFailed,
+    Resynced,
+    Start,
+    Task,
+    Unreachable,
+    status_of,
+    transition,
+)
 from .placement import LOADED, Candidate
 from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
-from .upstream import ChildConnections
+from .upstream import Cancel, ChildConnections
 
 log = logging.getLogger("router.peers")
 PEER_MAX_CONNECTIONS = 256  # to one peer; it queues what it cannot serve at once
+_NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
 def new_instance_id() -> str:
@@ -37,23 +66,28 @@ def new_instance_id() -> str:
     return secrets.token_hex(8)
 
 
+# ----------------------------------------------------------------------------- the peer
+
 class Peer:
-    """One peer router at ``url`` (``http://host:port``)."""
+    """One peer router at ``url`` (``http://host:port``). Its state is read through
+    properties (none has a setter) and changed by ``apply`` only; its configuration is set in
+    ``__init__`` and never again (``__slots__``: nothing else can be added to it)."""
+
+    __slots__ = ("_calls", "_ending", "_outstanding", "_state", "_tasks", "auth", "client",
+                 "config", "connections", "events", "host", "interval", "label",
+                 "own_instance", "own_node", "port", "prefix", "probe_headers", "timeout",
+                 "url")
 
     def __init__(self, url: str, *, client: httpx.AsyncClient, events: EventBus,
                  own_node: str, own_instance: str = "", api_key: str | None = None,
                  prefix: bool = False, interval: float = 2.0, timeout: float = 3.0,
                  misses: int = 3, label: Callable[[Peer, str], str] | None = None,
-                 missed: Misses[Peer] | None = None,
                  head_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         assert parts.hostname is not None
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or 80
-        self.node = f"{parts.hostname}:{self.port}"  # its label: until its /props names it
-        self.name = ""  # the node name its /props gives (a label may add its address)
-        self.instance = ""  # its instance id, from its /props (a llama.cpp router: none)
         self.client = client  # for its health probes only (``peerhealth``)
         self.events = events
         self.own_node = own_node
@@ -62,34 +96,88 @@ class Peer:
         self.prefix = prefix
         self.interval = max(interval, 0.2)
         self.timeout = timeout
-        self.misses = misses  # health checks missed in a row that mark it down
-        self.missed: Misses[Peer] = missed if missed is not None else Misses()
-        self.up = False
-        self.is_self = False  # its /props gives this router's instance id: never used
-        self.reason = "not reached yet"
-        self.events_problem = ""  # why its event stream was given up, until it works again
-        # This router's id of each model the peer lists -> the peer's entry (node set).
-        self.models: dict[str, dict[str, Any]] = {}
-        self.peer_ids: dict[str, str] = {}  # this router's id -> the peer's id
-        self.outstanding: dict[str, int] = {}  # requests in flight to it, by model id
+        self.config = PeerConfig(url, self.own_instance, misses)  # what the transition reads
         self.connections = ChildConnections(self.host, self.port, PEER_MAX_CONNECTIONS,
                                             label=f"peer router {self.url}",
                                             head_timeout_s=head_timeout)
-        # The router's own calls to it in progress (``hop``): each ends when it is found
-        # frozen, even one the pool would retry on a fresh connection.
-        self.calls: set[Callable[[], None]] = set()
         self.auth: list[tuple[bytes, bytes]] = []
         # With the health probes (never logged).
         self.probe_headers = {"connection": "close"}
         if api_key:
             self.auth = [(b"authorization", f"Bearer {api_key}".encode("latin-1"))]
             self.probe_headers["authorization"] = f"Bearer {api_key}"
-        self.watch: asyncio.Task[None] | None = None  # its health checks
-        self.follower: asyncio.Task[None] | None = None  # following its events
-        self.resync: asyncio.Task[None] | None = None  # importing its models again
+        # Written by ``apply`` only.
+        self._state = PeerState(node=f"{self.host}:{self.port}")
+        self._tasks: dict[Task, asyncio.Task[None]] = {}  # the last one begun of each
+        self._ending: set[asyncio.Task[None]] = set()  # ended (cancelled), not done yet
+        # The router's own calls to it in progress (``hop``, through ``calling``): each ends
+        # when it is found frozen, even one the pool would retry on a fresh connection.
+        self._calls: set[Callable[[], None]] = set()
+        self._outstanding: dict[str, int] = {}  # requests in flight to it, by model id
 
     def __repr__(self) -> str:
-        return f"<Peer {self.node} {self.url} up={self.up}>"
+        return f"<Peer {self.node} {self.url} {self.phase}>"
+
+    # ----------------------------------------------------------------- its state, read
+
+    @property
+    def state(self) -> PeerState:
+        return self._state
+
+    @property
+    def phase(self) -> Phase:
+        return self._state.phase
+
+    @property
+    def up(self) -> bool:
+        return self._state.phase is Phase.UP
+
+    @property
+    def is_self(self) -> bool:
+        """Its /props gives this router's instance id: never used."""
+        return self._state.phase is Phase.SELF
+
+    @property
+    def reason(self) -> str:
+        return self._state.reason
+
+    @property
+    def node(self) -> str:
+        return self._state.node
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @property
+    def instance(self) -> str:
+        return self._state.instance
+
+    @property
+    def models(self) -> Mapping[str, Mapping[str, Any]]:
+        """This router's id of each model the peer lists -> the peer's entry (node set)."""
+        return self._state.listing.models
+
+    @property
+    def peer_ids(self) -> Mapping[str, str]:
+        """This router's id -> the peer's id."""
+        return self._state.listing.ids
+
+    @property
+    def events_problem(self) -> str:
+        return self._state.events_problem
+
+    @property
+    def missed(self) -> int:
+        return self._state.missed
+
+    @property
+    def calls(self) -> frozenset[Callable[[], None]]:
+        return frozenset(self._calls)
+
+    @property
+    def outstanding(self) -> Mapping[str, int]:
+        return MappingProxyType(self._outstanding)
 
     @property
     def via(self) -> str:
@@ -101,68 +189,103 @@ class Peer:
         return f"{self.node}/{peer_id}" if self.prefix else peer_id
 
     def status_of(self, model_id: str) -> str:
-        entry = self.models.get(model_id) or {}
-        status = entry.get("status")
-        value = status.get("value") if isinstance(status, dict) else status
-        return value if isinstance(value, str) else "unloaded"
+        return status_of(self.models, model_id)
+
+    def serves(self, model_id: str) -> bool:
+        """Up, and it lists ``model_id``: a candidate for its requests."""
+        return self.up and model_id in self.models
 
     def candidate(self, model_id: str) -> Candidate:
         return Candidate(self.node, self.status_of(model_id) == LOADED,
-                         self.outstanding.get(model_id, 0), self, self.peer_ids[model_id])
+                         self._outstanding.get(model_id, 0), self, self.peer_ids[model_id])
 
-    # ----------------------------------------------------------------- lifetime
+    # ----------------------------------------------------------------- the one writer
+
+    def apply(self, event: PeerEvent) -> None:
+        """Move the peer through ``event`` and perform the effects (an event that cannot
+        happen now raises InvalidTransition)."""
+        self._state, effects = transition(self._state, event, self.config)
+        for effect in effects:
+            match effect:
+                case Publish(payload):
+                    self.events.publish_payload(dict(payload))
+                case Log(level, message, name):
+                    log.log(level, "%s", message, extra={"event": name})
+                case Begin(task):
+                    self._tasks[task] = asyncio.create_task(
+                        self._run(task), name=f"peer-{task}:{self.url}")
+                case End(task):
+                    ended = self._tasks.pop(task, None)
+                    if ended is not None and not ended.done():
+                        ended.cancel()
+                        self._ending.add(ended)
+                        ended.add_done_callback(self._ending.discard)
+                case Abort():
+                    for cancel in list(self._calls):
+                        cancel()
+                    self.connections.abort_all()
+
+    async def _run(self, task: Task) -> None:
+        """One of its tasks; its end reported as an event (none when it was ended)."""
+        from . import catalogue, peerhealth  # they send this module's events
+
+        try:
+            if task is Task.WATCH:
+                await peerhealth.watch(self)
+                return
+            ended: PeerEvent | None = await (
+                peerhealth.reach(self) if task is Task.REACH
+                else catalogue.follow(self) if task is Task.FOLLOW
+                else catalogue.resync(self))
+        except Exception as exc:  # reported as the task's failure: never left running
+            log.exception("peer %s: %s failed", self.url, task, exc_info=exc)
+            ended = (ReachFailed(f"{type(exc).__name__}: {exc}") if task is Task.REACH
+                     else FollowerEnded() if task is Task.FOLLOW else Resynced())
+        if ended is not None:
+            self.apply(ended)
+
+    # ----------------------------------------------------------------- events in
 
     def start(self) -> None:
-        self.watch = asyncio.create_task(watch(self), name=f"peer:{self.url}")
+        self.apply(Start())
 
     async def close(self) -> None:
-        tasks = [t for t in (self.watch, self.follower, self.resync) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        self.apply(Close())
+        for task in [*self._tasks.values(), *self._ending]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.connections.aclose()  # requests in flight finish (see ``mark_down``)
-        if self.up:
-            self.publish_all_unavailable(f"peer {self.node} was removed")
-        self.up = False
-        self.missed.forget(self)
+        await self.connections.aclose()  # requests in flight finish (see ``Unreachable``)
 
     def mark_down(self, reason: str, *, abort: bool = False) -> None:
-        """Send the peer nothing new until a probe answers. With ``abort`` (it stopped
-        answering at all: frozen, or cut off) its requests in flight and the router's own
-        calls to it end now; otherwise they run on: a peer that refuses connections is gone
-        (and so are they) or shutting down, finishing them within its grace period."""
-        if not self.up:
-            return
-        self.up = False
-        self.reason = reason
-        self.missed.forget(self)
-        if self.follower is not None:
-            self.follower.cancel()
-        if abort:
-            for cancel in list(self.calls):
-                cancel()
-            self.connections.abort_all()
-        log.warning("peer %s is down: %s", self.node, reason, extra={"event": "peer_down"})
-        self.events.publish_payload({"model": "*", "event": "peer_down", "node": self.node,
-                                     "data": {"url": self.url, "reason": reason}})
-        self.publish_all_unavailable(f"node {self.node} is not answering: {reason}")
+        """Send the peer nothing new until a probe answers; with ``abort`` (it stopped
+        answering at all) its calls in flight end now (``Frozen``, else ``Unreachable``)."""
+        self.apply(Frozen(reason) if abort else Unreachable(reason))
 
     def unreachable(self, reason: str) -> None:
         """A connection to the peer failed: down at once (the probes bring it back)."""
-        self.mark_down(reason)
+        self.apply(Unreachable(reason))
 
-    # ----------------------------------------------------------------- its events
+    # ----------------------------------------------------------------- what is in flight
 
-    def publish_status(self, model_id: str) -> None:
-        self.events.publish_payload({"model": model_id, "event": "status_change",
-                                     "node": self.node,
-                                     "data": {"status": self.status_of(model_id)}})
+    @contextlib.contextmanager
+    def calling(self, cancel: Cancel) -> Iterator[None]:
+        """One of the router's own calls to it (``hop``), ended by ``cancel`` if it is found
+        frozen meanwhile."""
+        self._calls.add(cancel)
+        try:
+            yield
+        finally:
+            self._calls.discard(cancel)
 
-    def publish_all_unavailable(self, message: str) -> None:
-        for model_id in self.models:
-            self.events.publish_payload({"model": model_id, "event": "status_change",
-                                         "node": self.node,
-                                         "data": {"status": "unloaded", "unavailable": True,
-                                                  "message": message}})
+    @contextlib.contextmanager
+    def sending(self, model_id: str) -> Iterator[None]:
+        """A request for ``model_id`` in flight to it (``nodes``)."""
+        self._outstanding[model_id] = self._outstanding.get(model_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._outstanding[model_id] - 1
+            if left:
+                self._outstanding[model_id] = left
+            else:
+                del self._outstanding[model_id]

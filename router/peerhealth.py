@@ -2,7 +2,8 @@
 
 Each peer is probed with ``GET /health`` every ``--liveness-interval`` s
 (``--liveness-timeout``), as children are (``process.ask_health``; children's probe is
-``upstream.probe``; the misses of both counted by ``liveness.Misses``). After
+``upstream.probe``). Each probe's outcome is an event of the peer's state (``peer``:
+``ProbeAnswered``, ``ProbeMissed``), which counts the misses in a row. After
 ``--liveness-misses`` failures in a row, or at once when a connection to it is refused, it is
 *down*: its models are unavailable (an event says so for each) and nothing new is sent to it
 until a probe answers again. Requests in flight to it end
@@ -11,9 +12,9 @@ only if it stopped answering altogether (probes timed out: frozen, or cut off): 
 refuses connections is either gone, and its connections with it, or shutting down and
 finishing them in its grace period; a peer that leaves ``--peer-dns`` finishes them too.
 
-A probe that answers brings a peer that is down up: its ``/props`` says who it is (its
-instance id decides whether it is this router; its node name is a label), its models are
-imported and its events followed (``catalogue``).
+A probe that answers a peer that is not up begins its reach (``reach``): its ``/props`` says
+who it is (its instance id decides whether it is this router; its node name is a label), its
+models are imported (``catalogue``), and it is up; its events are then followed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from . import catalogue, hop
 from .errors import UpstreamError
+from .peerstate import Identified, PeerEvent, ProbeAnswered, ProbeMissed, Reached, ReachFailed
 from .process import ask_health, no_answer
 
 if TYPE_CHECKING:
@@ -48,18 +50,7 @@ async def watch(peer: Peer) -> None:
 
 async def check(peer: Peer) -> None:
     problem, silent = await probe(peer)
-    if problem is None:
-        peer.missed.answered(peer)
-        if not peer.up:
-            await come_up(peer)
-        elif peer.follower is None or peer.follower.done():
-            catalogue.follow(peer)
-    else:
-        missed = peer.missed.miss(peer)
-        if peer.up and missed >= peer.misses:
-            peer.mark_down(f"missed {missed} health checks ({problem})", abort=silent)
-        elif not peer.up:
-            peer.reason = problem
+    peer.apply(ProbeAnswered() if problem is None else ProbeMissed(problem, silent))
 
 
 async def probe(peer: Peer) -> tuple[str | None, bool]:
@@ -71,14 +62,14 @@ async def probe(peer: Peer) -> tuple[str | None, bool]:
         return problem, problem == no_answer(peer.timeout)
     if status != 200:
         return f"/health answered {status}", False
-    return (peer.reason if peer.is_self else None), False
+    return None, False
 
 
-async def learn_node(peer: Peer) -> None:
+async def learn_node(peer: Peer) -> Identified:
     """The peer's instance id and node name, from its ``/props`` (a llama.cpp router has
-    neither: its address stays its name). The instance id decides whether it is this
-    router; the name is a label, made distinct (``NAME@host:port``) when another node
-    has it too."""
+    neither: its address stays its name), each as an earlier ``/props`` said where this one
+    says nothing. The instance id decides whether it is this router; the name is a label,
+    made distinct (``NAME@host:port``) when another node has it too."""
     try:
         status, raw = await hop.ask(peer, "GET", b"/props", deadline=peer.timeout,
                                     limit=MAX_PROPS_BYTES)
@@ -86,39 +77,26 @@ async def learn_node(peer: Peer) -> None:
         node, instance = info.get("node"), info.get("instance")
     except (UpstreamError, ValueError, AttributeError):
         node = instance = None
-    if isinstance(instance, str) and instance:
-        peer.instance = instance
-    if isinstance(node, str) and node:
-        peer.name = node
-    if peer.instance and peer.instance == peer.own_instance:
-        if not peer.is_self:  # --peer-dns (or --peer) found this router itself
-            log.warning("peer %s is this router (instance %s); not used", peer.url,
-                        peer.instance, extra={"event": "peer_is_self"})
-        peer.is_self = True
-        peer.reason = f"it is this router (instance {peer.instance})"
-        return
-    if peer.name:
-        peer.node = peer.label(peer, peer.name) if peer.label is not None else peer.name
+    instance = instance if isinstance(instance, str) and instance else peer.instance
+    name = node if isinstance(node, str) and node else peer.name
+    label = ""
+    # Labelled only when it is another router (the state decides which it is: a label for
+    # this router itself would warn of a name taken, by this router).
+    if name and instance != peer.own_instance:
+        label = peer.label(peer, name) if peer.label is not None else name
+    return Identified(instance, name, label)
 
 
-async def come_up(peer: Peer) -> None:
-    await learn_node(peer)
+async def reach(peer: Peer) -> PeerEvent | None:
+    """The reach of a peer that answers (``peer.Task.REACH``): who it is, then its models;
+    its end as an event (None: it is this router)."""
+    peer.apply(await learn_node(peer))
     if peer.is_self:
-        return
+        return None
     try:
-        await catalogue.import_models(peer)
+        listing = await catalogue.import_models(peer)
     except catalogue.ListingRefused as exc:
-        peer.reason = str(exc)
-        return
+        return ReachFailed(str(exc))
     except (UpstreamError, ValueError, TypeError, AttributeError) as exc:
-        peer.reason = f"GET /models failed: {exc or type(exc).__name__}"
-        return
-    peer.up = True
-    peer.reason = ""
-    log.info("peer %s is up at %s with %d models", peer.node, peer.url, len(peer.models),
-             extra={"event": "peer_up"})
-    peer.events.publish_payload({"model": "*", "event": "peer_up", "node": peer.node,
-                                 "data": {"url": peer.url, "models": sorted(peer.models)}})
-    for model_id in peer.models:
-        peer.publish_status(model_id)
-    catalogue.follow(peer)
+        return ReachFailed(f"GET /models failed: {exc or type(exc).__name__}")
+    return Reached(listing)

@@ -5,7 +5,8 @@
 ``Peers`` keeps one ``peer.Peer`` for each, gives each a distinct label, and answers which
 peers hold a model. The rest lives with its concept:
 
-* ``peer``: one peer, what this router knows of it, its pool and its lifetime;
+* ``peer``: one peer: its state (one value, a pure transition, one writer: ``Peer.apply``),
+  its pool and its tasks;
 * ``peerhealth``: its health checks, which bring it up and mark it down;
 * ``catalogue``: its models (a bounded listing, kept live by its events) and the one
   ``/models`` entry of a model across nodes;
@@ -35,7 +36,6 @@ from .affinity import PrefixTable
 from .catalogue import REFUSED
 from .events import EventBus
 from .keyfile import parse_file as parse_key_file
-from .liveness import Misses
 from .peer import Peer, new_instance_id
 from .settings import DEFAULT_UPSTREAM_TIMEOUT_S
 
@@ -108,7 +108,6 @@ class Peers:
         self._options = {"api_key": api_key, "prefix": prefix, "interval": interval,
                          "timeout": timeout, "misses": misses, "head_timeout": head_timeout}
         self.peers: dict[str, Peer] = {}  # by url
-        self.missed: Misses[Peer] = Misses()  # their health checks missed in a row
         # model -> node -> the prompt prefixes sent there lately (``by_prefix``)
         self.prefixes: dict[str, dict[str, PrefixTable]] = {}
         self._sources: dict[str, set[str]] = {}  # url -> the sources naming it
@@ -143,7 +142,7 @@ class Peers:
             if url not in self.peers:
                 peer = Peer(url, client=self.client, events=self.events, own_node=self.node,
                             own_instance=self.instance, label=self._label,
-                            missed=self.missed, **self._options)  # type: ignore[arg-type]
+                            **self._options)  # type: ignore[arg-type]
                 self.peers[url] = peer
                 log.info("peer %s added (%s)", url, source, extra={"event": "peer_added"})
                 peer.start()
@@ -210,8 +209,7 @@ class Peers:
     def holders(self, model_id: str, passed: tuple[str, ...] = ()) -> list[Peer]:
         """The peers that are up and list ``model_id``, except those a request passed
         through already (``passed``: its via chain)."""
-        return [p for p in self.peers.values() if p.up and model_id in p.models
-                and p.via not in passed]
+        return [p for p in self.peers.values() if p.serves(model_id) and p.via not in passed]
 
     def listing(self) -> dict[str, list[Peer]]:
         """Every model id any peer lists (up or not) -> those peers."""
