@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope, Send
@@ -49,6 +50,7 @@ from .webui import StaticUI
 
 if TYPE_CHECKING:
     from .leases import Lease
+    from .peer import Peer
     from .presets import ModelPreset
     from .view import ModelView
 
@@ -112,19 +114,23 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     on one of its replicas and relay to that child. Each step reads the request context the
     edge made (``requests``) and records its decision there."""
     state: State = scope["app"].state.router
-    request, body = await _read(state, scope, receive)
+    request = _admit(state, scope)
+    body = await request.read(receive, state.supervisor.settings.max_body_bytes)
     model = request.model or await _default_or_page(state, scope, send, request)
     if model is None:
         return  # a page of the web UI was the answer
     conv_id = request.conv_id if body else None  # a resumable stream (``resumable``)
-    if await _across_nodes(state, scope, receive, send, request, model, conv_id):
+    holders = _holders(state, request, model)
+    if holders and await _across_nodes(state, scope, receive, send, request, model, conv_id,
+                                       holders):
         return
     runtime = _resolve(state, request, model)
     request.model_id = runtime.preset.id
     if conv_id:  # a resumable stream: remember whose it is, also while the model loads
         state.conversations.claim(conv_id, runtime.id, request.key_hash,
                                   running=serves(state.supervisor))
-    lease = await _lease(state, scope, receive, request, runtime)
+    lease = _lease_now(state, request, runtime) or \
+        await _wait_for_lease(state, receive, request, runtime)
     try:
         if conv_id:
             state.conversations.claim(conv_id, runtime.id, request.key_hash, lease.child,
@@ -135,9 +141,9 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         lease.release()
 
 
-async def _read(state: State, scope: Scope, receive: Receive) -> tuple[RequestContext, bytes]:
-    """The request's context and its body (bounded); refused while the router stops, for a
-    method llama-server has no route for, or a target that is no path."""
+def _admit(state: State, scope: Scope) -> RequestContext:
+    """The request's context, unless it is refused: while the router stops, for a method
+    llama-server has no route for, or a target that is no path."""
     shutdown = state.shutdown
     if shutdown.closing.is_set():  # stopping: start nothing new (the connection closes)
         raise shutdown.refusal()
@@ -146,9 +152,7 @@ async def _read(state: State, scope: Scope, receive: Receive) -> tuple[RequestCo
         raise MethodNotAllowed(f"method {method} is not allowed")
     if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
         raise BadRequest("the request target must be an absolute path such as /v1/models")
-    request = context(scope)
-    body = await request.read(receive, state.supervisor.settings.max_body_bytes)
-    return request, body
+    return context(scope)
 
 
 async def _default_or_page(state: State, scope: Scope, send: Send, request: RequestContext
@@ -165,14 +169,18 @@ async def _default_or_page(state: State, scope: Scope, send: Send, request: Requ
     return request.default_to(state.default.for_request(state.supervisor))
 
 
-async def _across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
-                        request: RequestContext, model: str, conv_id: str | None) -> bool:
-    """Whether peers holding the model (except those the request passed through, its via
-    chain) served it (``nodes``); a model held here too may still fall to this router."""
+def _holders(state: State, request: RequestContext, model: str) -> list[Peer] | None:
+    """The peers holding the model, except those the request passed through (its via
+    chain)."""
     peers = state.peers
-    holders = peers.holders(model, request.via) if peers is not None and peers.peers else None
-    if not holders:
-        return False
+    return peers.holders(model, request.via) if peers is not None and peers.peers else None
+
+
+async def _across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
+                        request: RequestContext, model: str, conv_id: str | None,
+                        holders: list[Peer]) -> bool:
+    """Whether the peers holding the model served it (``nodes``); a model held here too
+    may still fall to this router."""
     sup = state.supervisor
     local = local_model(sup, request.key_scope, model)
     request.model_id = model if local is None else local.preset.id
@@ -206,24 +214,27 @@ def _resolve(state: State, request: RequestContext, model: str) -> ModelView:
             raise exc from None  # not this key's either: the 404 of the name it gave
 
 
-async def _lease(state: State, scope: Scope, receive: Receive, request: RequestContext,
-                 runtime: ModelView) -> Lease:
-    """A lease on a replica of the model: at once when it serves (no task, no await), else
-    the whole wait (``wait``), ended by its budget, the client leaving or the shutdown."""
+def _lease_now(state: State, request: RequestContext, runtime: ModelView) -> Lease | None:
+    """A lease on a replica of a model that serves, taken at once (the hot path: no task, no
+    await); None when the model does not serve. Its options are checked either way."""
+    if not runtime.serving:
+        return None
+    _budget(request)  # checked as for any request
+    return state.supervisor.lease_now(runtime.id, _prefix(request, runtime))
+
+
+async def _wait_for_lease(state: State, receive: Receive, request: RequestContext,
+                          runtime: ModelView) -> Lease:
+    """The whole wait for a model that does not serve (``wait``), ended by its budget, the
+    client leaving or the shutdown."""
     sup = state.supervisor
     autoload = _autoload(request.params, sup.settings.models_autoload)
     budget = _budget(request)  # the model's own wait budget caps it (``wait``)
-    prefix: Prefix | None = None  # the prompt's prefix, for replicas (``affinity``)
-    if request.parsed is not None and runtime.preset.prefix_routing:
-        prefix = request_prefix(request.parsed)
-        if not prefix.keys:
-            prefix = None
-    if runtime.serving:  # the hot path
-        return await sup.acquire(runtime.id, autoload=autoload, budget=budget, prefix=prefix)
     shutdown = state.shutdown
     waited = time.perf_counter()
     try:
-        lease = await sup.acquire(runtime.id, autoload=autoload, budget=budget, prefix=prefix,
+        lease = await sup.acquire(runtime.id, autoload=autoload, budget=budget,
+                                  prefix=_prefix(request, runtime),
                                   ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
                                             shutdown.error))
     finally:  # for the activity record, also when the wait failed
@@ -232,9 +243,17 @@ async def _lease(state: State, scope: Scope, receive: Receive, request: RequestC
     return lease
 
 
-async def _relay(state: State, scope: Scope, receive: Receive, send: Send,
-                 request: RequestContext, runtime: ModelView, lease: Lease, body: bytes
-                 ) -> None:
+def _prefix(request: RequestContext, runtime: ModelView) -> Prefix | None:
+    """The prompt's prefix, for a model routed by it among its replicas (``affinity``)."""
+    if request.parsed is None or not runtime.preset.prefix_routing:
+        return None
+    prefix = request_prefix(request.parsed)
+    return prefix if prefix.keys else None
+
+
+def _relay(state: State, scope: Scope, receive: Receive, send: Send,
+           request: RequestContext, runtime: ModelView, lease: Lease, body: bytes
+           ) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it."""
     headers = upstream_headers(scope["headers"])
@@ -242,9 +261,9 @@ async def _relay(state: State, scope: Scope, receive: Receive, send: Send,
     target = _target(scope)
     if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
         headers, body, target = _for_remote(request, preset, headers, body, target)
-    await relay(lease.child.connections, request.method, target, headers, body,
-                receive=receive, send=send, shutdown=state.shutdown,
-                direct=direct_body(scope))
+    return relay(lease.child.connections, request.method, target, headers, body,
+                 receive=receive, send=send, shutdown=state.shutdown,
+                 direct=direct_body(scope))
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
 
 TAIL_BYTES = 4096  # of each of the last two body chunks: a stream's last event, then [DONE]
 
@@ -73,13 +72,24 @@ class ResponseTail:
     """The end of one response (its last two chunks, ``TAIL_BYTES`` of each), read lazily:
     each of ``timings`` and ``tokens`` is parsed at most once, when first asked."""
 
+    __slots__ = ("_timings", "_tokens", "bytes")
+
     def __init__(self, before: bytes, last: bytes) -> None:
         self.bytes = before[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
+        self._timings: Timings | object | None = _UNREAD
+        self._tokens: int | object | None = _UNREAD
 
-    @cached_property
+    @property
     def timings(self) -> Timings | None:
-        return parse_timings(self.bytes) if self.bytes else None
+        if self._timings is _UNREAD:
+            self._timings = parse_timings(self.bytes) if self.bytes else None
+        return self._timings  # type: ignore[return-value]
 
-    @cached_property
+    @property
     def tokens(self) -> int | None:
-        return generated_tokens(self.bytes) if self.bytes else None
+        if self._tokens is _UNREAD:
+            self._tokens = generated_tokens(self.bytes) if self.bytes else None
+        return self._tokens  # type: ignore[return-value]
+
+
+_UNREAD = object()  # not parsed yet

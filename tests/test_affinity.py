@@ -353,8 +353,7 @@ class KeySupervisor:
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=self.preset, serving=True)
 
-    async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      prefix: Prefix | None = None) -> None:
+    def lease_now(self, model: str, prefix: Prefix | None = None) -> None:
         self.keys.append(prefix)
         raise ModelNotLoaded(model)
 
@@ -379,7 +378,7 @@ async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> Prefix | Non
         sent.append(message)
 
     await forward.proxy(scope, receive, send)
-    assert sent[0]["status"] == 400  # the fake's refusal, after acquire was asked
+    assert sent[0]["status"] == 400  # the fake's refusal, after a lease was asked for
     assert len(sup.keys) == 1
     return sup.keys[0]
 

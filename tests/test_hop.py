@@ -79,8 +79,7 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=True)
 
-    async def acquire(self, model: str, *, autoload: bool, budget: float | None,
-                      prefix: object = None) -> SimpleNamespace:
+    def lease_now(self, model: str, prefix: object = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None, learn=lambda tail: None)
 

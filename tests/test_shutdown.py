@@ -86,6 +86,13 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=model != "loading")
 
+    def lease_now(self, model: str, prefix: object = None) -> SimpleNamespace | None:
+        return None if model == "loading" else self._lease()
+
+    def _lease(self) -> SimpleNamespace:
+        return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
+                               release=lambda: None, learn=lambda tail: None)
+
     async def acquire(self, model: str, *, autoload: bool, budget: float | None,
                       prefix: object = None, ends: Ends = NOTHING_ELSE) -> SimpleNamespace:
         if model == "loading":  # the load never ends: only what ``ends`` names ends the wait
