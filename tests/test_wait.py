@@ -26,7 +26,7 @@ LOAD_TIMEOUT_S = 30.0  # the scenario's; a child that never becomes healthy take
 
 
 def run(scenario: Callable[[Supervisor], Awaitable[None]], *, never_healthy: bool) -> None:
-    """Run ``scenario`` on a fresh core; its children all start in 0.1–3 s, or never."""
+    """Run ``scenario`` on a fresh core; its children all start in 0.1 to 3 s, or never."""
     sim = Simulation(0, config=scenario_config(load_timeout=LOAD_TIMEOUT_S), script=[],
                      spawn_failure=0.0, spawn_hang=1.0 if never_healthy else 0.0)
 
@@ -48,9 +48,11 @@ def event_end(event: asyncio.Event) -> Callable[[], Awaitable[Any]]:
     return event.wait
 
 
-async def started_waiting(sup: Supervisor, model: str) -> None:
-    while sup.models[model].waiting == 0:
-        await asyncio.sleep(0)
+async def started_waiting(sup: Supervisor, model: str, count: int = 1) -> None:
+    """Until ``count`` requests wait for ``model`` (each starts or joins its load, which
+    notifies ``changes``)."""
+    while sup.models[model].waiting < count:
+        await sup.changes.wait()
 
 
 def test_a_serving_model_gives_a_lease_with_no_task() -> None:
@@ -130,8 +132,7 @@ def test_many_waiters_share_one_load_and_each_leaves_on_its_own() -> None:
     async def scenario(sup: Supervisor) -> None:
         ends = [asyncio.Event() for _ in range(3)]
         waits = [asyncio.ensure_future(sup.acquire("a", ends=Ends(event_end(e)))) for e in ends]
-        while sup.models["a"].waiting < 3:
-            await asyncio.sleep(0)
+        await started_waiting(sup, "a", 3)
         load = sup.models["a"].load_task
         ends[0].set()
         with pytest.raises(ClientGone):
