@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import RouterProcess, fake_binary, start_router, write_presets
+from support import RouterProcess, fake_binary, start_router, wait_until, write_presets
 
 from router import client as commands
 from router.process import free_port
@@ -149,6 +149,16 @@ def test_events_json_prints_each_event_as_sent(client: httpx.Client) -> None:
 def test_logs_follow_prints_the_history_then_new_lines(router: RouterProcess,
                                                        client: httpx.Client) -> None:
     assert commands.cmd_load(client, namespace(model="chat"), io.StringIO()) == 0
+
+    def last_line() -> str:
+        out = io.StringIO()
+        commands.cmd_logs(client, namespace(model="chat", lines=1), out)
+        return out.getvalue()
+
+    # Once a child serves, its output is read every 50 ms (``process.OUTPUT_BATCH_S``): its
+    # last start-up line ("all slots are idle") may still be in the pipe. Until it is in the
+    # log, "the last line before following" is a moving target.
+    assert wait_until(lambda: "all slots are idle" in last_line(), 10), last_line()
     history = io.StringIO()
     assert commands.cmd_logs(client, namespace(model="talk", lines=2), history) == 0
     assert len(history.getvalue().splitlines()) == 2
