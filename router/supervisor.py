@@ -181,8 +181,7 @@ class Supervisor:
     def lease_now(self, name: str, prefix: Prefix | None = None) -> Lease | None:
         """A lease on a replica of a model that serves, taken at once; None when it does not
         serve (then ``acquire`` waits for it)."""
-        runtime = self.resolve(name)
-        return self.leases.take(runtime, prefix=prefix) if runtime.serving else None
+        return self.wait.lease_now(self.resolve(name), prefix)
 
     async def acquire(self, name: str, *, autoload: bool = True, budget: float | None = None,
                       prefix: Prefix | None = None, ends: Ends = NOTHING_ELSE) -> Lease:

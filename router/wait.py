@@ -74,14 +74,20 @@ class ModelWait:
         """Requests waiting for any model."""
         return sum(r.waiting for r in self._models())
 
+    def lease_now(self, runtime: ModelRuntime, prefix: Prefix | None = None) -> Lease | None:
+        """A lease on a replica of a model that serves, taken at once (no await, no task);
+        None when it does not serve."""
+        return self._leases.take(runtime, prefix=prefix) if runtime.serving else None
+
     async def acquire(self, runtime: ModelRuntime, *, autoload: bool = True,
                       budget: float | None = None, prefix: Prefix | None = None,
                       ends: Ends = NOTHING_ELSE) -> Lease:
         """A lease on a serving replica of ``runtime`` (chosen by the prompt's ``prefix`` if
         given: ``affinity``), loading it if allowed. Raises ModelNotLoaded, QueueFull,
         LoadFailed, WaitBudgetExceeded, ClientGone or the shutdown's error."""
-        if runtime.serving:
-            return self._leases.take(runtime, prefix=prefix)
+        lease = self.lease_now(runtime, prefix)
+        if lease is not None:
+            return lease
         if not autoload and runtime.status is Status.UNLOADED:
             raise ModelNotLoaded(runtime.id)
         total = self.total
