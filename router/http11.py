@@ -12,7 +12,11 @@ uvicorn also waits for ever for a request head that never ends: a client that co
 sends nothing, blank lines, or a header a byte at a time holds its connection for good (the
 "slowloris" pattern). Here a request head has ``REQUEST_HEAD_TIMEOUT_S`` from the connection
 or from the first byte of the request; then the client gets a 408 envelope and the connection
-closes. (Idle keep-alive connections between requests are uvicorn's own timeout.)
+closes. An idle keep-alive connection between requests is closed after ``KEEP_ALIVE_IDLE_S``
+(uvicorn's timeout, set by ``serve``): longer than the idle expiry of the common clients'
+pools (httpx and the OpenAI SDK 5 s, aiohttp 15 s, Node's fetch 4 s), so that a client never
+sends its next request on a connection the router is closing at that instant (a request
+lost as "server disconnected", with uvicorn's default of 5 s).
 
 A request body has a deadline too, between chunks (``body_timeout_s``, ``--body-timeout``):
 a body that stops arriving while the app waits for it is cut, the app sees the client leave,
@@ -71,6 +75,7 @@ from .requests import BODY_TIMED_OUT
 from .settings import DEFAULT_BODY_TIMEOUT_S
 
 REQUEST_HEAD_TIMEOUT_S = 15.0
+KEEP_ALIVE_IDLE_S = 30  # an idle keep-alive connection's life (see the module docstring)
 SHUTDOWN_BODY_TIMEOUT_S = 1.0  # a body's deadline between chunks once shutdown has begun
 LINGER_S = 2.0  # after an error answer, how long the client may take to close its side
 

@@ -31,7 +31,7 @@ from .events import EventBus
 from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
 from .gpus import GpuDevice
-from .http11 import EnvelopeHttpToolsProtocol, Refusals
+from .http11 import KEEP_ALIVE_IDLE_S, EnvelopeHttpToolsProtocol, Refusals
 from .install import (
     WEBUI_MISSING,
     InstallError,
@@ -374,6 +374,7 @@ def serve(settings: Settings) -> None:
                             http=EnvelopeHttpToolsProtocol.configured(
                                 cap=cap, body_timeout_s=settings.body_timeout,
                                 refusals=refusals),
+                            timeout_keep_alive=KEEP_ALIVE_IDLE_S,
                             timeout_graceful_shutdown=math.ceil(
                                 settings.shutdown_grace + GRACE_DRAIN_S),
                             log_config=None)

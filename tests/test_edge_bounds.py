@@ -60,6 +60,29 @@ def router_args(tmp_path: Path) -> list[str]:
     return ["--llama-server", str(fake_binary(tmp_path)), "--presets", str(presets)]
 
 
+CLIENT_POOL_EXPIRY_S = 5.0  # httpx's and the OpenAI SDK's idle expiry, uvicorn's default too
+
+
+def test_a_keep_alive_connection_outlives_the_clients_pool_expiry(
+        tmp_path: Path, router_args: list[str]) -> None:
+    """A client's pooled connection, idle as long as its pool keeps it, still takes the next
+    request: the router does not close it first (with uvicorn's default of 5 s the two
+    expiries race, and a request sent as the router closes is lost: "server disconnected").
+    The idle time is what is tested here, not a wait for an event."""
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with start_router(tmp_path, *router_args) as router, \
+            socket.create_connection(("127.0.0.1", router.port), timeout=GUARD_S) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                chunk = sock.recv(65536)
+                assert chunk, f"the router closed the idle connection: {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            time.sleep(CLIENT_POOL_EXPIRY_S + 1.0)
+
+
 def test_endless_request_heads_leave_the_router_bounded(tmp_path: Path,
                                                         router_args: list[str]) -> None:
     with start_router(tmp_path, *router_args) as router:
