@@ -18,13 +18,10 @@ from starlette.types import ASGIApp
 
 from .activity import Activity
 from .cors import CorsMiddleware
+from .forward import ProxyMiddleware
+from .keys import ApiKeyMiddleware
 from .metrics import RouterMetrics
-from .middleware import (
-    EXCEPTION_HANDLERS,
-    ApiKeyMiddleware,
-    ProxyMiddleware,
-    RequestMetricsMiddleware,
-)
+from .middleware import EXCEPTION_HANDLERS, RequestMetricsMiddleware
 from .origins import CorsPolicy
 from .routes import routes
 from .state import State
@@ -51,20 +48,16 @@ class RouterApp(Starlette):
         return app
 
 
-def create_app(lifespan: Lifespan, api_keys: list[str],
+def create_app(lifespan: Lifespan, api_keys: list[str], metrics: RouterMetrics | None = None,
                webui: StaticUI | None = None, cors: CorsPolicy | None = None) -> RouterApp:
-    """The router's ASGI app; ``webui``: the web UI served at ``/``, None for none;
-    ``cors``: what pages of other origins may use (default: llama-server's ``*``)."""
+    """The router's ASGI app; ``metrics``: what the edge counts every request into (None:
+    nothing); ``webui``: the web UI served at ``/``, None for none; ``cors``: what pages of
+    other origins may use (default: llama-server's ``*``)."""
     app = RouterApp(routes=routes(), lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(ProxyMiddleware)
     app.state.webui = webui
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, webui=webui)
     app.add_middleware(CorsMiddleware, policy=cors)  # before the key: preflights carry none
-
-    def current_metrics() -> RouterMetrics | None:
-        state = getattr(app.state, "router", None)
-        return state.metrics if state is not None else None
-
     app.state.activity = activity = Activity()
-    app.add_middleware(RequestMetricsMiddleware, metrics=current_metrics, activity=activity)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, activity=activity)
     return app

@@ -15,20 +15,18 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import QueryParams
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .affinity import Prefix, request_prefix
 from .errors import (
     BadRequest,
     MethodNotAllowed,
-    ModelNotFound,
     NotFound,
     RouterError,
     send_error,
     send_unexpected,
 )
-from .keys import resolve_in_scope
-from .nodes import local_model, raise_if_elsewhere, serve_across_nodes
+from .nodes import serve_across_nodes
 from .paths import (
     API_ROOTS,
     CHILD_GET_PATHS,
@@ -43,14 +41,13 @@ from .proxy import (
     wait_disconnect,
 )
 from .requests import WAIT_BUDGET_HEADER, RequestContext, context, target_with_model
-from .resumable import serves
+from .route import decide
 from .state import State
 from .wait import Ends
 from .webui import StaticUI
 
 if TYPE_CHECKING:
     from .leases import Lease
-    from .peer import Peer
     from .presets import ModelPreset
     from .view import ModelView
 
@@ -89,6 +86,19 @@ def _target(scope: Scope) -> bytes:
     return target
 
 
+class ProxyMiddleware:
+    """Send every path the router does not answer itself to ``proxy`` before any routing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not context(scope).local:
+            await proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
 async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
     """Every request the router does not answer itself goes to the child serving its model.
 
@@ -110,31 +120,26 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     """A proxied request, step by step: read it, name its model (or answer a web UI page),
-    let the peers holding the model serve it, else resolve the model here, wait for a lease
-    on one of its replicas and relay to that child. Each step reads the request context the
-    edge made (``requests``) and records its decision there."""
+    decide its route once (``route.decide``: the model, the nodes holding it, the
+    conversation's claim), let the peers holding the model serve it, else wait for a lease on
+    one of its replicas here and relay to that child."""
     state: State = scope["app"].state.router
     request = _admit(state, scope)
     body = await request.read(receive, state.supervisor.settings.max_body_bytes)
     model = request.model or await _default_or_page(state, scope, send, request)
     if model is None:
         return  # a page of the web UI was the answer
-    conv_id = request.conv_id if body else None  # a resumable stream (``resumable``)
-    holders = _holders(state, request, model)
-    if holders and await _across_nodes(state, scope, receive, send, request, model, conv_id,
-                                       holders):
+    route = decide(state, request, model, request.conv_id if body else None)
+    if route.holders and await serve_across_nodes(state, scope, request, receive, send, route,
+                                                  _target(scope)):
         return
-    runtime = _resolve(state, request, model)
-    request.model_id = runtime.preset.id
-    if conv_id:  # a resumable stream: remember whose it is, also while the model loads
-        state.conversations.claim(conv_id, runtime.id, request.key_hash,
-                                  running=serves(state.supervisor))
+    runtime = route.local
+    assert runtime is not None  # the nodes leave a request to this router only if it has it
     lease = _lease_now(state, request, runtime) or \
         await _wait_for_lease(state, receive, request, runtime)
     try:
-        if conv_id:
-            state.conversations.claim(conv_id, runtime.id, request.key_hash, lease.child,
-                                      running=serves(state.supervisor))
+        if route.conversation is not None:  # a resumable stream: the child that keeps it
+            route.conversation.served_by(lease.child)
         await _relay(state, scope, receive, send, request, runtime, lease, body)
     finally:
         lease.learn(request.tail())
@@ -167,51 +172,6 @@ async def _default_or_page(state: State, scope: Scope, send: Send, request: Requ
     if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
         raise NotFound("File Not Found")
     return request.default_to(state.default.for_request(state.supervisor))
-
-
-def _holders(state: State, request: RequestContext, model: str) -> list[Peer] | None:
-    """The peers holding the model, except those the request passed through (its via
-    chain)."""
-    peers = state.peers
-    return peers.holders(model, request.via) if peers is not None and peers.peers else None
-
-
-async def _across_nodes(state: State, scope: Scope, receive: Receive, send: Send,
-                        request: RequestContext, model: str, conv_id: str | None,
-                        holders: list[Peer]) -> bool:
-    """Whether the peers holding the model served it (``nodes``); a model held here too
-    may still fall to this router."""
-    sup = state.supervisor
-    local = local_model(sup, request.key_scope, model)
-    request.model_id = model if local is None else local.preset.id
-    if conv_id:  # refused before any node is tried if another key or model holds it
-        state.conversations.claim(conv_id, request.model_id, request.key_hash,
-                                  running=serves(sup))
-    return await serve_across_nodes(state, scope, request, receive, send, holders, local,
-                                    _target(scope))
-
-
-def _resolve(state: State, request: RequestContext, model: str) -> ModelView:
-    """The model a request gets here, as its key sees the router (out of scope reads as not
-    found), with ``--unknown-model-to-default`` for a name nobody uses."""
-    sup = state.supervisor
-    key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
-    try:
-        return resolve_in_scope(sup, key_scope, model)
-    except ModelNotFound as exc:
-        if request.defaulted:  # the default model is not this key's: never named to it
-            raise NotFound('no model is named in the request, and the default model is not '
-                           'one this API key may use: set "model" (GET /v1/models lists '
-                           'them)') from None
-        if state.peers is not None:
-            raise_if_elsewhere(state.peers, model, request)
-        fallback = state.default.for_unknown(sup)  # --unknown-model-to-default
-        if fallback is None:
-            raise
-        try:
-            return resolve_in_scope(sup, key_scope, request.default_to(fallback))
-        except ModelNotFound:
-            raise exc from None  # not this key's either: the 404 of the name it gave
 
 
 def _lease_now(state: State, request: RequestContext, runtime: ModelView) -> Lease | None:

@@ -5,36 +5,37 @@ paths each role reaches is in ``paths.py`` (``INFER_PATHS`` and the rest), check
 ``needed_role``. ``ApiKeyMiddleware`` finds a presented key's scope by comparing it with every
 key in constant time, checks the role of the request and leaves the scope in the request's
 context (``requests.RequestContext.key_scope``) for the places that know the model: the proxy
-(``forward._forward``) and the routes naming a model or listing models. The role and the model
+(``route.decide``) and the routes naming a model or listing models. The role and the model
 are read from that same context, which the router routes by: the key check and the router
 never read a request differently. Keys are never logged.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from starlette.types import Scope
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import ModelNotFound, RouterError
-from .keyfile import ADMIN, INFER, METRICS, KeyScope
+from .errors import RouterError, Unauthorized, send_error
+from .keyfile import ADMIN, INFER, METRICS, KeyScope, scope_of
 from .paths import (
     ADMIN_PROXIED_PREFIXES,
     ADMIN_PROXIED_WRITES,
     INFER_PATHS,
     LISTING_PATHS,
     METRICS_PATHS,
+    PUBLIC_PATHS,
     READ_METHODS,
 )
 from .requests import RequestContext, context
 
 if TYPE_CHECKING:
-    from .supervisor import Supervisor
-    from .view import ModelView
+    from .webui import StaticUI
+
 
 class Forbidden(RouterError):
     """A valid API key whose scope does not reach the path or the model."""
@@ -90,26 +91,61 @@ def key_scope_of(scope: Scope) -> KeyScope | None:
     return context(scope).key_scope
 
 
-def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str
-                     ) -> ModelView:
-    """``supervisor.find(name)``, for a key limited to some models only among them: a model
-    outside its scope is not found, exactly as a name nobody uses (``not_found``), so a key
-    cannot probe which names exist."""
-    if key_scope is None or key_scope.pattern is None:
-        return supervisor.find(name)
-    try:
-        model = supervisor.find(name)
-    except ModelNotFound:
-        raise not_found(supervisor, key_scope, name) from None
-    if not key_scope.allows_model(model):
-        raise not_found(supervisor, key_scope, name)
-    return model
+class ApiKeyMiddleware:
+    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``.
 
+    Every decision reads the request's context (``requests.RequestContext``), the one the
+    router acts on: whether the request is public, the role it needs. A key with a scope
+    (``keys.ApiKey``) gets 403 for a request its roles do not reach, and leaves its scope in
+    the context for the checks that know the model (``route.resolve_in_scope``); a full-access
+    key (a plain string, or an ``ApiKey`` without a scope) costs nothing more than the
+    comparison."""
 
-def not_found(supervisor: Supervisor, key_scope: KeyScope, name: str) -> ModelNotFound:
-    """The 404 for ``name`` as a key limited to some models sees the router: its "did you
-    mean" is drawn from the names (ids and aliases) of its models alone, so it reads the same
-    whether ``name`` is another model's or nobody's."""
-    names = [n for model in supervisor.views() if key_scope.allows_model(model)
-             for n in (model.id, *model.aliases)]
-    return ModelNotFound(name, difflib.get_close_matches(name, names, n=3, cutoff=0.5))
+    def __init__(self, app: ASGIApp, keys: Sequence[str], webui: StaticUI | None = None) -> None:
+        self.app = app
+        scopes: dict[bytes, KeyScope] = {}
+        for key in keys:
+            if scopes.setdefault(key.encode(), scope_of(key)) != scope_of(key):
+                raise ValueError("an API key is given twice with different scopes")
+        self.keys = list(scopes)
+        self.hashes = [key_hash(key) for key in self.keys]  # what owns a resumable stream
+        # None: full access, nothing to check after the comparison.
+        self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
+        self.webui = webui
+
+    def _public(self, request: RequestContext) -> bool:
+        """The health checks, the dashboard's files, and ``/`` and the web UI's files, as
+        llama-server's UI files are (not with a model named: the router sends that request
+        to the model, as it reads the same ``request.model``). (No OPTIONS comes here:
+        ``cors.CorsMiddleware`` answers them all.)"""
+        return (request.path in PUBLIC_PATHS
+                or (self.webui is not None and request.method in ("GET", "HEAD")
+                    and request.model is None and self.webui.is_public(request.path)))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        request = context(scope)
+        if self._public(request):
+            await self.app(scope, receive, send)
+            return
+        presented = request.credential()
+        # Compare against every key so timing does not reveal which one matched (the keys are
+        # distinct: at most one matches, and ``found`` is its position, 1-based).
+        found = 0
+        for position, key in enumerate(self.keys, start=1):
+            found |= position * hmac.compare_digest(presented, key)
+        if not found:
+            await send_error(send, Unauthorized())
+            return
+        request.key_hash = self.hashes[found - 1]
+        key_scope = self.scopes[found - 1]
+        if key_scope is not None:
+            try:
+                check_path(key_scope, request)
+            except Forbidden as exc:
+                await send_error(send, exc)
+                return
+            request.key_scope = key_scope
+        await self.app(scope, receive, send)

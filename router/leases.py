@@ -3,11 +3,13 @@
 ``Leases.take`` picks a replica (the one with the most free slots, or by the request's prompt
 prefix when it has one: ``ModelRuntime.route``) and counts the request in flight,
 without awaiting anything, so nothing can stop the model between "it serves" and "it is in
-use". ``Lease.release`` gives it back exactly once, however the request ended. The owner (the
-supervisor) hears of the transitions it acts on through callbacks: a model's first request in
-flight (``on_busy``), its last one done (``on_idle``), and the last request of a replica that
-has left its model (a crash, a replacement) done (``on_replica_done``). A routing decision by
-prefix is reported to ``on_routed`` (the metrics), when set.
+use". ``Lease.release`` gives it back exactly once, however the request ended. The parts
+below that act on what leases change are told directly, never through the supervisor above:
+the CPU gate hears of a model's first request in flight and its last one done (``gate``:
+``CpuGate.busy``, ``CpuGate.idle``), the lifecycle of that last one (``apply``:
+``Executor.apply(runtime, Idle())``), and the executor of the last request of a replica that
+has left its model (a crash, a replacement: ``on_replica_done``). A routing decision by
+prefix is counted by ``on_routed`` (the metrics), when set.
 
 A request routed by prefix also holds a ``pace.Ticket`` in its replica's backlog (its expected
 work); when its response has ended, the child's ``timings`` in its last chunks (as the request's
@@ -17,16 +19,26 @@ context kept them) teach the replica's ``Pace`` (``Lease.learn``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from . import clock
 from .affinity import Prefix
 from .backend import Backend
+from .lifecycle import Event, Idle
 from .pace import Ticket
 from .runtime import ModelRuntime, Replica
 from .tail import ResponseTail
 
-ModelCallback = Callable[[ModelRuntime], None]
 RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
+Apply = Callable[[ModelRuntime, Event], object]  # ``Executor.apply``
+
+
+class Gate(Protocol):
+    """What takes turns among busy models (``cpugate.CpuGate``)."""
+
+    def busy(self, model: str) -> None: ...
+
+    def idle(self, model: str) -> None: ...
 
 
 class Lease:
@@ -62,10 +74,10 @@ class Lease:
 
 
 class Leases:
-    def __init__(self, *, on_busy: ModelCallback, on_idle: ModelCallback,
+    def __init__(self, *, gate: Gate, apply: Apply,
                  on_replica_done: Callable[[Replica], None]) -> None:
-        self._on_busy = on_busy
-        self._on_idle = on_idle
+        self._gate = gate
+        self._apply = apply
         self._on_replica_done = on_replica_done
         self.on_routed: RoutedCallback | None = None
 
@@ -87,7 +99,7 @@ class Leases:
         runtime.in_flight += 1
         runtime.used_at = now
         if runtime.in_flight == 1:
-            self._on_busy(runtime)
+            self._gate.busy(runtime.id)
         return Lease(self, runtime, replica, ticket)
 
     def release(self, runtime: ModelRuntime, replica: Replica,
@@ -100,4 +112,5 @@ class Leases:
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._on_replica_done(replica)
         if runtime.in_flight == 0:
-            self._on_idle(runtime)
+            self._gate.idle(runtime.id)
+            self._apply(runtime, Idle())

@@ -1,15 +1,16 @@
-"""Middleware and error handlers: request metrics and activity, the API key, and the
-switch that sends every non-local path to the proxy before any routing.
+"""The outermost middleware and the error handlers: every request's context is made here
+(``RequestMetricsMiddleware``), and counted, timed and recorded when it ends; the API key is
+checked next (``keys.ApiKeyMiddleware``, after ``cors``), then every path the router does not
+answer itself goes to the proxy before any routing (``forward.ProxyMiddleware``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -20,81 +21,18 @@ from .activity import Activity
 from .errors import (
     InternalError,
     RouterError,
-    Unauthorized,
     envelope,
     send_error,
     send_unexpected,
 )
-from .forward import proxy
-from .keyfile import KeyScope, scope_of
-from .keys import Forbidden, check_path, key_hash
 from .metrics import RouterMetrics
-from .paths import KNOWN_ENDPOINTS, PUBLIC_PATHS, READ_METHODS
-from .requests import BODY_TIMED_OUT, CONTEXT, RequestContext, context
-from .state import Shutdown, error_response
-from .webui import StaticUI
+from .paths import KNOWN_ENDPOINTS, READ_METHODS
+from .requests import BODY_TIMED_OUT, CONTEXT, RequestContext
+
+if TYPE_CHECKING:
+    from .state import Shutdown
 
 log = logging.getLogger("router.middleware")
-
-
-class ApiKeyMiddleware:
-    """Require one of ``keys`` as ``Authorization: Bearer <k>`` or ``X-Api-Key: <k>``.
-
-    Every decision reads the request's context (``requests.RequestContext``), the one the
-    router acts on: whether the request is public, the role it needs. A key with a scope
-    (``keys.ApiKey``) gets 403 for a request its roles do not reach, and leaves its scope in
-    the context for the checks that know the model (``keys.resolve_in_scope``); a full-access
-    key (a plain string, or an ``ApiKey`` without a scope) costs nothing more than the
-    comparison."""
-
-    def __init__(self, app: ASGIApp, keys: Sequence[str], webui: StaticUI | None = None) -> None:
-        self.app = app
-        scopes: dict[bytes, KeyScope] = {}
-        for key in keys:
-            if scopes.setdefault(key.encode(), scope_of(key)) != scope_of(key):
-                raise ValueError("an API key is given twice with different scopes")
-        self.keys = list(scopes)
-        self.hashes = [key_hash(key) for key in self.keys]  # what owns a resumable stream
-        # None: full access, nothing to check after the comparison.
-        self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
-        self.webui = webui
-
-    def _public(self, request: RequestContext) -> bool:
-        """The health checks, the dashboard's files, and ``/`` and the web UI's files, as
-        llama-server's UI files are (not with a model named: the router sends that request
-        to the model, as it reads the same ``request.model``). (No OPTIONS comes here:
-        ``cors.CorsMiddleware`` answers them all.)"""
-        return (request.path in PUBLIC_PATHS
-                or (self.webui is not None and request.method in ("GET", "HEAD")
-                    and request.model is None and self.webui.is_public(request.path)))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys:
-            await self.app(scope, receive, send)
-            return
-        request = context(scope)
-        if self._public(request):
-            await self.app(scope, receive, send)
-            return
-        presented = request.credential()
-        # Compare against every key so timing does not reveal which one matched (the keys are
-        # distinct: at most one matches, and ``found`` is its position, 1-based).
-        found = 0
-        for position, key in enumerate(self.keys, start=1):
-            found |= position * hmac.compare_digest(presented, key)
-        if not found:
-            await send_error(send, Unauthorized())
-            return
-        request.key_hash = self.hashes[found - 1]
-        key_scope = self.scopes[found - 1]
-        if key_scope is not None:
-            try:
-                check_path(key_scope, request)
-            except Forbidden as exc:
-                await send_error(send, exc)
-                return
-            request.key_scope = key_scope
-        await self.app(scope, receive, send)
 
 
 CLIENT_CLOSED_REQUEST = 499  # counted for a request whose client left before any answer
@@ -110,7 +48,7 @@ class RequestMetricsMiddleware:
     (``RequestContext.refused``) is answered here, and so is a failure that nothing inside
     answered, with the envelope (500)."""
 
-    def __init__(self, app: ASGIApp, metrics: Callable[[], RouterMetrics | None],
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics | None,
                  activity: Activity | None = None) -> None:
         self.app = app
         self.metrics = metrics
@@ -176,7 +114,7 @@ class RequestMetricsMiddleware:
         model = request.model_id
         proxied = not request.local
         tokens = request.tail().tokens if proxied and model else None
-        metrics = self.metrics()
+        metrics = self.metrics
         if metrics is not None:
             path = request.path
             metrics.observe_request(model, path if path in KNOWN_ENDPOINTS else "other", status,
@@ -215,19 +153,11 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 
-class ProxyMiddleware:
-    """Send every path the router does not answer itself to ``proxy`` before any routing."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not context(scope).local:
-            await proxy(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
-
-
 # For Starlette's exception middleware: every answer the router makes is the JSON envelope.
 EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
     RouterError: _router_error, HTTPException: _http_error, Exception: _unexpected}
+
+
+def error_response(exc: RouterError) -> Response:
+    """A route's failure as the envelope."""
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers)

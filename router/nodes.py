@@ -20,40 +20,26 @@ next turn first where its prompt is cached: ``placement.by_prefix``):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
 from . import hop
 from .affinity import PrefixTable, request_keys
-from .errors import ModelNotFound, Unavailable, UpstreamError
-from .keyfile import KeyScope
-from .keys import not_found, resolve_in_scope
+from .errors import Unavailable, UpstreamError
 from .peer import Peer
 from .peers import Peers
 from .placement import by_prefix, candidates
 from .proxy import FailOver, with_model
 from .requests import BODY_METHODS, RequestContext, target_with_model
-from .resumable import serves
 from .state import State
-from .supervisor import Supervisor
-from .view import ModelView
+
+if TYPE_CHECKING:
+    from .route import Route
 
 log = logging.getLogger("router.nodes")
 
 FAIL_OVER_STATUSES = frozenset({502, 503, 504})
-
-
-def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
-                ) -> ModelView | None:
-    """This router's own model named ``model``, or None; for a key limited to some models, a
-    model outside them (here or on any node) is not found, as a name nobody uses."""
-    try:
-        return resolve_in_scope(supervisor, key_scope, model)
-    except ModelNotFound:
-        if key_scope is not None and not key_scope.allows(model):
-            raise not_found(supervisor, key_scope, model) from None
-        return None
 
 
 def raise_if_elsewhere(peers: Peers, model: str, request: RequestContext) -> None:
@@ -73,17 +59,14 @@ def raise_if_elsewhere(peers: Peers, model: str, request: RequestContext) -> Non
 
 
 async def serve_across_nodes(state: State, scope: Scope, request: RequestContext,
-                             receive: Receive, send: Send, holders: list[Peer],
-                             local: ModelView | None, target: bytes) -> bool:
-    """Serve the request on the best node holding its model (the peers ``holders``, or
-    ``local``); False when that is this router (the caller serves it). Raises like
-    ``proxy.relay`` for the last node tried."""
+                             receive: Receive, send: Send, route: Route, target: bytes) -> bool:
+    """Serve the request on the best node holding its model (the peers ``route.holders``,
+    or this router's ``route.local``); False when that is this router (the caller serves
+    it). Raises like ``proxy.relay`` for the last node tried."""
     peers = state.peers
     assert peers is not None and request.model is not None and request.body is not None
-    if hop.came_through(request, peers.instance):
-        return False  # it came back: served here or refused, never sent round again
     model, parsed = request.model, request.parsed
-    order = candidates(holders, model, local, state.node)
+    order = candidates(route.holders, model, route.local, state.node)
     keys = request_keys(parsed) if parsed is not None else ()
     if keys:  # a conversation's next turn: where its prompt is cached (``affinity``)
         tables = peers.prefixes.setdefault(model, {})
@@ -97,7 +80,7 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
             return False
         fail_over = FAIL_OVER_STATUSES if index < len(order) - 1 else frozenset()
         try:
-            await _relay_to_peer(state, peer, scope, request, receive, send, model,
+            await _relay_to_peer(state, peer, scope, request, receive, send, route, model,
                                  candidate.peer_model or model, target, fail_over)
             return True
         except FailOver as exc:
@@ -112,18 +95,16 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
 
 
 async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: RequestContext,
-                         receive: Receive, send: Send, model: str, peer_model: str,
-                         target: bytes, fail_over: frozenset[int]) -> None:
+                         receive: Receive, send: Send, route: Route, model: str,
+                         peer_model: str, target: bytes, fail_over: frozenset[int]) -> None:
     body = request.body or b""
     # --peer-prefix: the peer knows the model by its own id; a request the default model took
     # names it, so that the peer serves the model the router decided (not its own default).
     if peer_model != model or request.defaulted:
         body, target = _renamed(body, request.parsed, request, target, peer_model)
     request.node = peer.node
-    conv_id = request.conv_id if body else None
-    if conv_id:  # a resumable stream: resumed through the peer that has it (``resumable``)
-        state.conversations.claim(conv_id, request.model_id or model, request.key_hash, peer,
-                                  running=serves(state.supervisor))
+    if route.conversation is not None:  # resumed through the peer that has it
+        route.conversation.served_by(peer)
     with peer.sending(model):
         await hop.relay(peer, scope, request, receive, send, scope["method"], target, body,
                         shutdown=state.shutdown, fail_over=fail_over)

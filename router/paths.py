@@ -1,6 +1,6 @@
 """Which paths the router answers itself, which it proxies, and how they are labelled.
 
-One set of tables for every part that must agree: the proxy (``middleware.ProxyMiddleware``
+One set of tables for every part that must agree: the proxy (``forward.ProxyMiddleware``
 sends everything not local to ``forward``), the API-key check (public paths, and what each role
 of a scoped key reaches: ``keys.needed_role``), the metrics (endpoint labels) and the web UI's
 page fallback (API roots never get it).

@@ -60,7 +60,7 @@ def by_prefix(order: list[Candidate], tables: dict[str, PrefixTable], keys: Sequ
     return [chosen, *(c for c in order if c is not chosen)], decision
 
 
-def candidates(holders: list[Peer], model: str, local: ModelView | None, node: str
+def candidates(holders: Sequence[Peer], model: str, local: ModelView | None, node: str
                ) -> list[Candidate]:
     """Every node that can serve ``model`` (the peers ``holders``, and ``local``, this
     router's own), in the order to try them."""

@@ -40,6 +40,7 @@ import hmac
 import json
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -98,10 +99,11 @@ class ConversationOwners:
         return len(self._owners)
 
     def claim(self, conv_id: str, model: str, key: str, child: Owner | None = None,
-              *, running: Callable[[str, Owner], bool] | None = None) -> None:
+              *, running: Callable[[str, Owner], bool] | None = None) -> Claim:
         """Remember that ``key``'s request for ``model`` uses ``conv_id`` (served by ``child``
-        once known). ConversationTaken when another key or model holds the id, unless the
-        child that kept its stream is known to be gone (``running`` says whether it serves)."""
+        once known: ``Claim.served_by``). ConversationTaken when another key or model holds
+        the id, unless the child that kept its stream is known to be gone (``running`` says
+        whether it serves)."""
         found = self._owners.get(conv_id)
         if found is not None and (found[0], found[2]) != (model, key):
             held_by = found[1]
@@ -111,6 +113,7 @@ class ConversationOwners:
         self._owners.move_to_end(conv_id)
         while len(self._owners) > self.capacity:
             self._owners.popitem(last=False)
+        return Claim(self, conv_id, model, key, running)
 
     def owner(self, conv_id: str, key: str) -> tuple[str, Owner | None] | None:
         """The model and child of ``key``'s conversation; None for an id unknown or held by
@@ -125,6 +128,23 @@ class ConversationOwners:
         """Forget ``key``'s conversation (another key's is left alone)."""
         if self.owner(conv_id, key) is not None:
             del self._owners[conv_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request's claim on its conversation id, made once (``route.decide``); the node or
+    child that serves the request is recorded on it when known."""
+
+    owners: ConversationOwners
+    conv_id: str
+    model: str
+    key: str
+    running: Callable[[str, Owner], bool] | None
+
+    def served_by(self, owner: Owner) -> None:
+        """Record the child (or peer) that serves the claimed conversation now; claims it
+        anew if the table forgot it meanwhile (it may still be refused then)."""
+        self.owners.claim(self.conv_id, self.model, self.key, owner, running=self.running)
 
 
 def serves(supervisor: Supervisor) -> Callable[[str, Owner], bool]:

@@ -32,16 +32,16 @@ from .errors import (
 )
 from .hop import came_through, forward_admin, loop_error, scrape
 from .keyfile import KeyScope
-from .keys import Forbidden, key_scope_of, resolve_in_scope
+from .keys import Forbidden, key_scope_of
 from .logs import LogRing
 from .metrics import CONTENT_TYPE, merge_child_metrics, only_models, render_merged
-from .nodes import local_model
 from .placement import admin_targets
 from .presets import ModelPreset
 from .requests import context, parse_json
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
+from .route import local_model, resolve_in_scope
 from .state import State, _state
 
 

@@ -27,6 +27,7 @@ from starlette.applications import Starlette
 
 from . import childenv, defaults, gpus, spawn
 from .app import State, create_app
+from .core import wire
 from .events import EventBus
 from .fdlimit import connection_cap, raise_soft_limit
 from .flags import FlagTable, Option, load_flag_table
@@ -170,6 +171,8 @@ def _build_info(binary: Path) -> str:
 def build_app(prepared: Prepared, notifier: Notifier | None = None,
               refusals: Refusals | None = None) -> Starlette:
     """The app; ``refusals``: what the HTTP/1.1 edge refused, for ``/metrics``."""
+    metrics = RouterMetrics()  # the edge counts into it from the first request
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
@@ -178,11 +181,10 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
         async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
                                      verify=False) as client:  # children: plain HTTP
             events = EventBus()
-            supervisor = Supervisor(prepared.settings, prepared.catalogue, prepared.table,
-                                    prepared.binary, client, events, gpus=prepared.gpus,
-                                    gpu_budgets=prepared.gpu_budgets)
+            supervisor = Supervisor(wire(prepared.settings, prepared.catalogue, prepared.table,
+                                         prepared.binary, client, events, gpus=prepared.gpus,
+                                         gpu_budgets=prepared.gpu_budgets))
             supervisor.start()
-            metrics = RouterMetrics()
             metrics.attach(supervisor)
             metrics.attach_edge(refusals or Refusals())
             router_log = LogRing(prepared.settings.log_lines)
@@ -218,7 +220,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
                 atexit.unregister(supervisor.kill_all_now)
                 logging.getLogger().removeHandler(ring_handler)
 
-    return create_app(lifespan, prepared.api_keys, webui=_webui(prepared),
+    return create_app(lifespan, prepared.api_keys, metrics, webui=_webui(prepared),
                       cors=CorsPolicy.parse(prepared.settings.cors_origins))
 
 

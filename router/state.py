@@ -9,10 +9,9 @@ from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from .defaults import DefaultModel
-from .errors import RouterError, ShuttingDown
+from .errors import ShuttingDown
 from .events import EventBus
 from .logs import LogRing
 from .metrics import RouterMetrics
@@ -99,7 +98,3 @@ class State:
 def _state(request: Request) -> State:
     state: State = request.app.state.router
     return state
-
-
-def error_response(exc: RouterError) -> Response:
-    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers)

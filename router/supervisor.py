@@ -10,8 +10,10 @@ Concurrency model (one asyncio loop, no threads):
   lifecycle accepts a ``LoadWanted`` (which also refuses loads and unloads that cannot happen
   now); every request for that model awaits it (shielded, so a waiter that gives up never
   cancels a load others share).
-* Admission is FIFO across models (``admission``); the planner's evictions and drains come
-  back here as lifecycle events.
+* Admission is FIFO across models (``admission``); the planner's evictions and drains go
+  to the executor as lifecycle events.
+* The parts are made and connected by the composition root (``core.wire``); every
+  connection points down, none back up into this façade.
 """
 
 from __future__ import annotations
@@ -19,106 +21,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 from typing import Any
 
-import httpx
-
-from .accounting import Accounting
-from .admission import Admission
 from .affinity import Prefix
 from .backend import Backend
-from .changes import Changes
-from .cpugate import CpuGate
-from .cpus import machine_cores
+from .core import Core
 from .errors import (
     ModelNotFound,
 )
-from .events import EventBus
-from .executor import Executor
-from .flags import FlagTable
-from .gpus import GpuDevice
-from .idle import reap_idle
-from .leases import Lease, Leases, RoutedCallback
+from .leases import Lease, RoutedCallback
 from .lifecycle import (
-    ChildGone,
-    ChildStarted,
     Closing,
-    Drain,
-    Idle,
-    LoadProgress,
-    Undrain,
     Unload,
 )
-from .liveness import Liveness
-from .loader import Loader
 from .memory import total_ram_bytes
-from .modelset import ModelSet
 from .presets import ModelPreset
-from .runtime import ModelRuntime, cpu_turn_members
-from .settings import Settings
+from .runtime import ModelRuntime
 from .sources import Catalogue
-from .spawner import Spawner
 from .view import ModelView
-from .wait import NOTHING_ELSE, Ends, ModelWait, refusal
+from .wait import NOTHING_ELSE, Ends, refusal
 
 log = logging.getLogger("router.supervisor")
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, catalogue: Catalogue, table: FlagTable,
-                 binary: Path, client: httpx.AsyncClient, events: EventBus, *,
-                 gpus: list[GpuDevice] | None = None,
-                 gpu_budgets: dict[str, int] | None = None,
-                 cores: list[int] | None = None, spawner: Spawner | None = None) -> None:
-        """``spawner``: what starts the children (default: llama-server processes and remote
-        upstreams; the scheduler simulation passes one that starts fake children)."""
-        self.settings = settings
-        # Cores shared among CPU children (``cpus``); empty when CPU sharing is off.
-        self.cores = (cores if cores is not None else machine_cores()) \
-            if settings.cpu_sharing else []
-        self.cpu_gate = CpuGate(lambda: cpu_turn_members(self.models.values()))
-        self.gpus = list(gpus or [])
-        self.accounting = Accounting(self.gpus)
-        self.model_set = ModelSet(catalogue, settings.log_lines)
-        self.models = self.model_set.records  # read-only here: ``ModelSet`` writes it
-        self.events = events
-        self.changes = Changes()
-        self._reaper: asyncio.Task[None] | None = None
-        self._sampler: asyncio.Task[None] | None = None
-        self._prober: asyncio.Task[None] | None = None
-        self.spawner = spawner or Spawner(binary, table, client, events,
-                                          router_port=settings.port, cores=self.cores,
-                                          gpus=self.gpus, models=self.models.values,
-                                          upstream_timeout=settings.upstream_timeout)
-        self.executor = Executor(settings, self.spawner, events, self.changes,
-                                 load=self._load, forget=self.model_set.forget,
-                                 download=lambda r, cancel: self.loader.fetch_files(r, cancel))
-        self.spawner.on_progress = lambda runtime, progress: self.executor.apply(
-            runtime, LoadProgress(progress))
-        self.spawner.on_started = lambda runtime, child: self.executor.apply(
-            runtime, ChildStarted(child))
-        self.spawner.on_gone = lambda runtime, child: self.executor.apply(
-            runtime, ChildGone(child))
-        self.admission = Admission(
-            settings, self.accounting, self.executor.apply, self.changes,
-            memory_budget=settings.memory_budget_bytes(), gpu_budgets=dict(gpu_budgets or {}),
-            models=self.models.values,
-            evict=self._evict,
-            drain=self._drain,
-            undrain=self._undrain)
-        self.loader = Loader(settings, self.executor, self.spawner, self.admission,
-                             self.accounting, self.changes)
-        self.liveness = Liveness(interval=settings.liveness_interval,
-                                 timeout=settings.liveness_timeout,
-                                 misses=settings.liveness_misses,
-                                 is_paused=self.cpu_gate.is_paused,
-                                 on_unresponsive=self.executor.kill_unresponsive)
-        self.leases = Leases(on_busy=self._on_busy, on_idle=self._on_idle,
-                             on_replica_done=self.executor.close_pool_later)
-        self.wait = ModelWait(settings, self.executor, self.admission, self.leases,
-                              self.models.values)
-        self.model_set.wire(self.executor, self.accounting, self.wait, self.changes)
+    """The façade: what the app asks of the models, answered by the core's parts
+    (``core.wire`` made and connected them; this class holds no state of its own)."""
+
+    def __init__(self, core: Core) -> None:
+        self.settings = core.settings
+        self.events = core.events
+        self.cores = core.cores
+        self.gpus = core.gpus
+        self.model_set = core.model_set
+        self.models = core.model_set.records  # read-only here: ``ModelSet`` writes it
+        self.changes = core.changes
+        self.cpu_gate = core.cpu_gate
+        self.accounting = core.accounting
+        self.spawner = core.spawner
+        self.executor = core.executor
+        self.admission = core.admission
+        self.loader = core.loader
+        self.liveness = core.liveness
+        self.leases = core.leases
+        self.wait = core.wait
+        self.background = core.background
 
     # ----------------------------------------------------------------- lookups
 
@@ -199,17 +146,7 @@ class Supervisor:
         replica = next((r for r in runtime.replicas if r.child is child), None)
         return None if replica is None else self.leases.take(runtime, replica)
 
-    def _on_busy(self, runtime: ModelRuntime) -> None:
-        self.cpu_gate.busy(runtime.id)
-
-    def _on_idle(self, runtime: ModelRuntime) -> None:
-        self.cpu_gate.idle(runtime.id)
-        self.executor.apply(runtime, Idle())
-
     # ----------------------------------------------------------------- loading
-
-    async def _load(self, runtime: ModelRuntime) -> None:
-        await self.loader.load(runtime)
 
     async def load(self, name: str) -> ModelRuntime:
         """Start loading a model and return at once (``POST /models/load``); BadRequest if
@@ -221,23 +158,6 @@ class Supervisor:
     def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
         """Download an hf-repo model into the HF cache (``POST /models``)."""
         return self.executor.start_download(runtime)
-
-    def _evict(self, model_id: str) -> None:
-        self.executor.stop(self.models[model_id], "evicted")
-
-    def _drain(self, model_id: str, waiting_for: str) -> None:
-        runtime = self.models[model_id]
-        if not runtime.draining:
-            log.info("draining to make room for %s", waiting_for,
-                     extra={"event": "drain", "model": runtime.id})
-        self.executor.apply(runtime, Drain(waiting_for, idle=runtime.in_flight == 0))
-
-    def _undrain(self, model_id: str) -> None:
-        runtime = self.models.get(model_id)
-        if runtime is not None and runtime.state.drained_for is not None:
-            log.info("serving again: no load waits for its room",
-                     extra={"event": "undrain", "model": runtime.id})
-            self.executor.apply(runtime, Undrain())
 
     # ----------------------------------------------------------------- the catalogue
 
@@ -277,26 +197,13 @@ class Supervisor:
         return runtime
 
     def start(self) -> None:
-        """Start background work (the idle reaper, measurement, liveness probes); ``close()``
-        stops it."""
-        self._reaper = asyncio.create_task(
-            reap_idle(self.models.values, self.settings.idle_timeout, self.executor.stop),
-            name="idle-reaper")
-        if self.cores:
-            self.cpu_gate.start()
-        self._sampler = asyncio.create_task(self.accounting.run(self.models.values),
-                                            name="accounting")
-        self._prober = asyncio.create_task(self.liveness.run(self.models.values),
-                                           name="liveness")
+        """Start background work (the idle reaper, measurement, liveness probes, the CPU
+        gate); ``close()`` stops it."""
+        self.background.start()
 
     async def close(self) -> None:
         """Stop every child (loading ones are killed); used at shutdown."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-        for task in (self._sampler, self._prober):
-            if task is not None:
-                task.cancel()
-        await self.cpu_gate.close()  # continue every paused child before stopping them
+        await self.background.close()  # continues every paused child before they stop
         busy = [task for r in self.models.values() for task in (r.download_task, r.load_task)
                 if task is not None and not task.done()]
         for runtime in list(self.models.values()):

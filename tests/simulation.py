@@ -48,6 +48,7 @@ import httpx
 from simloop import Stalled, VirtualTimeLoop
 
 from router import clock
+from router.core import wire
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
 from router.flags import FlagTable
@@ -327,9 +328,9 @@ class Simulation:
             crash_loop_limit=4, shutdown_grace=5.0))
         presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf"}),
                                   replicas=c.replicas[m]) for m in c.models}
-        sup = Supervisor(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
-                         cast(httpx.AsyncClient, None), self.events, cores=[],
-                         spawner=FakeSpawner(self))
+        sup = Supervisor(wire(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
+                              cast(httpx.AsyncClient, None), self.events, cores=[],
+                              spawner=FakeSpawner(self)))
         for runtime in sup.models.values():  # what the GGUF header would say
             runtime.estimate = MEMORY_UNIT * c.sizes[runtime.id] * c.replicas[runtime.id]
             sup.accounting._estimated.add(runtime.id)  # no header to read: a fake file

@@ -164,7 +164,7 @@ async def test_a_stream_is_recorded_with_ttft_from_the_first_non_empty_chunk(
     metrics, activity = RouterMetrics(), Activity()
     chunks = [(1.0, b""), (2.0, b'data: {"choices":[{"delta":{"content":"D"}}]}\n\n'),
               (0.5, STREAM_END), (0.5, DONE)]
-    app = RequestMetricsMiddleware(streaming_app(chunks, clock=clock), lambda: metrics,
+    app = RequestMetricsMiddleware(streaming_app(chunks, clock=clock), metrics,
                                    activity)
     response = await request(app, json={"model": "alpha", "messages": [
         {"role": "user", "content": "SECRET-PROMPT"}]})
@@ -187,12 +187,12 @@ async def test_a_stream_is_recorded_with_ttft_from_the_first_non_empty_chunk(
 async def test_a_json_body_in_one_chunk_and_a_body_never_sent(clock: Clock) -> None:
     activity = Activity()
     big = JSON_BODY.replace(b"SECRET-ANSWER", b"x" * 100_000)
-    app = RequestMetricsMiddleware(streaming_app([(0.125, big)], clock=clock), lambda: None,
+    app = RequestMetricsMiddleware(streaming_app([(0.125, big)], clock=clock), None,
                                    activity)
     await request(app, json={"model": "alpha"})
     assert activity.recent()[0].tokens == 4
     assert activity.recent()[0].ttft_s == 0.125
-    silent = RequestMetricsMiddleware(streaming_app([], queue_s=None), lambda: None, activity)
+    silent = RequestMetricsMiddleware(streaming_app([], queue_s=None), None, activity)
     await request(silent, json={"model": "alpha"})
     record = activity.recent()[0]
     assert record.ttft_s is None and record.tokens is None
@@ -202,7 +202,7 @@ async def test_a_json_body_in_one_chunk_and_a_body_never_sent(clock: Clock) -> N
 async def test_no_body_content_reaches_the_record_or_its_api(clock: Clock) -> None:
     activity = Activity()
     app = RequestMetricsMiddleware(streaming_app([(0.0, JSON_BODY)], clock=clock),
-                                   lambda: None, activity)
+                                   None, activity)
     await request(app, path="/v1/chat/completions?secret=SECRET-QUERY", json={
         "model": "alpha", "messages": [{"role": "user", "content": "SECRET-PROMPT"}]})
     text = json.dumps([asdict(r) for r in activity.records])

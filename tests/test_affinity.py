@@ -35,6 +35,7 @@ from router.affinity import (
     text_keys,
     token_keys,
 )
+from router.cpugate import CpuGate
 from router.errors import ModelNotLoaded
 from router.flags import FlagTable
 from router.leases import Leases
@@ -249,7 +250,7 @@ def runtime_with(replicas: int, parallel: int = 1, routing: str = "prefix") -> M
 
 
 def leases() -> Leases:
-    return Leases(on_busy=lambda r: None, on_idle=lambda r: None,
+    return Leases(gate=CpuGate(list), apply=lambda r, e: None,
                   on_replica_done=lambda r: None)
 
 

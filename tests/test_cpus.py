@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.core import wire
 from router.cpus import (
     CpuShare,
     all_layers_offloaded,
@@ -189,9 +190,9 @@ def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
                           replicas=replicas if name == "hot" else 1)
         for name, args in presets.items()})
     devices = [GpuDevice(0, "GPU-0", "Fake", 80 << 30)] if gpus else []
-    return Supervisor(Settings(cpu_sharing=cpu_sharing), catalogue, FlagTable([]),
-                      Path("/bin/true"), httpx.AsyncClient(), EventBus(), gpus=devices,
-                      cores=[0, 1, 2, 3])
+    return Supervisor(wire(Settings(cpu_sharing=cpu_sharing), catalogue, FlagTable([]),
+                           Path("/bin/true"), httpx.AsyncClient(), EventBus(), gpus=devices,
+                           cores=[0, 1, 2, 3]))
 
 
 def test_a_cpu_model_gets_every_core_and_replicas_split_them() -> None:

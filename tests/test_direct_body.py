@@ -99,7 +99,7 @@ def relay_app(pool: ChildConnections, activity: Activity, *, direct: bool = True
         await relay(pool, scope["method"], scope["raw_path"], [], b"", receive=receive,
                     send=send, direct=direct_body(scope) if direct else None)
     metrics = RouterMetrics()
-    return RequestMetricsMiddleware(app, lambda: metrics, activity)
+    return RequestMetricsMiddleware(app, metrics, activity)
 
 
 def dechunk(raw: bytes) -> tuple[bytes, bytes]:

@@ -10,11 +10,13 @@ import pytest
 from starlette.middleware.errors import ServerErrorMiddleware
 from test_activity import no_lifespan
 
-import router.middleware as middleware_module
+import router.forward as forward_module
 from router.activity import Activity
 from router.app import create_app
 from router.cors import CorsMiddleware
-from router.middleware import ApiKeyMiddleware, ProxyMiddleware, RequestMetricsMiddleware
+from router.forward import ProxyMiddleware
+from router.keys import ApiKeyMiddleware
+from router.middleware import RequestMetricsMiddleware
 
 
 async def request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -89,7 +91,7 @@ async def test_a_failure_after_the_answer_started_is_not_answered_twice(
         await send({"type": "http.response.start", "status": 200, "headers": []})
         raise RuntimeError("broke while answering")
 
-    monkeypatch.setattr(middleware_module, "proxy", half_answered)
+    monkeypatch.setattr(forward_module, "proxy", half_answered)
     app = create_app(no_lifespan, [])
     response = await request(app, "POST", "/v1/chat/completions", json={"model": "m"})
     assert response.status_code == 200  # the start went out; nothing else could follow it

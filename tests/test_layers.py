@@ -79,9 +79,13 @@ def test_the_edge_borrows_nothing_from_the_hot_path(module: str) -> None:
     assert not borrowed, f"{module} imports {borrowed} from the hot path"
 
 
-def test_middleware_only_hands_over_to_the_proxy() -> None:
-    """The middleware stack ends in the hot path's entry (``forward.proxy``) and takes nothing
-    else from it: its errors and envelope writers are the edge's own (``errors``)."""
-    taken = imports("middleware")
-    assert taken.get("forward") == {"proxy"}
-    assert not {"proxy", "upstream", "supervisor", "nodes", "hop"} & set(taken)
+def test_the_edge_middleware_takes_nothing_from_the_hot_path() -> None:
+    """The outer middleware (``middleware``, ``cors``, ``keys``) wraps whatever app it is
+    given: only the composition root (``app``) puts the hot path's entry
+    (``forward.ProxyMiddleware``) inside it. Their errors and envelope writers are the edge's
+    own (``errors``)."""
+    for module in ("middleware", "cors", "keys"):
+        taken = imports(module)
+        assert not {"forward", "proxy", "upstream", "supervisor", "nodes", "hop", "route",
+                    "state"} & set(taken), (module, sorted(taken))
+    assert imports("app")["forward"] == {"ProxyMiddleware"}

@@ -17,6 +17,7 @@ import pytest
 
 from router import clock
 from router.affinity import MISS, OVERRIDE, PREFIX_HIT, Prefix, request_prefix
+from router.cpugate import CpuGate
 from router.leases import Leases
 from router.logs import LogRing
 from router.pace import (
@@ -185,7 +186,7 @@ def two_one_slot_replicas() -> tuple[ModelRuntime, Leases]:
     runtime = ModelRuntime(preset, LogRing(10))
     runtime.state = replace(runtime.state, replicas=tuple(
         Replica(object.__new__(ChildProcess)) for _ in range(2)))
-    return runtime, Leases(on_busy=lambda r: None, on_idle=lambda r: None,
+    return runtime, Leases(gate=CpuGate(list), apply=lambda r, e: None,
                            on_replica_done=lambda r: None)
 
 

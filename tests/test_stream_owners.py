@@ -72,6 +72,30 @@ def test_conversation_owners_are_bounded_least_recently_used_first() -> None:
     assert owners.owner("b", A) is None and len(owners) == 2
 
 
+def test_a_claim_records_the_child_that_serves_it() -> None:
+    """A request claims its conversation once (``route.decide``), then records on that
+    claim the child (or peer) its lease or the nodes gave it."""
+    owners = ConversationOwners()
+    claim = owners.claim("conv", "m1", A, running=lambda m, c: True)
+    assert owners.owner("conv", A) == ("m1", None)
+    claim.served_by(child())
+    assert owners.owner("conv", A) == ("m1", CHILD)
+
+
+def test_a_claim_the_table_forgot_is_claimed_anew_and_never_takes_another_keys_id() -> None:
+    owners = ConversationOwners(capacity=1)
+    mine = owners.claim("conv", "m1", A, running=lambda m, c: True)
+    owners.claim("other", "m1", A)  # "conv" is forgotten: the table is full
+    assert owners.owner("conv", A) is None
+    mine.served_by(child())  # claimed again, with its child
+    assert owners.owner("conv", A) == ("m1", CHILD)
+    owners.claim("flood", "m1", A)  # forgotten again, and then another key takes the id
+    owners.claim("conv", "m2", B, child())
+    with pytest.raises(ConversationTaken):  # its child still serves: B's, not A's
+        mine.served_by(child())
+    assert owners.owner("conv", B) == ("m2", CHILD) and owners.owner("conv", A) is None
+
+
 # --------------------------------------------------------------------------- real children
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
