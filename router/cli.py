@@ -101,6 +101,12 @@ def _request_timeout_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for its model (default 120)")
     p.add_argument("--idle-timeout", type=float, default=S, metavar="S",
                    help="unload a model idle this many seconds (default 0: never; preset: ttl)")
+    p.add_argument("--state-dir", type=Path, default=S, metavar="DIR",
+                   help="warm swaps: save a model's slots (prompt caches) here before its "
+                   "children stop, restore them when it loads again (default: off)")
+    p.add_argument("--state-budget", default=S, metavar="SIZE",
+                   help="disk the saved slot states may take (default 10G; least recently "
+                   "used dropped first)")
 
 
 def _capacity_args(p: argparse.ArgumentParser) -> None:

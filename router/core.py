@@ -9,6 +9,8 @@ Every connection points down or sideways, never up into the façade:
   ``Undrain``);
 * leases tell the CPU gate and the executor of a model's first and last request in flight,
   and the executor of a replica's last request after it left its model;
+* warm swaps (``warm``, with ``--state-dir``) name the children's slot directory for the
+  spawner, save before the executor's stops and restore within the loader's loads;
 * liveness kills through the executor; the model set tells the executor, accounting and the
   wait of models added, changed and removed.
 
@@ -45,7 +47,9 @@ from .runtime import ModelRuntime, cpu_turn_members
 from .settings import Settings
 from .sources import Catalogue
 from .spawner import Spawner
+from .statestore import StateStore
 from .wait import ModelWait
+from .warm import WarmSwaps
 
 log = logging.getLogger("router.supervisor")
 
@@ -75,10 +79,13 @@ class Core:
 def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Path,
          client: httpx.AsyncClient, events: EventBus, *, gpus: list[GpuDevice] | None = None,
          gpu_budgets: dict[str, int] | None = None, cores: list[int] | None = None,
-         spawner: Spawner | None = None) -> Core:
+         spawner: Spawner | None = None, states: StateStore | None = None,
+         build: str = "unknown", warm: WarmSwaps | None = None) -> Core:
     """The core over ``catalogue``; ``spawner``: what starts the children (default:
     llama-server processes and remote upstreams; the scheduler simulation passes one that
-    starts fake children)."""
+    starts fake children); ``states``: the saved slot states of warm swaps (None: off), for
+    children of the llama-server ``build``; ``warm``: the warm swaps themselves (the
+    simulation passes its own)."""
     shared = (cores if cores is not None else machine_cores()) if settings.cpu_sharing else []
     devices = list(gpus or [])
     model_set = ModelSet(catalogue, settings.log_lines)
@@ -89,13 +96,22 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
     spawner = spawner or Spawner(binary, table, client, events, router_port=settings.port,
                                  cores=shared, gpus=devices, models=models.values,
                                  upstream_timeout=settings.upstream_timeout)
+    if warm is None and states is not None:
+        warm = WarmSwaps(states, build, client)
+    if warm is not None:
+        spawner.slot_dir = warm.slot_dir
     parts: dict[str, Loader] = {}  # the loader, made after the executor that starts its loads
 
     async def load(runtime: ModelRuntime) -> None:
         await parts["loader"].load(runtime)
 
-    executor = Executor(settings, spawner, events, changes, load=load,
-                        forget=model_set.forget,
+    def forget(runtime: ModelRuntime) -> None:
+        model_set.forget(runtime)
+        if warm is not None and runtime.id not in model_set.records:
+            warm.forget(runtime.id)  # its saved states go with its preset
+
+    executor = Executor(settings, spawner, events, changes, load=load, warm=warm,
+                        forget=forget,
                         download=lambda r, cancel: parts["loader"].fetch_files(r, cancel))
     spawner.on_progress = lambda runtime, progress: executor.apply(runtime,
                                                                    LoadProgress(progress))
@@ -107,7 +123,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                           gpu_budgets=dict(gpu_budgets or {}), models=models.values,
                           evict=evict, drain=drain, undrain=undrain)
     parts["loader"] = loader = Loader(settings, executor, spawner, admission, accounting,
-                                      changes)
+                                      changes, warm=warm)
     liveness = Liveness(interval=settings.liveness_interval, timeout=settings.liveness_timeout,
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)

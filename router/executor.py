@@ -32,6 +32,7 @@ from .changes import Changes
 from .errors import LoadFailed, ModelUnloaded
 from .events import EventBus
 from .lifecycle import (
+    DRAINED,
     UNLOADED,
     CancelDownload,
     CancelLoad,
@@ -63,6 +64,7 @@ from .process import ChildError, ChildExited
 from .runtime import ModelRuntime, Replica
 from .settings import Settings
 from .spawner import Spawner
+from .warm import WarmSwaps
 
 log = logging.getLogger("router.supervisor")
 
@@ -70,6 +72,10 @@ FAILURE_LOG_LINES = 20
 BACKOFF_CAP_S = 30.0
 
 ModelCallback = Callable[[ModelRuntime], None]
+
+
+# The stops whose model comes back as it was: its slots are saved first (warm swaps).
+WARM_STOPS = frozenset({DRAINED, UNLOADED, "idle"})
 
 
 def backoff_s(failures_in_row: int) -> float:
@@ -82,8 +88,10 @@ class Executor:
                  *, load: Callable[[ModelRuntime], Coroutine[Any, Any, None]],
                  forget: ModelCallback,
                  download: Callable[[ModelRuntime, threading.Event],
-                                    Coroutine[Any, Any, None]] | None = None) -> None:
+                                    Coroutine[Any, Any, None]] | None = None,
+                 warm: WarmSwaps | None = None) -> None:
         self.settings = settings
+        self._warm = warm  # saves the slots before a stop that keeps them (``warm``)
         self._spawner = spawner
         self._events = events
         self._changes = changes
@@ -217,6 +225,8 @@ class Executor:
             for replica in replicas:
                 if replica.in_flight:
                     replica.child.connections.abort_all(ended)
+        if self._warm is not None and reason in WARM_STOPS:
+            await self._warm.save(runtime.preset, [r.child for r in replicas])  # bounded
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))

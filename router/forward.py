@@ -26,8 +26,10 @@ from .errors import (
     send_error,
     send_unexpected,
 )
+from .keys import Forbidden
 from .nodes import serve_across_nodes
 from .paths import (
+    ADMIN_PROXIED_PREFIXES,
     API_ROOTS,
     CHILD_GET_PATHS,
     METHODS,
@@ -157,7 +159,20 @@ def _admit(state: State, scope: Scope) -> RequestContext:
         raise MethodNotAllowed(f"method {method} is not allowed")
     if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
         raise BadRequest("the request target must be an absolute path such as /v1/models")
-    return context(scope)
+    request = context(scope)
+    if state.supervisor.settings.state_dir is not None and _names_slot_files(request):
+        raise Forbidden("the children's slot files are the router's own with --state-dir "
+                        "(warm swaps): POST /slots/{id}?action=save or restore is refused; "
+                        "erase is allowed")
+    return request
+
+
+def _names_slot_files(request: RequestContext) -> bool:
+    """A ``/slots/{id}`` request asking a child to write or read a slot file (any ``action``
+    value that could mean save or restore, however often the query repeats it)."""
+    return request.path.startswith(ADMIN_PROXIED_PREFIXES) and any(
+        value.strip().lower() in ("save", "restore")
+        for value in request.params.getlist("action"))
 
 
 async def _default_or_page(state: State, scope: Scope, send: Send, request: RequestContext

@@ -40,6 +40,7 @@ from .lifecycle import (
 from .runtime import ModelRuntime, Replica
 from .settings import Settings
 from .spawner import Spawner
+from .warm import WarmSwaps
 
 log = logging.getLogger("router.supervisor")
 
@@ -48,8 +49,10 @@ DOWNLOAD_EVENT_INTERVAL_S = 0.25
 
 class Loader:
     def __init__(self, settings: Settings, executor: Executor, spawner: Spawner,
-                 admission: Admission, accounting: Accounting, changes: Changes) -> None:
+                 admission: Admission, accounting: Accounting, changes: Changes, *,
+                 warm: WarmSwaps | None = None) -> None:
         self.settings = settings
+        self._warm = warm  # restores the saved slots before the model serves (``warm``)
         self._executor = executor
         self._spawner = spawner
         self._admission = admission
@@ -121,6 +124,8 @@ class Loader:
         if errors:
             raise errors[0]
         own_info = await self._spawner.model_info(children[0])
+        if self._warm is not None:  # bounded; a refused state is only dropped
+            await self._warm.restore(preset, children)
         loaded_at = clock.now()
         duration = round(loaded_at - started, 4)
         runtime.last_load_s = duration

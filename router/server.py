@@ -49,6 +49,7 @@ from .peers import PeerError, Peers, default_node_name, dns_target, peer_url, re
 from .reload import Reloader
 from .settings import ConfigurationError, Settings
 from .sources import Catalogue, build_catalogue
+from .statestore import StateStore
 from .supervisor import Supervisor
 from .systemd import Notifier
 from .webui import MissingWebUI, StaticUI, WebUI
@@ -77,6 +78,7 @@ class Prepared:
     gpu_budgets: dict[str, int] = field(default_factory=dict)
     webui: Path | None = None  # the web UI folder to serve; None: none (see settings.webui)
     peer_key: str | None = None  # sent to peers (--peer-api-key-file); never logged
+    states: StateStore | None = None  # warm swaps' saved slot states (--state-dir); None: off
 
 
 def _check_peers(settings: Settings) -> str | None:
@@ -129,7 +131,22 @@ def prepare(settings: Settings) -> Prepared:
                  format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, api_keys,
                     _build_info(binary), devices, gpu_budgets, _webui_folder(settings),
-                    peer_key)
+                    peer_key, _state_store(settings))
+
+
+def _state_store(settings: Settings) -> StateStore | None:
+    """The saved slot states of ``--state-dir`` (scanned: leftovers removed), or None."""
+    if settings.state_dir is None:
+        return None
+    try:
+        store = StateStore(settings.state_dir, settings.state_budget_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError(f"--state-dir {settings.state_dir}: {exc}") from None
+    usage = store.usage()
+    log.info("warm swaps: slot states in %s (%d kept, %s of %s)", store.root,
+             sum(n for n, _ in usage.values()),
+             format_size(sum(b for _, b in usage.values())), format_size(store.budget_bytes))
+    return store
 
 
 def _webui_folder(settings: Settings) -> Path | None:
@@ -183,7 +200,8 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
             events = EventBus()
             supervisor = Supervisor(wire(prepared.settings, prepared.catalogue, prepared.table,
                                          prepared.binary, client, events, gpus=prepared.gpus,
-                                         gpu_budgets=prepared.gpu_budgets))
+                                         gpu_budgets=prepared.gpu_budgets,
+                                         states=prepared.states, build=prepared.build_info))
             supervisor.start()
             metrics.attach(supervisor)
             metrics.attach_edge(refusals or Refusals())

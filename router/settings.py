@@ -35,6 +35,7 @@ DEFAULT_LIVENESS_INTERVAL_S = 2.0
 DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 DEFAULT_LIVENESS_MISSES = 3
 DEFAULT_PEER_DNS_INTERVAL_S = 10.0
+DEFAULT_STATE_BUDGET = "10G"  # saved slot states (warm swaps), least recently used dropped
 DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
 
 
@@ -73,6 +74,11 @@ class Settings(BaseSettings):
     memory_budget: str | None = Field(
         None, description="bytes all children may use (e.g. 24G); default: RAM minus a "
         "margin; 'off' disables the check")
+    state_dir: Path | None = Field(
+        None, description="warm swaps: save a model's slots here before its children stop "
+        "(eviction, unload, idle TTL) and restore them into its next ones; default: off")
+    state_budget: str = Field(DEFAULT_STATE_BUDGET, description="bytes the saved slot "
+                              "states may take in --state-dir (least recently used dropped)")
     gpu_memory_budget: str | None = Field(
         None, description="bytes each GPU's children may use: 'auto' (default: the GPU's "
         "memory less 1 GiB), 'off', a size for every GPU, or INDEX=SIZE,...")
@@ -177,6 +183,19 @@ class Settings(BaseSettings):
         if value is not None and value.strip().lower() not in ("off", "none", "0"):
             parse_size(value)  # a ValueError becomes a validation error naming the setting
         return value
+
+    @field_validator("state_budget")
+    @classmethod
+    def _check_state_budget(cls, value: str) -> str:
+        from .memory import parse_size
+
+        parse_size(value)
+        return value
+
+    def state_budget_bytes(self) -> int:
+        from .memory import parse_size
+
+        return parse_size(self.state_budget)
 
     @field_validator("gpu_memory_budget")
     @classmethod

@@ -75,6 +75,8 @@ class Spawner:
         # its caller took it over (``ChildGone``): the model's ``starting`` phase.
         self.on_started: Callable[[ModelRuntime, Backend], None] = _nothing
         self.on_gone: Callable[[ModelRuntime, Backend], None] = _nothing
+        # The ``--slot-save-path`` of a preset's children, when it has warm swaps (``warm``).
+        self.slot_dir: Callable[[ModelPreset], Path | None] | None = None
         # Per model, the last load progress each of its children being started reported
         # (``load_progress``).
         self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
@@ -176,6 +178,9 @@ class Spawner:
             try:
                 port = free_port()
                 argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
+                slot_dir = self.slot_dir(runtime.preset) if self.slot_dir else None
+                if slot_dir is not None:
+                    argv += ["--slot-save-path", str(slot_dir)]
                 env = {**child_environment(), **spin_environment()} if self.cores else None
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,

@@ -28,6 +28,10 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
 * every request is answered within its wait budget plus a bound, and at the end no model is
   left draining or waited for, and no fake child is left running.
 
+A third of the schedules (``saves="hang"``) run with warm swaps whose every slot save hangs (a
+child that never answers ``action=save``): the real ``WarmSwaps.save`` bound ends each one, and
+the invariants above must hold all the same.
+
 ``run_schedule(seed)`` returns the violations found (empty: none); the seed alone reproduces the
 run exactly.
 """
@@ -38,7 +42,7 @@ import asyncio
 import contextlib
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -48,6 +52,7 @@ import httpx
 from simloop import Stalled, VirtualTimeLoop
 
 from router import clock
+from router.backend import Backend
 from router.core import wire
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
@@ -61,8 +66,10 @@ from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner
 from router.state import Shutdown
+from router.statestore import PendingSave, SavedState, StateStore
 from router.supervisor import Supervisor
 from router.wait import Ends
+from router.warm import WarmSwaps
 
 MODEL_IDS = ("a", "b", "c", "d")
 MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget
@@ -233,6 +240,29 @@ class FakeChild:
         pass
 
 
+class HangingSaves(WarmSwaps):
+    """Warm swaps whose children never answer a save: only ``WarmSwaps.save``'s own bound
+    (``SAVE_BOUND_S``) ends it. Nothing is restored; no file is touched."""
+
+    def __init__(self) -> None:
+        super().__init__(cast(StateStore, None), "sim", cast(httpx.AsyncClient, None))
+        self.hung = 0  # saves started (each one cut by the bound, or by a cancel)
+
+    def fingerprint_of(self, preset: ModelPreset) -> str | None:
+        return "0" * 64
+
+    async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
+                          pending: list[PendingSave], kept: list[SavedState]) -> None:
+        self.hung += 1
+        await asyncio.Event().wait()
+
+    async def restore(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
+        return 0
+
+    def forget(self, model_id: str) -> None:
+        pass
+
+
 class FakeSpawner(Spawner):
     """Starts ``FakeChild``ren: each start takes a random time and may fail or hang."""
 
@@ -296,9 +326,14 @@ class Simulation:
     children: list[FakeChild] = field(default_factory=list)
     events: SimEvents = field(default_factory=SimEvents)
     trace: list[str] = field(default_factory=list)
+    saves: str | None = None  # "hang": warm swaps whose saves hang; "none"; default: drawn
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        if self.saves is None:  # its own generator: the other draws of a seed stay the same
+            self.saves = "hang" if random.Random(self.seed * 7919 + 2).random() < 1 / 3 \
+                else "none"
+        self.warm = HangingSaves() if self.saves == "hang" else None
         # A quarter of the schedules shut down while their traffic still runs (its own
         # generator: the other draws of a seed stay what they were).
         self.shutdown_live = (self.script is None
@@ -330,7 +365,7 @@ class Simulation:
                                   replicas=c.replicas[m]) for m in c.models}
         sup = Supervisor(wire(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
                               cast(httpx.AsyncClient, None), self.events, cores=[],
-                              spawner=FakeSpawner(self)))
+                              spawner=FakeSpawner(self), warm=self.warm))
         for runtime in sup.models.values():  # what the GGUF header would say
             runtime.estimate = MEMORY_UNIT * c.sizes[runtime.id] * c.replicas[runtime.id]
             sup.accounting._estimated.add(runtime.id)  # no header to read: a fake file
@@ -715,7 +750,8 @@ def describe(sim: Simulation, trace_lines: int = 40) -> str:
             f"{c.memory_budget} (sizes {c.sizes}), replicas {c.replicas}, fairness "
             f"{c.fairness:g} s, wait budget {c.wait_budget:g} s, stop timeout "
             f"{c.stop_timeout:g} s, liveness {c.liveness}, ttl {c.ttl:g}"
-            + (", shut down with traffic running" if sim.shutdown_live else ""))
+            + (", shut down with traffic running" if sim.shutdown_live else "")
+            + (", every slot save hangs" if sim.saves == "hang" else ""))
     return "\n".join([head, *sim.violations[:10], "trace (last lines):",
                       *sim.trace[-trace_lines:]])
 

@@ -345,7 +345,7 @@ def test_changing_the_routing_updates_in_place_without_a_restart() -> None:
 class KeySupervisor:
     """What ``forward.proxy`` asks of a supervisor; records the prefix it is given."""
 
-    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True)
+    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
 
     def __init__(self, preset: ModelPreset) -> None:
         self.preset = preset

@@ -69,7 +69,7 @@ def test_every_hop_by_hop_header_is_dropped_from_responses() -> None:
 class FakeSupervisor:
     """Just what ``forward.proxy`` asks of the supervisor: every model is served by ``pool``."""
 
-    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True)
+    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
 
     def __init__(self, pool: ChildConnections) -> None:
         self.pool = pool

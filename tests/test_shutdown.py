@@ -74,7 +74,7 @@ class FakeSupervisor:
     """What ``forward.proxy`` asks of the supervisor: model ``m`` is served by ``pool``; model
     ``loading`` never finishes loading."""
 
-    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True)
+    settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
 
     def __init__(self, pool: ChildConnections) -> None:
         self.pool = pool

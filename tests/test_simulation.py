@@ -134,6 +134,24 @@ def test_random_schedules_keep_every_invariant() -> None:
                           + "\n\n".join(describe(s) for s in failures))
 
 
+def test_saves_that_hang_never_wedge_a_swap() -> None:
+    """Warm swaps whose every slot save hangs: each stop that saves is held by the save's
+    bound only (``warm.SAVE_BOUND_S``), and every invariant holds (no wedge, every request
+    answered within its budget, nothing left running)."""
+    hung = 0
+    failures = []
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SCHEDULES // 4, 10)):
+        sim = run_schedule(seed, saves="hang")
+        assert sim.warm is not None
+        hung += sim.warm.hung
+        if sim.violations:
+            failures.append(sim)
+            if len(failures) >= 3:
+                break
+    assert not failures, "\n\n".join(describe(s) for s in failures)
+    assert hung > 0  # saves did hang: evictions, unloads or idle TTLs happened
+
+
 def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
     """A load task cancelled before its first step never runs its body; the lifecycle still
     learns it ended (``LoadEnded``), so the next request starts a new load instead of

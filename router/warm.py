@@ -1,0 +1,211 @@
+"""Warm swaps: a model's slots are saved before its children stop and restored into its next
+children, so that a conversation's next turn comes from the prompt cache after an eviction,
+an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
+
+* A child of a model with warm swaps starts with ``--slot-save-path`` set to the store's
+  directory of its model and configuration (``slot_dir``; the fingerprint of its model files,
+  the arguments that shape its KV cache and the llama-server build), so a state is never
+  restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
+  upstream, or a model without a model file gets none.
+* ``save`` (the executor, before it stops the children for an eviction, an unload or the idle
+  TTL): every slot holding at least ``MIN_TOKENS`` tokens (``GET /slots``) is saved
+  (``POST /slots/{id}?action=save``) under a name the store makes, then committed (checked
+  against the child's answer and checksummed). All of a stop's saves together get
+  ``SAVE_BOUND_S``: a save that takes longer is abandoned, its temp file removed, and the
+  stop goes on; a save never holds a swap longer than that.
+* ``restore`` (the loader, once every new child is healthy and before the model is
+  ``loaded``): the model's verified states, newest first, one per slot, each into the slot it
+  was saved from, within ``RESTORE_BOUND_S`` in all. A state the child refuses is discarded
+  with a warning; it is never served again.
+* A model removed from the configuration takes its saved states with it (``forget``).
+* A state's slot number covers its replica: ``replica * n_slots + slot``, so that the
+  replicas of a model never overwrite each other's states.
+
+The children are asked through the router's client for its children; nothing here runs
+without a bound, and nothing it does is answered to a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .backend import Backend
+from .presets import ModelPreset
+from .statestore import PendingSave, SavedState, StateStore, fingerprint
+
+log = logging.getLogger("router.warm")
+
+MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
+SAVE_BOUND_S = 10.0  # all the saves of one stop together
+RESTORE_BOUND_S = 10.0  # all the restores of one load together
+LISTING_TIMEOUT_S = 5.0  # GET /slots
+
+
+class WarmSwaps:
+    def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient) -> None:
+        self.store = store
+        self._build = build
+        self._client = client
+        self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
+
+    # ----------------------------------------------------------------- configuration
+
+    def fingerprint_of(self, preset: ModelPreset) -> str | None:
+        """The fingerprint of the preset's configuration; None when it gets no warm swaps
+        (see the module docstring) or its model file cannot be read."""
+        cached = self._fingerprints.get(preset.id)
+        if cached is not None and cached[0] is preset:
+            return cached[1]
+        found: str | None = None
+        if preset.upstream is None and preset.model_path is not None \
+                and "slot-save-path" not in preset.args:
+            files = [Path(preset.model_path)]
+            if preset.args.get("mmproj"):
+                files.append(Path(preset.args["mmproj"]))
+            try:
+                found = fingerprint(files, preset.args, self._build)
+                self.store.directory(preset.id, found)
+            except (OSError, ValueError) as exc:
+                log.warning("no warm swaps for this model: %s", exc, extra={"model": preset.id})
+                found = None
+        self._fingerprints[preset.id] = (preset, found)
+        return found
+
+    def slot_dir(self, preset: ModelPreset) -> Path | None:
+        """The ``--slot-save-path`` of the preset's children, or None."""
+        found = self.fingerprint_of(preset)
+        return None if found is None else self.store.directory(preset.id, found)
+
+    def forget(self, model_id: str) -> None:
+        """Remove every saved state of a model whose preset is gone (it no longer runs)."""
+        self._fingerprints.pop(model_id, None)
+        try:
+            removed = self.store.remove_model(model_id)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot remove the saved slot states: %s", exc,
+                        extra={"model": model_id})
+            return
+        if removed:
+            log.info("removed %d saved slot states with the model", removed,
+                     extra={"event": "state_removed", "model": model_id})
+
+    # ----------------------------------------------------------------- saving
+
+    async def save(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
+        """Save the worthwhile slots of ``children`` (the replicas, in order) within
+        ``SAVE_BOUND_S``; how many were kept."""
+        found = self.fingerprint_of(preset)
+        if found is None or not children:
+            return 0
+        kept: list[SavedState] = []
+        pending: list[PendingSave] = []
+        try:
+            async with asyncio.timeout(SAVE_BOUND_S):
+                for index, child in enumerate(children):
+                    await self._save_child(preset.id, found, index, child, pending, kept)
+        except TimeoutError:
+            log.warning("saving slot states took over %g s; stopping without the rest",
+                        SAVE_BOUND_S, extra={"event": "state_save_slow", "model": preset.id})
+        finally:
+            for left in pending:  # cut off, or failed: its temp file goes
+                await asyncio.to_thread(self.store.abandon, left)
+        if kept:
+            log.info("saved %d slot states (%d tokens, %d bytes)", len(kept),
+                     sum(s.n_saved for s in kept), sum(s.n_written for s in kept),
+                     extra={"event": "state_saved", "model": preset.id})
+        return len(kept)
+
+    async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
+                          pending: list[PendingSave], kept: list[SavedState]) -> None:
+        slots = await self._slots(child)
+        for slot in slots:
+            if not _worth_saving(slot):
+                continue
+            number = index * len(slots) + int(slot["id"])
+            save = await asyncio.to_thread(self.store.begin_save, model_id, found, number)
+            pending.append(save)
+            answer = await self._action(child, int(slot["id"]), "save", save.filename)
+            if answer is None:
+                continue  # abandoned with the others
+            pending.remove(save)
+            commit = await asyncio.to_thread(self.store.commit, save, answer)
+            if commit.state is not None:
+                kept.append(commit.state)
+            elif commit.problem:
+                log.warning("slot %d not saved: %s", number, commit.problem,
+                            extra={"model": model_id})
+
+    # ----------------------------------------------------------------- restoring
+
+    async def restore(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
+        """Restore the model's states into ``children`` (the new replicas, in order) within
+        ``RESTORE_BOUND_S``; how many were restored."""
+        found = self.fingerprint_of(preset)
+        if found is None or not children:
+            return 0
+        states = await asyncio.to_thread(self.store.states, preset.id, found)
+        restored = 0
+        try:
+            async with asyncio.timeout(RESTORE_BOUND_S):
+                n_slots = len(await self._slots(children[0])) if states else 0
+                for state in states:
+                    index, slot = divmod(state.slot, n_slots) if n_slots else (0, state.slot)
+                    if index >= len(children):
+                        continue  # fewer replicas now
+                    restored += await self._restore_one(preset.id, children[index], slot,
+                                                        state)
+        except TimeoutError:
+            log.warning("restoring slot states took over %g s; serving without the rest",
+                        RESTORE_BOUND_S, extra={"event": "state_restore_slow",
+                                                "model": preset.id})
+        if restored:
+            log.info("restored %d slot states", restored,
+                     extra={"event": "state_restored", "model": preset.id})
+        return restored
+
+    async def _restore_one(self, model_id: str, child: Backend, slot: int,
+                           state: SavedState) -> int:
+        answer = await self._action(child, slot, "restore", state.filename)
+        if answer is None or answer.get("n_restored") != state.n_saved:
+            log.warning("slot state %s refused by the child: discarded", state.filename,
+                        extra={"event": "state_refused", "model": model_id})
+            await asyncio.to_thread(self.store.discard, state)
+            return 0
+        await asyncio.to_thread(self.store.touch, state)
+        return 1
+
+    # ----------------------------------------------------------------- the child's API
+
+    async def _slots(self, child: Backend) -> list[dict[str, Any]]:
+        """The child's slots (``GET /slots``); none when it has no such endpoint."""
+        try:
+            response = await self._client.get(f"{child.base_url}/slots",
+                                              timeout=LISTING_TIMEOUT_S)
+            listing = response.json() if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return []
+        return [s for s in listing if isinstance(s, dict) and isinstance(s.get("id"), int)
+                and not isinstance(s.get("id"), bool)] if isinstance(listing, list) else []
+
+    async def _action(self, child: Backend, slot: int, action: str, filename: str
+                      ) -> dict[str, Any] | None:
+        """The child's answer to ``POST /slots/{slot}?action=...``, or None if it failed."""
+        try:
+            response = await self._client.post(
+                f"{child.base_url}/slots/{slot}", params={"action": action},
+                json={"filename": filename}, timeout=None)  # bounded by the caller
+            answer = response.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return answer if response.status_code == 200 and isinstance(answer, dict) else None
+
+
+def _worth_saving(slot: dict[str, Any]) -> bool:
+    tokens = slot.get("n_prompt_tokens")
+    return isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= MIN_TOKENS

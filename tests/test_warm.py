@@ -1,0 +1,264 @@
+"""Warm swaps in process (``router/warm.py``): saves and restores against a stand-in child
+(an ``httpx.MockTransport`` that writes and reads slot files as llama-server does), the bounds
+that end a save or a restore that hangs, and the router's refusal of a client's slot files.
+The real llama-server: tests/test_warm_real.py; a save that hangs in the whole scheduling core:
+tests/test_simulation.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+
+from router import warm
+from router.backend import Backend
+from router.errors import Unavailable
+from router.flags import FlagTable
+from router.presets import ModelPreset
+from router.server import Prepared, build_app
+from router.settings import Settings
+from router.sources import build_catalogue
+from router.state import State
+from router.statestore import StateStore
+from router.warm import MIN_TOKENS, WarmSwaps
+
+GUARD_S = 30.0  # a hang guard, never a measurement
+
+
+class StandIn:
+    """One child's slots as llama-server keeps them: ``tokens`` per slot id; a save writes
+    ``bytes_per_token`` bytes a token into ``directory`` (its --slot-save-path)."""
+
+    def __init__(self, directory: Path, tokens: list[int], *, bytes_per_token: int = 8) -> None:
+        self.directory = directory
+        self.tokens = tokens
+        self.bytes_per_token = bytes_per_token
+        self.hang: str | None = None  # "save" or "restore": that action never answers
+        self.restored: list[tuple[int, str]] = []
+        self.refuse_restore = False
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/slots":
+            return httpx.Response(200, json=[{"id": i, "n_prompt_tokens": n, "is_processing":
+                                              False} for i, n in enumerate(self.tokens)])
+        slot = int(request.url.path.rsplit("/", 1)[1])
+        action = request.url.params["action"]
+        filename = json.loads(request.content)["filename"]
+        if self.hang == action:
+            await asyncio.Event().wait()
+        path = self.directory / filename
+        if action == "save":
+            size = self.tokens[slot] * self.bytes_per_token
+            path.write_bytes(bytes([slot]) * size)
+            return httpx.Response(200, json={"id_slot": slot, "filename": filename,
+                                             "n_saved": self.tokens[slot], "n_written": size,
+                                             "timings": {"save_ms": 1.0}})
+        if self.refuse_restore or not path.is_file():
+            return httpx.Response(400, json={"error": {"code": 400, "message": "no"}})
+        self.restored.append((slot, filename))
+        return httpx.Response(200, json={"id_slot": slot, "filename": filename,
+                                         "n_restored": path.stat().st_size // 8,
+                                         "n_read": path.stat().st_size})
+
+
+def child(name: str) -> Backend:
+    return cast(Backend, SimpleNamespace(base_url=f"http://{name}"))
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> ModelPreset:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return ModelPreset("m", MappingProxyType({"model": str(path), "ctx-size": "4096"}))
+
+
+def swaps(tmp_path: Path, stand_ins: dict[str, StandIn]) -> tuple[WarmSwaps, StateStore]:
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await stand_ins[request.url.host].handle(request)
+
+    store = StateStore(tmp_path / "states", 1 << 30)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(route))
+    return WarmSwaps(store, "b11434", client), store
+
+
+async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
+        tmp_path: Path, model: ModelPreset) -> None:
+    store_dir = tmp_path / "states"
+    stand_in = StandIn(store_dir, [MIN_TOKENS * 4, MIN_TOKENS - 1, MIN_TOKENS])
+    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None and directory.is_relative_to(store.root)
+    stand_in.directory = directory
+    assert await swaps_.save(model, [child("a")]) == 2  # slot 1 holds too few tokens
+    assert sorted(s.slot for s in store.states("m", directory.name)) == [0, 2]
+    assert await swaps_.restore(model, [child("a")]) == 2
+    assert sorted(slot for slot, _ in stand_in.restored) == [0, 2]
+    assert not list(directory.glob("tmp-*"))
+
+
+async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
+                                                        model: ModelPreset) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    stand_in.directory = directory
+    assert await swaps_.save(model, [child("a")]) == 1
+    swaps_.forget("m")
+    assert store.usage() == {} and not directory.parent.exists()
+
+
+async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset) -> None:
+    stand_ins = {"a": StandIn(tmp_path, [MIN_TOKENS, MIN_TOKENS]),
+                 "b": StandIn(tmp_path, [MIN_TOKENS * 2, 0])}
+    swaps_, _ = swaps(tmp_path, stand_ins)
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    for stand_in in stand_ins.values():
+        stand_in.directory = directory
+    assert await swaps_.save(model, [child("a"), child("b")]) == 3
+    assert await swaps_.restore(model, [child("a"), child("b")]) == 3
+    assert sorted(s for s, _ in stand_ins["a"].restored) == [0, 1]
+    assert [s for s, _ in stand_ins["b"].restored] == [0]
+    # One replica now: the second one's state has nowhere to go, and is not forced anywhere.
+    stand_ins["a"].restored.clear()
+    assert await swaps_.restore(model, [child("a")]) == 2
+
+
+async def test_a_save_that_hangs_is_cut_by_its_bound_and_leaves_no_file(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warm, "SAVE_BOUND_S", 0.2)
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    stand_in.directory = directory
+    stand_in.hang = "save"
+    async with asyncio.timeout(GUARD_S):
+        assert await swaps_.save(model, [child("a")]) == 0
+    assert not list(directory.iterdir()) and store.usage() == {}
+
+
+async def test_a_restore_that_hangs_or_is_refused_serves_without_it(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warm, "RESTORE_BOUND_S", 0.2)
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    stand_in.directory = directory
+    assert await swaps_.save(model, [child("a")]) == 1
+    stand_in.hang = "restore"
+    async with asyncio.timeout(GUARD_S):
+        assert await swaps_.restore(model, [child("a")]) == 0
+    assert store.usage() == {"m": (1, MIN_TOKENS * 8)}  # kept: the child never answered
+    stand_in.hang, stand_in.refuse_restore = None, True
+    assert await swaps_.restore(model, [child("a")]) == 0
+    assert store.usage() == {}  # refused: discarded, never offered again
+
+
+async def test_a_save_whose_answer_does_not_match_its_file_is_not_kept(
+        tmp_path: Path, model: ModelPreset) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    stand_in.directory = directory
+    original = stand_in.handle
+
+    async def lying(request: httpx.Request) -> httpx.Response:
+        response = await original(request)
+        if request.url.params.get("action") == "save":
+            body = json.loads(response.content)
+            return httpx.Response(200, json={**body, "n_written": body["n_written"] + 1})
+        return response
+
+    stand_in.handle = lying  # type: ignore[method-assign]
+    assert await swaps_.save(model, [child("a")]) == 0
+    assert store.usage() == {} and not list(directory.iterdir())
+
+
+@pytest.mark.parametrize("preset", [
+    ModelPreset("remote", MappingProxyType({}), upstream="http://elsewhere:8080"),
+    ModelPreset("own", MappingProxyType({"model": "/m.gguf", "slot-save-path": "/x"})),
+    ModelPreset("missing", MappingProxyType({"model": "/no/such/file.gguf"})),
+], ids=["remote upstream", "its own slot-save-path", "model file missing"])
+async def test_models_without_warm_swaps(tmp_path: Path, preset: ModelPreset) -> None:
+    swaps_, _ = swaps(tmp_path, {})
+    assert swaps_.slot_dir(preset) is None
+    assert await swaps_.save(preset, [child("a")]) == 0
+    assert await swaps_.restore(preset, [child("a")]) == 0
+
+
+def test_a_changed_model_file_changes_the_directory(tmp_path: Path,
+                                                    model: ModelPreset) -> None:
+    swaps_, _ = swaps(tmp_path, {})
+    before = swaps_.slot_dir(model)
+    Path(model.args["model"]).write_bytes(b"GGUF" + bytes(61))
+    reloaded = ModelPreset("m", MappingProxyType(dict(model.args)))  # a reload's new preset
+    assert swaps_.slot_dir(reloaded) != before
+    other_ctx = ModelPreset("m", MappingProxyType({**model.args, "ctx-size": "8192"}))
+    assert swaps_.slot_dir(other_ctx) not in (before, swaps_.slot_dir(reloaded))
+
+
+# ------------------------------------------------------------- a client's slot files
+
+@pytest.fixture
+async def app(tmp_path: Path, help_table: FlagTable) -> AsyncIterator[tuple[Starlette, list[str]]]:
+    """The app over one model with --state-dir (never started); yields it and the models
+    acquired."""
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    presets = tmp_path / "models.ini"
+    presets.write_text(f"version = 1\n[m]\nmodel = {tmp_path / 'm.gguf'}\n")
+    config = Settings(presets=[presets], llama_server=tmp_path / "never-started", webui=False,
+                      state_dir=tmp_path / "states")
+    catalogue = build_catalogue([presets], [], help_table, [])
+    application = build_app(Prepared(config, tmp_path / "never-started", help_table, [],
+                                     catalogue, [], "test"))
+    acquired: list[str] = []
+    async with application.router.lifespan_context(application):
+        state: State = application.state.router
+
+        async def acquire(model: str, **kw: Any) -> Any:
+            acquired.append(model)
+            raise Unavailable("recorded, not served")
+
+        state.supervisor.acquire = acquire  # type: ignore[method-assign]
+        yield application, acquired
+
+
+@pytest.mark.parametrize("target", [
+    "/slots/0?action=save", "/slots/0?action=restore", "/slots/0?action=SAVE",
+    "/slots/0?action=erase&action=restore", "/slots/0?action=save&action=erase",
+    "/slots/0?%61ction=save", "/slots/0?action=%72estore", "/slots/0?action=save%20",
+    "/slots/-1?action=save", "/%73lots/0?action=save"])
+async def test_a_client_cannot_name_a_slot_file(app: tuple[Starlette, list[str]],
+                                                target: str) -> None:
+    application, acquired = app
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application),
+                                 base_url="http://router") as client:
+        response = await client.post(target + "&model=m", json={"filename": "../../etc/x"})
+    assert response.status_code == 403, response.text
+    assert "slot files are the router's own" in response.json()["error"]["message"]
+    assert acquired == []  # refused before any model was asked for
+
+
+@pytest.mark.parametrize("target", ["/slots/0?action=erase", "/slots?model=m"])
+async def test_what_writes_no_file_still_goes_to_the_child(
+        app: tuple[Starlette, list[str]], target: str) -> None:
+    application, acquired = app
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application),
+                                 base_url="http://router") as client:
+        if "?model" in target:
+            response = await client.get(target)
+        else:
+            response = await client.post(target + "&model=m", json={})
+    assert response.status_code == 503, response.text  # the recording stand-in's answer
+    assert acquired == ["m"]

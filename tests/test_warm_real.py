@@ -1,0 +1,143 @@
+"""Warm swaps against the real llama-server (``router/warm.py``): with ``--state-dir``, a
+model evicted by a swap (``--models-max 1``) has its slots saved before its child stops, and
+restored into its next child before it is ``loaded``, so that the same prompt then comes from
+the prompt cache (``timings.cache_n``); without it, the same turn starts cold. A state file
+that no longer matches its checksum is discarded with a warning, never restored; a state
+file a client names through the router's ``/slots`` is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import RouterProcess, start_router, wait_until, write_presets
+
+pytestmark = pytest.mark.real
+
+GUARD_S = 120.0  # a hang guard, never a measurement
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 30  # a few hundred tokens
+
+
+def presets(tmp_path: Path, tiny_models: dict[str, Path]) -> Path:
+    return write_presets(tmp_path / "models.ini",
+                         f"[*]\nctx-size = 2048\nparallel = 1\n"
+                         f"[alpha]\nmodel = {tiny_models['alpha']}\n"
+                         f"[beta]\nmodel = {tiny_models['beta']}\n")
+
+
+def complete(client: httpx.Client, model: str) -> dict[str, Any]:
+    response = client.post("/completion", json={"model": model, "prompt": PROMPT,
+                                                "n_predict": 4, "temperature": 0,
+                                                "cache_prompt": True}, timeout=GUARD_S)
+    assert response.status_code == 200, response.text
+    timings: dict[str, Any] = response.json()["timings"]
+    return timings
+
+
+def swap_away_and_back(router: RouterProcess
+                       ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """alpha's prompt, beta (evicts alpha), then alpha's prompt again: both timings, and
+    alpha's first child's command line."""
+    with router.client() as client:
+        first = complete(client, "alpha")
+        (child,) = router.children()
+        argv = child.cmdline()
+        complete(client, "beta")
+        assert wait_until(lambda: router.models()["alpha"]["status"]["value"] == "unloaded",
+                          GUARD_S)
+        again = complete(client, "alpha")
+    return first, again, argv
+
+
+def state_files(state_dir: Path) -> list[Path]:
+    return sorted(state_dir.rglob("slot-*.bin"))
+
+
+def test_a_swapped_out_model_comes_back_with_its_prompt_cache(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    state_dir = tmp_path / "states"
+    with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
+                      "--llama-server", str(llama_server), "--models-max", "1",
+                      "--state-dir", str(state_dir)) as router:
+        first, again, argv = swap_away_and_back(router)
+        log = router.log()
+    slot_dir = Path(argv[argv.index("--slot-save-path") + 1])
+    assert slot_dir.parent.parent == state_dir.resolve() or slot_dir.parent.parent == state_dir
+    assert first["cache_n"] == 0
+    prompt_n = first["prompt_n"]
+    assert prompt_n > 100, first
+    assert again["cache_n"] >= prompt_n - 1, (first, again)  # only the last token computed
+    assert "event=state_saved" in log and "event=state_restored" in log, log
+    saved = state_files(state_dir)
+    assert len(saved) >= 1 and all(p.with_suffix(".json").is_file() for p in saved)
+    assert (state_dir.stat().st_mode & 0o777) == 0o700
+
+
+def test_without_a_state_dir_the_same_turn_starts_cold(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
+                      "--llama-server", str(llama_server), "--models-max", "1") as router:
+        first, again, argv = swap_away_and_back(router)
+    assert again["cache_n"] == 0 and again["prompt_n"] == first["prompt_n"]
+    assert "--slot-save-path" not in argv
+
+
+def test_a_corrupt_state_is_discarded_not_restored(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    state_dir = tmp_path / "states"
+    with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
+                      "--llama-server", str(llama_server), "--models-max", "1",
+                      "--state-dir", str(state_dir)) as router, \
+            router.client() as client:
+        complete(client, "alpha")
+        complete(client, "beta")  # alpha saved and stopped
+        assert wait_until(lambda: state_files(state_dir), GUARD_S)
+        (saved,) = state_files(state_dir)
+        data = bytearray(saved.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # garbled KV bytes: llama-server would take them
+        saved.write_bytes(bytes(data))
+        again = complete(client, "alpha")
+        assert again["cache_n"] == 0, again
+        assert not saved.exists()
+        assert "removed: checksum mismatch" in router.log()
+        # And the router goes on: the turn after that hits the live cache as usual.
+        assert complete(client, "alpha")["cache_n"] >= again["prompt_n"] - 1
+
+
+def test_a_state_over_the_budget_is_not_kept(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    state_dir = tmp_path / "states"
+    with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
+                      "--llama-server", str(llama_server), "--models-max", "1",
+                      "--state-dir", str(state_dir), "--state-budget", "64K") as router:
+        first, again, _ = swap_away_and_back(router)
+        log = router.log()
+    assert again["cache_n"] == 0 and state_files(state_dir) == []
+    assert "not saved: " in log and "budget" in log, log
+
+
+def test_a_state_of_another_configuration_is_never_restored(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """alpha saved with ctx-size 2048, then its preset changed to 4096 (the KV layout llama.cpp
+    checks would still fit): the new child gets a directory of its own, and the old states
+    are removed when it loads."""
+    state_dir = tmp_path / "states"
+    preset_file = presets(tmp_path, tiny_models)
+    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
+                      str(llama_server), "--models-max", "1",
+                      "--state-dir", str(state_dir)) as router, router.client() as client:
+        complete(client, "alpha")
+        complete(client, "beta")  # alpha saved and stopped
+        assert wait_until(lambda: state_files(state_dir), GUARD_S)
+        (old,) = state_files(state_dir)
+        preset_file.write_text(preset_file.read_text().replace(
+            f"[alpha]\nmodel = {tiny_models['alpha']}\n",
+            f"[alpha]\nmodel = {tiny_models['alpha']}\nctx-size = 4096\n"))
+        assert client.post("/models/reload").status_code == 200
+        again = complete(client, "alpha")
+        assert again["cache_n"] == 0, again
+        assert not old.exists() and not old.parent.exists()
+        assert "event=state_stale" in router.log()
