@@ -82,7 +82,7 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
-PHASES = ("main", "relay", "real", "multiturn", "sharing")
+PHASES = ("main", "relay", "real", "multiturn", "warmswap", "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
@@ -146,6 +146,7 @@ class Config:
     conversations: int = 4  # concurrent conversations of the multi-turn phase
     turns: int = 3  # turns per conversation (the first one is not a follow-up)
     multiturn_reps: int = 1  # runs of the multi-turn workload per target
+    warmswap_reps: int = 3  # repetitions of the warm-swap scenario per target
     # The multi-turn phase's saturated configuration instead (benchmarks.multiturn), and a
     # llama-router source tree whose prefix routing it also runs (before/after in one run)
     multiturn_saturated: bool = False
@@ -761,14 +762,16 @@ class Bench:
                                 cwd=self.workdir)
         return item, f"http://127.0.0.1:{port}"
 
-    def _start_router(self, presets: Path, name: str,
-                      src: Path | None = None) -> tuple[Managed, str]:
-        """llama-router on ``presets``, from the source tree ``src`` if given."""
+    def _start_router(self, presets: Path, name: str, src: Path | None = None,
+                      extra_args: Sequence[str] = ("--models-max", "1")
+                      ) -> tuple[Managed, str]:
+        """llama-router on ``presets``, from the source tree ``src`` if given, with
+        ``extra_args`` (default: ``--models-max 1``)."""
         port = free_port()
         level = self.cfg.router_log_level
         item = self.procs.start(name, [sys.executable, "-m", "router.cli", "serve",
                                        "--presets", str(presets), "--port", str(port),
-                                       "--models-max", "1",
+                                       *extra_args,
                                        *(["--log-level", level] if level else []),
                                        "--llama-server", str(self.binary)],
                                 cwd=src or self.cfg.router_src or ROOT)
@@ -1284,6 +1287,13 @@ def run_bench(cfg: Config) -> dict[str, Any]:
                     baseline_src=cfg.multiturn_baseline)
             phases["multiturn"] = multiturn.run_phase(bench, turns)
             took("multiturn")
+        if "warmswap" in cfg.phases and cfg.warmswap_reps > 0:
+            from . import warmswap
+
+            swaps = warmswap.Settings.quick() if cfg.quick else warmswap.Settings(
+                reps=cfg.warmswap_reps)
+            phases["warmswap"] = warmswap.run_phase(bench, swaps)
+            took("warmswap")
         if "sharing" in cfg.phases and cfg.sharing_reps > 0:
             from .sharing import run_phase
 
@@ -1345,7 +1355,9 @@ def print_report(report: dict[str, Any]) -> None:
     for name, title in (("relay", "Relaying streamed tokens (tiny model, parallel = N, "
                                   "threads = 1):"),
                         ("real_model", "Real model (SmolLM2-135M-Instruct Q4_1):"),
-                        ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):")):
+                        ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):"),
+                        ("warmswap", "A conversation's next turn after its model was swapped "
+                                     "out (SmolLM2, ~2,000 tokens):")):
         phase = report.get(name)
         if phase is None:
             continue
@@ -1416,6 +1428,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="turns per conversation of the multi-turn phase (default 3)")
     parser.add_argument("--multiturn-reps", type=int,
                         help="runs of the multi-turn workload per target (default 1; 0 skips)")
+    parser.add_argument("--warmswap-reps", type=int,
+                        help="repetitions of the warm-swap phase per target (default 3; 0 "
+                        "skips it)")
     parser.add_argument("--multiturn-saturated", action="store_true",
                         help="the multi-turn phase's saturated configuration: 8 conversations "
                         "of ~1,000 tokens at once, shuffled each turn, two one-slot replicas")
@@ -1474,10 +1489,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--phases: unknown {', '.join(unknown) or 'empty list'}; "
                      f"choose from {', '.join(PHASES)}")
     cfg.phases = ("sharing",) if args.only_sharing else phases
-    for name in ("real_rounds", "conversations", "turns", "multiturn_reps"):
+    for name in ("real_rounds", "conversations", "turns", "multiturn_reps", "warmswap_reps"):
         value = getattr(args, name)
         if value is not None:
-            if value < (0 if name in ("real_rounds", "multiturn_reps") else 1):
+            if value < (0 if name in ("real_rounds", "multiturn_reps", "warmswap_reps")
+                        else 1):
                 parser.error(f"--{name.replace('_', '-')} is out of range")
             setattr(cfg, name, value)
     if args.relay_streams is not None:

@@ -113,7 +113,7 @@ def test_a_state_over_the_budget_is_not_kept(
     with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
                       "--llama-server", str(llama_server), "--models-max", "1",
                       "--state-dir", str(state_dir), "--state-budget", "64K") as router:
-        first, again, _ = swap_away_and_back(router)
+        _, again, _ = swap_away_and_back(router)
         log = router.log()
     assert again["cache_n"] == 0 and state_files(state_dir) == []
     assert "not saved: " in log and "budget" in log, log
