@@ -74,6 +74,7 @@ class Core:
     leases: Leases
     wait: ModelWait
     background: Background
+    warm: WarmSwaps | None  # warm swaps (``--state-dir``); None: off
 
 
 def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Path,
@@ -134,7 +135,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
     background = Background(settings, models, executor, accounting, liveness, cpu_gate,
                             cpu_sharing=bool(shared))
     return Core(settings, events, shared, devices, model_set, changes, cpu_gate, accounting,
-                spawner, executor, admission, loader, liveness, leases, wait, background)
+                spawner, executor, admission, loader, liveness, leases, wait, background, warm)
 
 
 def _room_makers(models: dict[str, ModelRuntime], executor: Executor) -> tuple[

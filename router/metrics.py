@@ -35,6 +35,7 @@ from .scheduler import Status
 if TYPE_CHECKING:
     from .http11 import Refusals
     from .supervisor import Supervisor
+    from .warm import WarmSwaps
 
 SCRAPE_TIMEOUT_S = 2.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -123,6 +124,8 @@ class RouterMetrics:
 
     def attach(self, supervisor: Supervisor) -> None:
         self.registry.register(_LiveGauges(supervisor))
+        if supervisor.warm is not None:
+            self.registry.register(_WarmSwaps(supervisor.warm))
         supervisor.events.listeners.append(self.on_event)
         supervisor.on_routed(self.observe_routing)
 
@@ -180,6 +183,41 @@ class RouterMetrics:
         except httpx.HTTPError:
             self.scrape_errors.labels(labels["model"]).inc()
             return labels, None
+
+
+class _WarmSwaps(Collector):
+    """What warm swaps did (``warm.Counts``) and the saved states on disk, per model."""
+
+    COUNTERS = (("saved", "llamarouter_state_saves", "Slot states saved before a stop"),
+                ("saved_bytes", "llamarouter_state_saved_bytes", "Bytes of slot states saved"),
+                ("restored", "llamarouter_state_restores",
+                 "Slot states restored into a new child"),
+                ("restored_tokens", "llamarouter_state_restored_tokens",
+                 "Prompt tokens restored instead of computed again"),
+                ("refused", "llamarouter_state_refused",
+                 "Slot states discarded: not matching the child's answer, or refused by it"),
+                ("slow_saves", "llamarouter_state_slow_saves",
+                 "Stops whose saves were cut by their bound"),
+                ("slow_restores", "llamarouter_state_slow_restores",
+                 "Loads whose restores were cut by their bound"))
+
+    def __init__(self, warm: WarmSwaps) -> None:
+        self.warm = warm
+
+    def collect(self) -> Iterator[Metric]:
+        for attr, name, text in self.COUNTERS:
+            family = CounterMetricFamily(name, text, labels=["model"])
+            for model, counts in sorted(self.warm.counts.items()):
+                family.add_metric([model], getattr(counts, attr))
+            yield family
+        files = GaugeMetricFamily("llamarouter_state_files", "Saved slot states on disk",
+                                  labels=["model"])
+        size = GaugeMetricFamily("llamarouter_state_bytes", "Bytes of saved slot states on "
+                                 "disk", labels=["model"])
+        for model, (count, total) in sorted(self.warm.store.usage().items()):
+            files.add_metric([model], count)
+            size.add_metric([model], total)
+        yield from (files, size)
 
 
 class _LiveGauges(Collector):

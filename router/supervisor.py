@@ -66,6 +66,7 @@ class Supervisor:
         self.leases = core.leases
         self.wait = core.wait
         self.background = core.background
+        self.warm = core.warm
 
     # ----------------------------------------------------------------- lookups
 

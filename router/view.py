@@ -178,6 +178,10 @@ class ModelView:
         status.update(self._progress_status())
         status["memory"] = self._memory_status()
         status.update(self._trouble_status())
+        warm = sup.warm
+        if warm is not None and warm.fingerprint_of(runtime.preset) is not None:
+            count, size = warm.usage(runtime.id)
+            status["states"] = {"count": count, "bytes": size}  # saved slots (warm swaps)
         return status
 
     def _process_status(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,33 @@ RESTORE_BOUND_S = 10.0  # all the restores of one load together
 LISTING_TIMEOUT_S = 5.0  # GET /slots
 
 
+@dataclass
+class Counts:
+    """What warm swaps did for one model since the router started (``/metrics``)."""
+
+    saved: int = 0  # states kept
+    saved_bytes: int = 0
+    restored: int = 0  # states a new child took
+    restored_tokens: int = 0
+    refused: int = 0  # states discarded: not kept at commit, or refused on restore
+    slow_saves: int = 0  # stops whose saves were cut by SAVE_BOUND_S
+    slow_restores: int = 0  # loads whose restores were cut by RESTORE_BOUND_S
+
+
 class WarmSwaps:
     def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient) -> None:
         self.store = store
         self._build = build
         self._client = client
         self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
+        self.counts: dict[str, Counts] = {}
+
+    def _counts(self, model_id: str) -> Counts:
+        return self.counts.setdefault(model_id, Counts())
+
+    def usage(self, model_id: str) -> tuple[int, int]:
+        """The model's saved states now: how many, and their bytes."""
+        return self.store.usage().get(model_id, (0, 0))
 
     # ----------------------------------------------------------------- configuration
 
@@ -110,6 +132,7 @@ class WarmSwaps:
                 for index, child in enumerate(children):
                     await self._save_child(preset.id, found, index, child, pending, kept)
         except TimeoutError:
+            self._counts(preset.id).slow_saves += 1
             log.warning("saving slot states took over %g s; stopping without the rest",
                         SAVE_BOUND_S, extra={"event": "state_save_slow", "model": preset.id})
         finally:
@@ -135,9 +158,13 @@ class WarmSwaps:
                 continue  # abandoned with the others
             pending.remove(save)
             commit = await asyncio.to_thread(self.store.commit, save, answer)
+            counts = self._counts(model_id)
             if commit.state is not None:
                 kept.append(commit.state)
+                counts.saved += 1
+                counts.saved_bytes += commit.state.n_written
             elif commit.problem:
+                counts.refused += 1
                 log.warning("slot %d not saved: %s", number, commit.problem,
                             extra={"model": model_id})
 
@@ -161,6 +188,7 @@ class WarmSwaps:
                     restored += await self._restore_one(preset.id, children[index], slot,
                                                         state)
         except TimeoutError:
+            self._counts(preset.id).slow_restores += 1
             log.warning("restoring slot states took over %g s; serving without the rest",
                         RESTORE_BOUND_S, extra={"event": "state_restore_slow",
                                                 "model": preset.id})
@@ -172,12 +200,16 @@ class WarmSwaps:
     async def _restore_one(self, model_id: str, child: Backend, slot: int,
                            state: SavedState) -> int:
         answer = await self._action(child, slot, "restore", state.filename)
+        counts = self._counts(model_id)
         if answer is None or answer.get("n_restored") != state.n_saved:
             log.warning("slot state %s refused by the child: discarded", state.filename,
                         extra={"event": "state_refused", "model": model_id})
             await asyncio.to_thread(self.store.discard, state)
+            counts.refused += 1
             return 0
         await asyncio.to_thread(self.store.touch, state)
+        counts.restored += 1
+        counts.restored_tokens += state.n_saved
         return 1
 
     # ----------------------------------------------------------------- the child's API

@@ -64,6 +64,13 @@ def test_a_swapped_out_model_comes_back_with_its_prompt_cache(
                       "--state-dir", str(state_dir)) as router:
         first, again, argv = swap_away_and_back(router)
         log = router.log()
+        states = router.models()["alpha"]["status"]["states"]
+        metrics = httpx.get(router.url + "/metrics", timeout=GUARD_S).text
+    assert states["count"] == 1 and states["bytes"] > 0, states
+    assert 'llamarouter_state_saves_total{model="alpha"} 1.0' in metrics, metrics
+    assert 'llamarouter_state_restores_total{model="alpha"} 1.0' in metrics
+    assert 'llamarouter_state_restored_tokens_total{model="alpha"} ' in metrics
+    assert f'llamarouter_state_bytes{{model="alpha"}} {float(states["bytes"])}' in metrics
     slot_dir = Path(argv[argv.index("--slot-save-path") + 1])
     assert slot_dir.parent.parent == state_dir.resolve() or slot_dir.parent.parent == state_dir
     assert first["cache_n"] == 0
