@@ -8,9 +8,15 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
   upstream, or a model without a model file gets none.
 * ``save`` (the executor, before it stops the children for an eviction, an unload or the idle
-  TTL): every slot holding at least ``MIN_TOKENS`` tokens (``GET /slots``) is saved
+  TTL): every slot worth it (``GET /slots``; ``worth_saving``) is saved
   (``POST /slots/{id}?action=save``) under a name the store makes, then committed (checked
-  against the child's answer and checksummed). All of a stop's saves together get
+  against the child's answer and checksummed).
+* **Decided by cost** (``worth_saving``): a slot is saved when computing its tokens again
+  would take longer than saving and restoring them: its child's prompt speed (its
+  ``llamacpp:prompt_tokens_seconds``, read once per save) against the model's measured bytes
+  per token and milliseconds per byte of earlier saves and restores (the children's
+  ``timings.save_ms`` and ``restore_ms``). Until both are known, every slot of at least
+  ``MIN_TOKENS`` tokens is saved; below that, none. All of a stop's saves together get
   ``SAVE_BOUND_S``: a save that takes longer is abandoned, its temp file removed, and the
   stop goes on; a save never holds a swap longer than that.
 * ``restore`` (the loader, once every new child is healthy and before the model is
@@ -45,7 +51,35 @@ log = logging.getLogger("router.warm")
 MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
 SAVE_BOUND_S = 10.0  # all the saves of one stop together
 RESTORE_BOUND_S = 10.0  # all the restores of one load together
-LISTING_TIMEOUT_S = 5.0  # GET /slots
+LISTING_TIMEOUT_S = 5.0  # GET /slots, GET /metrics
+
+
+@dataclass
+class Io:
+    """What a model's saves and restores cost, as measured (``None``: not yet)."""
+
+    bytes_per_token: float | None = None
+    save_ms_per_byte: float | None = None
+    restore_ms_per_byte: float | None = None
+
+    def cost_ms(self, tokens: int) -> float | None:
+        """The milliseconds to save and restore ``tokens``, or None while unknown."""
+        if self.bytes_per_token is None or self.save_ms_per_byte is None:
+            return None
+        per_byte = self.save_ms_per_byte + (self.restore_ms_per_byte or 0.0)
+        return tokens * self.bytes_per_token * per_byte
+
+
+def worth_saving(tokens: int, prompt_tps: float | None, io: Io) -> bool:
+    """Whether a slot of ``tokens`` is worth saving: at least ``MIN_TOKENS``, and computing
+    it again (at ``prompt_tps`` tokens a second) would take longer than saving and restoring
+    it (``io``); when either is unknown, the threshold alone decides."""
+    if tokens < MIN_TOKENS:
+        return False
+    cost = io.cost_ms(tokens)
+    if cost is None or not prompt_tps or prompt_tps <= 0:
+        return True
+    return tokens / prompt_tps * 1000.0 > cost
 
 
 @dataclass
@@ -68,6 +102,7 @@ class WarmSwaps:
         self._client = client
         self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
         self.counts: dict[str, Counts] = {}
+        self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
 
     def _counts(self, model_id: str) -> Counts:
         return self.counts.setdefault(model_id, Counts())
@@ -147,8 +182,12 @@ class WarmSwaps:
     async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
                           pending: list[PendingSave], kept: list[SavedState]) -> None:
         slots = await self._slots(child)
+        io = self.io.setdefault(model_id, Io())
+        speed = await self._prompt_speed(child) if io.cost_ms(1) is not None else None
         for slot in slots:
-            if not _worth_saving(slot):
+            tokens = slot.get("n_prompt_tokens")
+            if not isinstance(tokens, int) or isinstance(tokens, bool) \
+                    or not worth_saving(tokens, speed, io):
                 continue
             number = index * len(slots) + int(slot["id"])
             save = await asyncio.to_thread(self.store.begin_save, model_id, found, number)
@@ -163,6 +202,8 @@ class WarmSwaps:
                 kept.append(commit.state)
                 counts.saved += 1
                 counts.saved_bytes += commit.state.n_written
+                _learn(io, commit.state.n_saved, commit.state.n_written,
+                       _timing(answer, "save_ms"), "save")
             elif commit.problem:
                 counts.refused += 1
                 log.warning("slot %d not saved: %s", number, commit.problem,
@@ -208,6 +249,8 @@ class WarmSwaps:
             counts.refused += 1
             return 0
         await asyncio.to_thread(self.store.touch, state)
+        _learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
+               _timing(answer, "restore_ms"), "restore")
         counts.restored += 1
         counts.restored_tokens += state.n_saved
         return 1
@@ -225,6 +268,24 @@ class WarmSwaps:
         return [s for s in listing if isinstance(s, dict) and isinstance(s.get("id"), int)
                 and not isinstance(s.get("id"), bool)] if isinstance(listing, list) else []
 
+    async def _prompt_speed(self, child: Backend) -> float | None:
+        """The child's average prompt speed in tokens a second (its ``/metrics``), if any."""
+        try:
+            response = await self._client.get(f"{child.base_url}/metrics",
+                                              timeout=LISTING_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        for line in response.text.splitlines():
+            if line.startswith("llamacpp:prompt_tokens_seconds "):
+                try:
+                    value = float(line.split()[1])
+                except (IndexError, ValueError):
+                    return None
+                return value if value > 0 and value != float("inf") else None
+        return None
+
     async def _action(self, child: Backend, slot: int, action: str, filename: str
                       ) -> dict[str, Any] | None:
         """The child's answer to ``POST /slots/{slot}?action=...``, or None if it failed."""
@@ -238,6 +299,24 @@ class WarmSwaps:
         return answer if response.status_code == 200 and isinstance(answer, dict) else None
 
 
-def _worth_saving(slot: dict[str, Any]) -> bool:
-    tokens = slot.get("n_prompt_tokens")
-    return isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= MIN_TOKENS
+def _timing(answer: dict[str, Any], key: str) -> float | None:
+    timings = answer.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        and value >= 0 else None
+
+
+def _learn(io: Io, tokens: int, size: int, ms: float | None, step: str) -> None:
+    """Fold one save's or restore's measure into ``io`` (the latest counts most)."""
+    if tokens <= 0 or size <= 0:
+        return
+    io.bytes_per_token = _blend(io.bytes_per_token, size / tokens)
+    if ms is not None:
+        if step == "save":
+            io.save_ms_per_byte = _blend(io.save_ms_per_byte, ms / size)
+        else:
+            io.restore_ms_per_byte = _blend(io.restore_ms_per_byte, ms / size)
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else 0.5 * old + 0.5 * new

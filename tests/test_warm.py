@@ -27,7 +27,7 @@ from router.settings import Settings
 from router.sources import build_catalogue
 from router.state import State
 from router.statestore import StateStore
-from router.warm import MIN_TOKENS, WarmSwaps
+from router.warm import MIN_TOKENS, Io, WarmSwaps, worth_saving
 
 GUARD_S = 30.0  # a hang guard, never a measurement
 
@@ -43,8 +43,13 @@ class StandIn:
         self.hang: str | None = None  # "save" or "restore": that action never answers
         self.restored: list[tuple[int, str]] = []
         self.refuse_restore = False
+        self.prompt_tps = 1000.0  # its llamacpp:prompt_tokens_seconds
+        self.save_ms = 1.0  # what it reports a save took
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="# TYPE llamacpp:prompt_tokens_seconds gauge\n"
+                                            f"llamacpp:prompt_tokens_seconds {self.prompt_tps}\n")
         if request.url.path == "/slots":
             return httpx.Response(200, json=[{"id": i, "n_prompt_tokens": n, "is_processing":
                                               False} for i, n in enumerate(self.tokens)])
@@ -59,7 +64,7 @@ class StandIn:
             path.write_bytes(bytes([slot]) * size)
             return httpx.Response(200, json={"id_slot": slot, "filename": filename,
                                              "n_saved": self.tokens[slot], "n_written": size,
-                                             "timings": {"save_ms": 1.0}})
+                                             "timings": {"save_ms": self.save_ms}})
         if self.refuse_restore or not path.is_file():
             return httpx.Response(400, json={"error": {"code": 400, "message": "no"}})
         self.restored.append((slot, filename))
@@ -101,6 +106,35 @@ async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
     assert await swaps_.restore(model, [child("a")]) == 2
     assert sorted(slot for slot, _ in stand_in.restored) == [0, 2]
     assert not list(directory.glob("tmp-*"))
+
+
+def test_a_slot_is_saved_when_computing_it_again_costs_more() -> None:
+    unknown = Io()
+    assert not worth_saving(MIN_TOKENS - 1, 1.0, unknown)  # too small, whatever the speeds
+    assert worth_saving(MIN_TOKENS, None, unknown) and worth_saving(MIN_TOKENS, 1e9, unknown)
+    disk = Io(bytes_per_token=20_000, save_ms_per_byte=1e-5, restore_ms_per_byte=2e-6)
+    # 1,000 tokens: 20 MB, 240 ms to save and restore; at 250 tokens/s they take 4 s again.
+    assert worth_saving(1000, 250.0, disk)
+    assert not worth_saving(1000, 10_000.0, disk)  # 100 ms again: cheaper than the disk
+    assert worth_saving(1000, None, disk)  # the child's speed unknown: the threshold decides
+    assert worth_saving(1000, 0.0, disk) and worth_saving(1000, -1.0, disk)
+
+
+async def test_the_cost_learned_from_a_save_decides_the_next_one(
+        tmp_path: Path, model: ModelPreset) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS * 10])
+    swaps_, _ = swaps(tmp_path, {"a": stand_in})
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    stand_in.directory = directory
+    stand_in.save_ms = 5_000.0  # a very slow disk: 5 s for 640 tokens
+    assert await swaps_.save(model, [child("a")]) == 1  # nothing known yet: saved
+    io = swaps_.io["m"]
+    assert io.bytes_per_token == 8 and io.save_ms_per_byte == 5_000.0 / (MIN_TOKENS * 80)
+    stand_in.prompt_tps = 10_000.0  # 64 ms to compute again
+    assert await swaps_.save(model, [child("a")]) == 0  # not worth 5 s of disk
+    stand_in.prompt_tps = 10.0  # 64 s to compute again
+    assert await swaps_.save(model, [child("a")]) == 1
 
 
 async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
