@@ -196,6 +196,11 @@ class PrefixTable:
                 return index + 1
         return 0
 
+    def recent(self, count: int) -> list[int]:
+        """The ``count`` keys seen last, the most recent last (as ``record`` takes them)."""
+        keys = list(self._keys)
+        return keys[-count:] if count > 0 else []
+
     def record(self, keys: Sequence[int]) -> None:
         """Remember ``keys`` as just seen (the longest prefix last, so it is kept longest)."""
         table = self._keys

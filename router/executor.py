@@ -226,7 +226,7 @@ class Executor:
                 if replica.in_flight:
                     replica.child.connections.abort_all(ended)
         if self._warm is not None and reason in WARM_STOPS:
-            await self._warm.save(runtime.preset, [r.child for r in replicas])  # bounded
+            await self._warm.save(runtime.preset, replicas)  # bounded
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))

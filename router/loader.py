@@ -124,13 +124,13 @@ class Loader:
         if errors:
             raise errors[0]
         own_info = await self._spawner.model_info(children[0])
+        replicas = tuple(Replica(child) for child in children)
         if self._warm is not None:  # bounded; a refused state is only dropped
-            await self._warm.restore(preset, children)
+            await self._warm.restore(preset, replicas)
         loaded_at = clock.now()
         duration = round(loaded_at - started, 4)
         runtime.last_load_s = duration
         info = {**own_info, "id": runtime.id} if own_info else None
-        replicas = tuple(Replica(child) for child in children)
         children.clear()  # they serve now: the model's stop owns them
         self._executor.apply(runtime, Ready(
             replicas, loaded_at, MappingProxyType(own_info) if own_info else None,

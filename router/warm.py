@@ -24,6 +24,10 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   was saved from, within ``RESTORE_BOUND_S`` in all. A state the child refuses is discarded
   with a warning; it is never served again.
 * A model removed from the configuration takes its saved states with it (``forget``).
+* Prefix routing learns what a restore put in a replica: a state saved from a replica of a
+  model routed by prefix (``replica-routing = prefix``, ``affinity``) keeps the replica's
+  ``PREFIX_KEYS`` most recent prefix keys, and the replica it is restored into records them,
+  so that a restored conversation's next turn goes where its cache is.
 * A state's slot number covers its replica: ``replica * n_slots + slot``, so that the
   replicas of a model never overwrite each other's states.
 
@@ -44,6 +48,7 @@ import httpx
 
 from .backend import Backend
 from .presets import ModelPreset
+from .runtime import Replica
 from .statestore import PendingSave, SavedState, StateStore, fingerprint
 
 log = logging.getLogger("router.warm")
@@ -52,6 +57,7 @@ MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save
 SAVE_BOUND_S = 10.0  # all the saves of one stop together
 RESTORE_BOUND_S = 10.0  # all the restores of one load together
 LISTING_TIMEOUT_S = 5.0  # GET /slots, GET /metrics
+PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
 
 
 @dataclass
@@ -154,18 +160,21 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- saving
 
-    async def save(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
-        """Save the worthwhile slots of ``children`` (the replicas, in order) within
+    async def save(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
+        """Save the worthwhile slots of the model's ``replicas`` (in order) within
         ``SAVE_BOUND_S``; how many were kept."""
         found = self.fingerprint_of(preset)
-        if found is None or not children:
+        if found is None or not replicas:
             return 0
         kept: list[SavedState] = []
         pending: list[PendingSave] = []
         try:
             async with asyncio.timeout(SAVE_BOUND_S):
-                for index, child in enumerate(children):
-                    await self._save_child(preset.id, found, index, child, pending, kept)
+                for index, replica in enumerate(replicas):
+                    keys = replica.prefixes.recent(PREFIX_KEYS) if preset.prefix_routing \
+                        else None
+                    await self._save_child(preset.id, found, index, replica.child, keys,
+                                           pending, kept)
         except TimeoutError:
             self._counts(preset.id).slow_saves += 1
             log.warning("saving slot states took over %g s; stopping without the rest",
@@ -180,7 +189,8 @@ class WarmSwaps:
         return len(kept)
 
     async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
-                          pending: list[PendingSave], kept: list[SavedState]) -> None:
+                          keys: list[int] | None, pending: list[PendingSave],
+                          kept: list[SavedState]) -> None:
         slots = await self._slots(child)
         io = self.io.setdefault(model_id, Io())
         speed = await self._prompt_speed(child) if io.cost_ms(1) is not None else None
@@ -196,7 +206,7 @@ class WarmSwaps:
             if answer is None:
                 continue  # abandoned with the others
             pending.remove(save)
-            commit = await asyncio.to_thread(self.store.commit, save, answer)
+            commit = await asyncio.to_thread(self.store.commit, save, answer, keys or None)
             counts = self._counts(model_id)
             if commit.state is not None:
                 kept.append(commit.state)
@@ -211,23 +221,24 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- restoring
 
-    async def restore(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
-        """Restore the model's states into ``children`` (the new replicas, in order) within
-        ``RESTORE_BOUND_S``; how many were restored."""
+    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
+        """Restore the model's states into its new ``replicas`` (in order, not serving yet)
+        within ``RESTORE_BOUND_S``; how many were restored."""
         found = self.fingerprint_of(preset)
-        if found is None or not children:
+        if found is None or not replicas:
             return 0
         states = await asyncio.to_thread(self.store.states, preset.id, found)
         restored = 0
         try:
             async with asyncio.timeout(RESTORE_BOUND_S):
-                n_slots = len(await self._slots(children[0])) if states else 0
+                n_slots = len(await self._slots(replicas[0].child)) if states else 0
                 for state in states:
                     index, slot = divmod(state.slot, n_slots) if n_slots else (0, state.slot)
-                    if index >= len(children):
+                    if index >= len(replicas):
                         continue  # fewer replicas now
-                    restored += await self._restore_one(preset.id, children[index], slot,
-                                                        state)
+                    if await self._restore_one(preset.id, replicas[index].child, slot, state):
+                        restored += 1
+                        _learn_prefixes(replicas[index], state.prefix)
         except TimeoutError:
             self._counts(preset.id).slow_restores += 1
             log.warning("restoring slot states took over %g s; serving without the rest",
@@ -239,7 +250,7 @@ class WarmSwaps:
         return restored
 
     async def _restore_one(self, model_id: str, child: Backend, slot: int,
-                           state: SavedState) -> int:
+                           state: SavedState) -> bool:
         answer = await self._action(child, slot, "restore", state.filename)
         counts = self._counts(model_id)
         if answer is None or answer.get("n_restored") != state.n_saved:
@@ -247,13 +258,13 @@ class WarmSwaps:
                         extra={"event": "state_refused", "model": model_id})
             await asyncio.to_thread(self.store.discard, state)
             counts.refused += 1
-            return 0
+            return False
         await asyncio.to_thread(self.store.touch, state)
         _learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
                _timing(answer, "restore_ms"), "restore")
         counts.restored += 1
         counts.restored_tokens += state.n_saved
-        return 1
+        return True
 
     # ----------------------------------------------------------------- the child's API
 
@@ -297,6 +308,13 @@ class WarmSwaps:
         except (httpx.HTTPError, ValueError):
             return None
         return answer if response.status_code == 200 and isinstance(answer, dict) else None
+
+
+def _learn_prefixes(replica: Replica, keys: Any) -> None:
+    """The replica a state went into records the prefix keys saved with it (JSON ints)."""
+    if isinstance(keys, list) and all(isinstance(k, int) and not isinstance(k, bool)
+                                      for k in keys):
+        replica.prefixes.record(keys[-PREFIX_KEYS:])
 
 
 def _timing(answer: dict[str, Any], key: str) -> float | None:

@@ -61,7 +61,7 @@ from router.leases import Lease
 from router.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
 from router.presets import ModelPreset
 from router.process import ChildExited, ChildTimeout
-from router.runtime import ModelRuntime
+from router.runtime import ModelRuntime, Replica
 from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner
@@ -252,11 +252,12 @@ class HangingSaves(WarmSwaps):
         return "0" * 64
 
     async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
-                          pending: list[PendingSave], kept: list[SavedState]) -> None:
+                          keys: list[int] | None, pending: list[PendingSave],
+                          kept: list[SavedState]) -> None:
         self.hung += 1
         await asyncio.Event().wait()
 
-    async def restore(self, preset: ModelPreset, children: Sequence[Backend]) -> int:
+    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
         return 0
 
     def forget(self, model_id: str) -> None:

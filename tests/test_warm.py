@@ -22,6 +22,7 @@ from router.backend import Backend
 from router.errors import Unavailable
 from router.flags import FlagTable
 from router.presets import ModelPreset
+from router.runtime import Replica
 from router.server import Prepared, build_app
 from router.settings import Settings
 from router.sources import build_catalogue
@@ -73,8 +74,9 @@ class StandIn:
                                          "n_read": path.stat().st_size})
 
 
-def child(name: str) -> Backend:
-    return cast(Backend, SimpleNamespace(base_url=f"http://{name}"))
+def child(name: str) -> Replica:
+    """A replica whose child is the stand-in ``name``."""
+    return Replica(cast(Backend, SimpleNamespace(base_url=f"http://{name}")))
 
 
 @pytest.fixture
@@ -135,6 +137,34 @@ async def test_the_cost_learned_from_a_save_decides_the_next_one(
     assert await swaps_.save(model, [child("a")]) == 0  # not worth 5 s of disk
     stand_in.prompt_tps = 10.0  # 64 s to compute again
     assert await swaps_.save(model, [child("a")]) == 1
+
+
+async def test_a_restored_replica_learns_the_prefixes_it_served(tmp_path: Path) -> None:
+    """With prefix routing, each replica's recent prefix keys are kept with its states, and
+    the new replica a state goes into records them: the next turn is routed to its cache."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    routed = ModelPreset("m", MappingProxyType({"model": str(path)}), replicas=2)
+    assert routed.prefix_routing
+    stand_ins = {"a": StandIn(tmp_path, [MIN_TOKENS]), "b": StandIn(tmp_path, [MIN_TOKENS])}
+    swaps_, _ = swaps(tmp_path, stand_ins)
+    directory = swaps_.slot_dir(routed)
+    assert directory is not None
+    for stand_in in stand_ins.values():
+        stand_in.directory = directory
+    old = [child("a"), child("b")]
+    old[0].prefixes.record([11, 12, 13])
+    old[1].prefixes.record([21, 22])
+    assert await swaps_.save(routed, old) == 2
+    new = [child("a"), child("b")]
+    assert await swaps_.restore(routed, new) == 2
+    assert new[0].prefixes.longest([11, 12, 13]) == 3 and new[0].prefixes.longest([21]) == 0
+    assert new[1].prefixes.longest([21, 22]) == 2
+    # Without prefix routing nothing is kept: the states carry no keys.
+    least = ModelPreset("m", routed.args, replicas=2, replica_routing="least-busy")
+    assert await swaps_.save(least, old) == 2
+    fresh = [child("a"), child("b")]
+    assert await swaps_.restore(least, fresh) == 2 and len(fresh[0].prefixes) == 0
 
 
 async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
