@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support import llama_server_process
+from support import llama_server_process, wait_until
 
 from router.process import free_port
 
@@ -57,6 +57,13 @@ class Child:
         """The log's error lines (llama.cpp's `` E `` level), without their timestamps."""
         return [re.sub(r"^\S+ E ", "", line) for line in self.log().splitlines()
                 if re.match(r"^\S+ E ", line)]
+
+    def logged_error(self, text: str) -> bool:
+        """Whether an error line with ``text`` reaches the log (within the hang guard).
+        llama-server writes its log from a thread of its own: a line about a request may
+        come after the answer to it, later still on a busy machine."""
+        return wait_until(lambda: any(text in line for line in self.log_errors()),
+                          HANG_GUARD_S, interval=0.05)
 
     def post(self, path: str, body: Any = None, *, timeout: float = HANG_GUARD_S,
              **kw: Any) -> httpx.Response:

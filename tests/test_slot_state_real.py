@@ -299,7 +299,7 @@ def test_restore_under_another_configuration(
             assert response.status_code == 400, response.text
             assert response.json() == {"error": {"code": 400, "message": GENERIC_RESTORE_ERROR,
                                                  "type": "invalid_request_error"}}
-            assert any(config.log in line for line in child.log_errors()), child.log_errors()
+            assert child.logged_error(config.log), child.log_errors()
             answer = child.complete(short)
             assert answer["timings"]["cache_n"] == 0
             print(f"\n[{config.name}] refused: {config.log}")
@@ -405,8 +405,7 @@ def test_restore_of_a_damaged_file(case: Damage, tmp_path: Path, llama_server: P
             assert response.status_code == 400, response.text
             assert response.json() == {"error": {"code": 400, "message": case.message,
                                                  "type": "invalid_request_error"}}
-            assert not case.log or any(case.log in line for line in child.log_errors()), \
-                child.log_errors()
+            assert not case.log or child.logged_error(case.log), child.log_errors()
             again = child.complete(PROMPT)
             assert again["timings"]["cache_n"] == 0
             assert again["content"] == saved.content
