@@ -98,7 +98,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                                  cores=shared, gpus=devices, models=models.values,
                                  upstream_timeout=settings.upstream_timeout)
     if warm is None and states is not None:
-        warm = WarmSwaps(states, build, client)
+        warm = WarmSwaps(states, build, client, events)
     if warm is not None:
         spawner.slot_dir = warm.slot_dir
     parts: dict[str, Loader] = {}  # the loader, made after the executor that starts its loads

@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from .backend import Backend
+from .events import EventBus
 from .presets import ModelPreset
 from .runtime import Replica
 from .statestore import PendingSave, SavedState, StateStore, fingerprint
@@ -102,10 +103,14 @@ class Counts:
 
 
 class WarmSwaps:
-    def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient,
+                 events: EventBus | None = None) -> None:
+        """``events``: where a model's saved states are announced when they change
+        (``slot_states``, on ``/models/sse``)."""
         self.store = store
         self._build = build
         self._client = client
+        self._events = events
         self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
         self.counts: dict[str, Counts] = {}
         self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
@@ -116,6 +121,11 @@ class WarmSwaps:
     def usage(self, model_id: str) -> tuple[int, int]:
         """The model's saved states now: how many, and their bytes."""
         return self.store.usage().get(model_id, (0, 0))
+
+    def _announce(self, model_id: str) -> None:
+        if self._events is not None:
+            count, size = self.usage(model_id)
+            self._events.publish(model_id, "slot_states", {"count": count, "bytes": size})
 
     # ----------------------------------------------------------------- configuration
 
@@ -157,6 +167,7 @@ class WarmSwaps:
         if removed:
             log.info("removed %d saved slot states with the model", removed,
                      extra={"event": "state_removed", "model": model_id})
+            self._announce(model_id)
 
     # ----------------------------------------------------------------- saving
 
@@ -182,6 +193,7 @@ class WarmSwaps:
         finally:
             for left in pending:  # cut off, or failed: its temp file goes
                 await asyncio.to_thread(self.store.abandon, left)
+            self._announce(preset.id)
         if kept:
             log.info("saved %d slot states (%d tokens, %d bytes)", len(kept),
                      sum(s.n_saved for s in kept), sum(s.n_written for s in kept),
@@ -244,6 +256,8 @@ class WarmSwaps:
             log.warning("restoring slot states took over %g s; serving without the rest",
                         RESTORE_BOUND_S, extra={"event": "state_restore_slow",
                                                 "model": preset.id})
+        if states:
+            self._announce(preset.id)
         if restored:
             log.info("restored %d slot states", restored,
                      extra={"event": "state_restored", "model": preset.id})

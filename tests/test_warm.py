@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from router import warm
 from router.backend import Backend
 from router.errors import Unavailable
+from router.events import EventBus
 from router.flags import FlagTable
 from router.presets import ModelPreset
 from router.runtime import Replica
@@ -86,13 +87,14 @@ def model(tmp_path: Path) -> ModelPreset:
     return ModelPreset("m", MappingProxyType({"model": str(path), "ctx-size": "4096"}))
 
 
-def swaps(tmp_path: Path, stand_ins: dict[str, StandIn]) -> tuple[WarmSwaps, StateStore]:
+def swaps(tmp_path: Path, stand_ins: dict[str, StandIn],
+          events: EventBus | None = None) -> tuple[WarmSwaps, StateStore]:
     async def route(request: httpx.Request) -> httpx.Response:
         return await stand_ins[request.url.host].handle(request)
 
     store = StateStore(tmp_path / "states", 1 << 30)
     client = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    return WarmSwaps(store, "b11434", client), store
+    return WarmSwaps(store, "b11434", client, events), store
 
 
 async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
@@ -169,14 +171,20 @@ async def test_a_restored_replica_learns_the_prefixes_it_served(tmp_path: Path) 
 
 async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
                                                         model: ModelPreset) -> None:
+    """... and every change of a model's states is announced (``slot_states``)."""
+    events = EventBus()
+    heard: list[dict[str, Any]] = []
+    events.listeners.append(heard.append)
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in})
+    swaps_, store = swaps(tmp_path, {"a": stand_in}, events)
     directory = swaps_.slot_dir(model)
     assert directory is not None
     stand_in.directory = directory
     assert await swaps_.save(model, [child("a")]) == 1
     swaps_.forget("m")
     assert store.usage() == {} and not directory.parent.exists()
+    assert [(e["event"], e["data"]["count"]) for e in heard] == [("slot_states", 1),
+                                                                 ("slot_states", 0)]
 
 
 async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import RouterProcess, start_router, wait_until, write_presets
+from support import RouterProcess, SSEClient, start_router, wait_until, write_presets
 
 pytestmark = pytest.mark.real
 
@@ -62,10 +62,18 @@ def test_a_swapped_out_model_comes_back_with_its_prompt_cache(
     with start_router(tmp_path, "--presets", str(presets(tmp_path, tiny_models)),
                       "--llama-server", str(llama_server), "--models-max", "1",
                       "--state-dir", str(state_dir)) as router:
+        sse = SSEClient(router.url)
+        sse.start()
+        assert sse.connected.wait(GUARD_S)
         first, again, argv = swap_away_and_back(router)
         log = router.log()
         states = router.models()["alpha"]["status"]["states"]
         metrics = httpx.get(router.url + "/metrics", timeout=GUARD_S).text
+        announced = [e["data"] for e in list(sse.events)
+                     if e["event"] == "slot_states" and e["model"] == "alpha"]
+        sse.stop.set()
+    # Saved (1), then restored (still 1: a state stays until replaced or dropped).
+    assert [a["count"] for a in announced] == [1, 1] and announced[0]["bytes"] > 0, announced
     assert states["count"] == 1 and states["bytes"] > 0, states
     assert 'llamarouter_state_saves_total{model="alpha"} 1.0' in metrics, metrics
     assert 'llamarouter_state_restores_total{model="alpha"} 1.0' in metrics

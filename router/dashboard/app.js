@@ -154,6 +154,9 @@ function onEvent(event) {
     case 'queued':
     case 'download_progress':
       return;
+    case 'slot_states':  // warm swaps: the model's saved slots (status.states)
+      scheduleRefresh();
+      return;
     case 'download_finished':
       notify('Downloaded ' + event.model, 'info');
       scheduleRefresh();
