@@ -33,6 +33,7 @@ from .errors import LoadFailed, ModelUnloaded
 from .events import EventBus
 from .lifecycle import (
     DRAINED,
+    SHUTDOWN,
     UNLOADED,
     CancelDownload,
     CancelLoad,
@@ -74,8 +75,9 @@ BACKOFF_CAP_S = 30.0
 ModelCallback = Callable[[ModelRuntime], None]
 
 
-# The stops whose model comes back as it was: its slots are saved first (warm swaps).
-WARM_STOPS = frozenset({DRAINED, UNLOADED, "idle"})
+# The stops whose model comes back as it was: its slots are saved first (warm swaps). The
+# router's own shutdown too: a restarted router resumes its conversations warm.
+WARM_STOPS = frozenset({DRAINED, UNLOADED, "idle", SHUTDOWN})
 
 
 def backoff_s(failures_in_row: int) -> float:

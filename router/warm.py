@@ -7,8 +7,8 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   the arguments that shape its KV cache and the llama-server build), so a state is never
   restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
   upstream, or a model without a model file gets none.
-* ``save`` (the executor, before it stops the children for an eviction, an unload or the idle
-  TTL): every slot worth it (``GET /slots``; ``worth_saving``) is saved
+* ``save`` (the executor, before it stops the children for an eviction, an unload, the idle
+  TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is saved
   (``POST /slots/{id}?action=save``) under a name the store makes, then committed (checked
   against the child's answer and checksummed).
 * **Decided by cost** (``worth_saving``): a slot is saved when computing its tokens again

@@ -156,3 +156,18 @@ def test_a_state_of_another_configuration_is_never_restored(
         assert again["cache_n"] == 0, again
         assert not old.exists() and not old.parent.exists()
         assert "event=state_stale" in router.log()
+
+
+def test_a_restarted_router_resumes_warm(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """The router's own shutdown saves its models' slots too: the same prompt after a
+    restart (same --state-dir, same configuration) comes from the cache."""
+    state_dir = tmp_path / "states"
+    args = ("--presets", str(presets(tmp_path, tiny_models)), "--llama-server",
+            str(llama_server), "--state-dir", str(state_dir))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        first = complete(client, "alpha")
+    assert len(state_files(state_dir)) == 1  # saved as the router stopped
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        again = complete(client, "alpha")
+    assert first["cache_n"] == 0 and again["cache_n"] >= first["prompt_n"] - 1, again
