@@ -21,6 +21,8 @@ Fault knobs (all optional):
                        loading, as far as a router can tell); the other endpoints work normally
   --token-delay S      seconds between generated tokens (default 0.0)
   --exit-on-start N    print a model-load error to stderr and exit with code N at once
+  --die-on-slot-save   os._exit(3) halfway through writing a slot file (POST /slots/{id}
+                       ?action=save): a child killed during a save
 
 Behaviour: replies are deterministic ("tok0 tok1 ...", 8 tokens unless max_tokens/n_predict say
 otherwise); the tokenizer is one token per UTF-8 byte; requests beyond the slot count (-np, 4 by
@@ -28,7 +30,9 @@ default) wait for a free slot, as in the real server; errors use llama.cpp's env
 ``{"error":{"code":N,"message":...,"type":...}}``. Like the real server, embeddings need
 ``--embeddings`` and that flag disables completions (501 not_supported_error otherwise), /metrics
 needs ``--metrics``. GET /fake/info reports pid, argv, env var names, in-flight requests and
-how many health requests it answered.
+how many health requests it answered. With ``--slot-save-path DIR``, ``POST /slots/{id}
+?action=save|restore|erase`` write, read and forget a slot's tokens as 8 bytes each (``GET
+/slots`` reports them as ``n_prompt_tokens``); without it, 501 as the real server.
 """
 
 from __future__ import annotations
@@ -187,6 +191,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     opt("--fail-health", action="store_true")
     opt("--token-delay", type=float, default=0.0)
     opt("--exit-on-start", type=int, default=None)
+    opt("--die-on-slot-save", action="store_true")
+    opt("--slot-save-path", default="")
 
     # Keep only known tokens, rewriting "FLAG VALUE" as "FLAG=VALUE" so that argparse never
     # mistakes an unknown flag for a known short option with a glued value (-ctk -> -c tk).
@@ -244,6 +250,7 @@ class State:
     n_decode: int = 0
     busy_slot_sum: int = 0  # sum over decode steps of busy slots, for n_busy_slots_per_decode
     health_requests: int = 0  # requests to /health and /v1/health, loading or not
+    cached: dict[int, int] = field(default_factory=dict)  # slot id -> tokens it holds
 
     def loading(self) -> bool:
         return time.monotonic() - T0 < float(self.args.startup_delay)
@@ -271,6 +278,23 @@ class State:
                 fut.set_result(None)
 
 
+def write_slot_file(path: str, data: bytes, *, die_halfway: bool) -> None:
+    """A slot save (tiny files: written at once)."""
+    with open(path, "wb") as f:
+        if die_halfway:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            crash("during a slot save")
+        f.write(data)
+
+
+def slot_file_size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
 def crash(reason: str) -> None:
     log(f"fake-llama-server: simulated crash ({reason}), exit code 3")
     os._exit(3)
@@ -282,6 +306,7 @@ async def generate(state: State, n_prompt: int, n_predict: int,
     """Yield the deterministic reply one token at a time while holding a slot."""
     slot, task = await state.acquire_slot()
     log(f"slot launch_slot_: id {slot:2d} | task {task} | processing task")
+    state.cached[slot] = n_prompt + n_predict
     state.prompt_tokens += n_prompt
     state.prompt_seconds += n_prompt * 1e-4
     done = False
@@ -609,8 +634,38 @@ def build_app(state: State) -> ASGIApp:
         if request.query_params.get("fail_on_no_slot") and len(state.busy) >= state.n_slots:
             return error_response(503, "no slot available", "unavailable_error")
         return JSONResponse([{"id": s, "id_task": state.busy.get(s, -1), "n_ctx": state.n_ctx,
-                              "speculative": False, "is_processing": s in state.busy}
+                              "speculative": False, "is_processing": s in state.busy,
+                              "n_prompt_tokens": state.cached.get(s, 0)}
                              for s in range(state.n_slots)])
+
+    async def slot_action(request: Request) -> Response:
+        if not args.slot_save_path:
+            return error_response(501, "This server does not support slots action. Start it "
+                                  "with `--slot-save-path`", "not_supported_error")
+        slot = int(request.path_params["slot"])
+        action = request.query_params.get("action")
+        if action == "erase":
+            state.cached.pop(slot, None)
+            return JSONResponse({"id_slot": slot, "n_erased": 0})
+        filename = (await request.json()).get("filename", "")
+        path = os.path.join(args.slot_save_path, filename)
+        if action == "save":
+            tokens = state.cached.get(slot, 0)
+            data = b"\x01" * (8 * tokens)
+            write_slot_file(path, data, die_halfway=args.die_on_slot_save)
+            return JSONResponse({"id_slot": slot, "filename": filename, "n_saved": tokens,
+                                 "n_written": len(data), "timings": {"save_ms": 0.1}})
+        if action == "restore":
+            size = slot_file_size(path)
+            if size is None:
+                return error_response(400, "Unable to restore slot: No available space in KV "
+                                      "cache or invalid slot save file",
+                                      "invalid_request_error")
+            state.cached[slot] = size // 8
+            return JSONResponse({"id_slot": slot, "filename": filename,
+                                 "n_restored": size // 8, "n_read": size,
+                                 "timings": {"restore_ms": 0.1}})
+        return error_response(400, "Invalid action", "invalid_request_error")
 
     async def metrics(_: Request) -> Response:
         if not args.metrics:
@@ -656,6 +711,7 @@ def build_app(state: State) -> ASGIApp:
     routes += [Route(p, models, methods=get) for p in ("/models", "/v1/models", "/api/tags")]
     routes += [Route("/props", props, methods=get), Route("/props", props_post, methods=post),
                Route("/slots", slots, methods=get), Route("/metrics", metrics, methods=get),
+               Route("/slots/{slot:int}", slot_action, methods=post),
                Route("/fake/info", fake_info, methods=get)]
     for paths, fn in [
         (("/v1/chat/completions", "/chat/completions"), chat),

@@ -16,6 +16,7 @@ from typing import Any, cast
 import httpx
 import pytest
 from starlette.applications import Starlette
+from support import fake_binary, start_router, write_presets
 
 from router import warm
 from router.backend import Backend
@@ -334,3 +335,28 @@ async def test_what_writes_no_file_still_goes_to_the_child(
             response = await client.post(target + "&model=m", json={})
     assert response.status_code == 503, response.text  # the recording stand-in's answer
     assert acquired == ["m"]
+
+
+# ------------------------------------------------------- a child killed during its save
+
+@pytest.mark.fake
+def test_a_child_killed_during_its_save_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The child dies halfway through writing its slot file (tests/fake_llama_server.py
+    ``--die-on-slot-save``): the swap goes on, the half-written file is removed, and the model
+    loads again as usual."""
+    states = tmp_path / "states"
+    for name in ("alpha", "beta"):
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
+    presets = write_presets(tmp_path / "models.ini", "[*]\nparallel = 1\n" + "".join(
+        f"[{name}]\nmodel = {tmp_path / name}.gguf\n" for name in ("alpha", "beta")))
+    chat = {"messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 4}
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server",
+                      str(fake_binary(tmp_path, "--die-on-slot-save")), "--models-max", "1",
+                      "--state-dir", str(states)) as router, router.client() as client:
+        for model in ("alpha", "beta", "alpha"):
+            response = client.post("/v1/chat/completions", json={"model": model, **chat})
+            assert response.status_code == 200, (model, response.text)
+        log = router.log()
+    assert [p for p in states.rglob("*") if p.is_file()] == []
+    assert "simulated crash (during a slot save)" in log
+    assert "Traceback" not in log
