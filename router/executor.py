@@ -227,9 +227,13 @@ class Executor:
             for replica in replicas:
                 if replica.in_flight:
                     replica.child.connections.abort_all(ended)
-        if self._warm is not None and reason in WARM_STOPS:
-            await self._warm.save(runtime.preset, replicas)  # bounded
-        codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
+        warm = self._warm if reason in WARM_STOPS else None
+        written = await warm.write(runtime.preset, replicas) if warm else []  # bounded
+        stops = asyncio.gather(*(r.child.stop(seconds) for r in replicas))
+        if warm is not None:  # the files are checked and kept while the children stop
+            codes, _ = await asyncio.gather(stops, warm.keep(runtime.preset, written))
+        else:
+            codes = await stops
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))
 

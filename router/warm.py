@@ -42,7 +42,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -50,7 +50,7 @@ from .backend import Backend
 from .events import EventBus
 from .presets import ModelPreset
 from .runtime import Replica
-from .statestore import PendingSave, SavedState, StateStore, fingerprint
+from .statestore import Commit, PendingSave, SavedState, StateStore, fingerprint
 
 log = logging.getLogger("router.warm")
 
@@ -100,6 +100,14 @@ class Counts:
     refused: int = 0  # states discarded: not kept at commit, or refused on restore
     slow_saves: int = 0  # stops whose saves were cut by SAVE_BOUND_S
     slow_restores: int = 0  # loads whose restores were cut by RESTORE_BOUND_S
+
+
+class Written(NamedTuple):
+    """A slot file a child wrote: the save, the child's answer, the prefix keys to keep."""
+
+    save: PendingSave
+    answer: dict[str, Any]
+    keys: list[int] | None
 
 
 class WarmSwaps:
@@ -172,12 +180,19 @@ class WarmSwaps:
     # ----------------------------------------------------------------- saving
 
     async def save(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
-        """Save the worthwhile slots of the model's ``replicas`` (in order) within
-        ``SAVE_BOUND_S``; how many were kept."""
+        """Save the worthwhile slots of the model's ``replicas`` (in order): ``write`` then
+        ``keep``; how many were kept."""
+        return await self.keep(preset, await self.write(preset, replicas))
+
+    async def write(self, preset: ModelPreset, replicas: Sequence[Replica]) -> list[Written]:
+        """Have the children write their worthwhile slots, within ``SAVE_BOUND_S``: what they
+        wrote, for ``keep``. A save cut off or failed is abandoned (its file removed). The
+        children are done with the files once this returns: ``keep`` (checksums, renames) may
+        run while they stop."""
         found = self.fingerprint_of(preset)
         if found is None or not replicas:
-            return 0
-        kept: list[SavedState] = []
+            return []
+        written: list[Written] = []
         pending: list[PendingSave] = []
         try:
             async with asyncio.timeout(SAVE_BOUND_S):
@@ -185,7 +200,7 @@ class WarmSwaps:
                     keys = replica.prefixes.recent(PREFIX_KEYS) if preset.prefix_routing \
                         else None
                     await self._save_child(preset.id, found, index, replica.child, keys,
-                                           pending, kept)
+                                           pending, written)
         except TimeoutError:
             self._counts(preset.id).slow_saves += 1
             log.warning("saving slot states took over %g s; stopping without the rest",
@@ -193,16 +208,45 @@ class WarmSwaps:
         finally:
             for left in pending:  # cut off, or failed: its temp file goes
                 await asyncio.to_thread(self.store.abandon, left)
-            self._announce(preset.id)
+        return written
+
+    async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
+        """Commit what the children wrote (checked against their answers, checksummed,
+        renamed; ``statestore``); how many were kept. Never raises but a cancel: it runs
+        beside the children's stop."""
+        model_id = preset.id
+        io = self.io.setdefault(model_id, Io())
+        counts = self._counts(model_id)
+        kept: list[SavedState] = []
+        try:
+            for save, answer, keys in written:
+                try:
+                    commit = await asyncio.to_thread(self.store.commit, save, answer, keys)
+                except (OSError, ValueError) as exc:  # never the stop's failure
+                    await asyncio.to_thread(self.store.abandon, save)
+                    commit = Commit(None, f"cannot keep it ({exc})")
+                if commit.state is not None:
+                    kept.append(commit.state)
+                    counts.saved += 1
+                    counts.saved_bytes += commit.state.n_written
+                    _learn(io, commit.state.n_saved, commit.state.n_written,
+                           _timing(answer, "save_ms"), "save")
+                elif commit.problem:
+                    counts.refused += 1
+                    log.warning("slot %d not saved: %s", save.slot, commit.problem,
+                                extra={"model": model_id})
+        finally:
+            if self.fingerprint_of(preset) is not None:
+                self._announce(model_id)
         if kept:
             log.info("saved %d slot states (%d tokens, %d bytes)", len(kept),
                      sum(s.n_saved for s in kept), sum(s.n_written for s in kept),
-                     extra={"event": "state_saved", "model": preset.id})
+                     extra={"event": "state_saved", "model": model_id})
         return len(kept)
 
     async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
                           keys: list[int] | None, pending: list[PendingSave],
-                          kept: list[SavedState]) -> None:
+                          written: list[Written]) -> None:
         slots = await self._slots(child)
         io = self.io.setdefault(model_id, Io())
         speed = await self._prompt_speed(child) if io.cost_ms(1) is not None else None
@@ -218,18 +262,7 @@ class WarmSwaps:
             if answer is None:
                 continue  # abandoned with the others
             pending.remove(save)
-            commit = await asyncio.to_thread(self.store.commit, save, answer, keys or None)
-            counts = self._counts(model_id)
-            if commit.state is not None:
-                kept.append(commit.state)
-                counts.saved += 1
-                counts.saved_bytes += commit.state.n_written
-                _learn(io, commit.state.n_saved, commit.state.n_written,
-                       _timing(answer, "save_ms"), "save")
-            elif commit.problem:
-                counts.refused += 1
-                log.warning("slot %d not saved: %s", number, commit.problem,
-                            extra={"model": model_id})
+            written.append(Written(save, answer, keys or None))
 
     # ----------------------------------------------------------------- restoring
 

@@ -66,10 +66,10 @@ from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner
 from router.state import Shutdown
-from router.statestore import PendingSave, SavedState, StateStore
+from router.statestore import PendingSave, StateStore
 from router.supervisor import Supervisor
 from router.wait import Ends
-from router.warm import WarmSwaps
+from router.warm import WarmSwaps, Written
 
 MODEL_IDS = ("a", "b", "c", "d")
 MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget
@@ -253,9 +253,12 @@ class HangingSaves(WarmSwaps):
 
     async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
                           keys: list[int] | None, pending: list[PendingSave],
-                          kept: list[SavedState]) -> None:
+                          written: list[Written]) -> None:
         self.hung += 1
         await asyncio.Event().wait()
+
+    async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
+        return 0
 
     async def restore(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
         return 0
