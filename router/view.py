@@ -179,7 +179,7 @@ class ModelView:
         status["memory"] = self._memory_status()
         status.update(self._trouble_status())
         warm = sup.warm
-        if warm is not None and warm.fingerprint_of(runtime.preset) is not None:
+        if warm is not None and warm.covers(runtime.preset):  # a listing reads no file
             count, size = warm.usage(runtime.id)
             status["states"] = {"count": count, "bytes": size}  # saved slots (warm swaps)
         return status

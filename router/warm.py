@@ -137,6 +137,12 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- configuration
 
+    @staticmethod
+    def covers(preset: ModelPreset) -> bool:
+        """Whether the preset's model can have warm swaps at all (no file is read)."""
+        return preset.upstream is None and preset.model_path is not None \
+            and "slot-save-path" not in preset.args
+
     def fingerprint_of(self, preset: ModelPreset) -> str | None:
         """The fingerprint of the preset's configuration; None when it gets no warm swaps
         (see the module docstring) or its model file cannot be read."""
@@ -144,8 +150,8 @@ class WarmSwaps:
         if cached is not None and cached[0] is preset:
             return cached[1]
         found: str | None = None
-        if preset.upstream is None and preset.model_path is not None \
-                and "slot-save-path" not in preset.args:
+        if self.covers(preset):
+            assert preset.model_path is not None
             files = [Path(preset.model_path)]
             if preset.args.get("mmproj"):
                 files.append(Path(preset.args["mmproj"]))
