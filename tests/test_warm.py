@@ -98,14 +98,22 @@ def swaps(tmp_path: Path, stand_ins: dict[str, StandIn],
     return WarmSwaps(store, "b11434", client, events), store
 
 
+def swaps_for(tmp_path: Path, preset: ModelPreset, stand_ins: dict[str, StandIn],
+              events: EventBus | None = None) -> tuple[WarmSwaps, StateStore, Path]:
+    """``swaps``, with every stand-in writing into ``preset``'s slot directory (returned)."""
+    swaps_, store = swaps(tmp_path, stand_ins, events)
+    directory = swaps_.slot_dir(preset)
+    assert directory is not None and directory.is_relative_to(store.root)
+    for stand_in in stand_ins.values():
+        stand_in.directory = directory
+    return swaps_, store, directory
+
+
 async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
         tmp_path: Path, model: ModelPreset) -> None:
     store_dir = tmp_path / "states"
     stand_in = StandIn(store_dir, [MIN_TOKENS * 4, MIN_TOKENS - 1, MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in})
-    directory = swaps_.slot_dir(model)
-    assert directory is not None and directory.is_relative_to(store.root)
-    stand_in.directory = directory
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
     assert await swaps_.save(model, [child("a")]) == 2  # slot 1 holds too few tokens
     assert sorted(s.slot for s in store.states("m", directory.name)) == [0, 2]
     assert await swaps_.restore(model, [child("a")]) == 2
@@ -128,10 +136,7 @@ def test_a_slot_is_saved_when_computing_it_again_costs_more() -> None:
 async def test_the_cost_learned_from_a_save_decides_the_next_one(
         tmp_path: Path, model: ModelPreset) -> None:
     stand_in = StandIn(tmp_path, [MIN_TOKENS * 10])
-    swaps_, _ = swaps(tmp_path, {"a": stand_in})
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    stand_in.directory = directory
+    swaps_, _, _ = swaps_for(tmp_path, model, {"a": stand_in})
     stand_in.save_ms = 5_000.0  # a very slow disk: 5 s for 640 tokens
     assert await swaps_.save(model, [child("a")]) == 1  # nothing known yet: saved
     io = swaps_.io["m"]
@@ -150,11 +155,7 @@ async def test_a_restored_replica_learns_the_prefixes_it_served(tmp_path: Path) 
     routed = ModelPreset("m", MappingProxyType({"model": str(path)}), replicas=2)
     assert routed.prefix_routing
     stand_ins = {"a": StandIn(tmp_path, [MIN_TOKENS]), "b": StandIn(tmp_path, [MIN_TOKENS])}
-    swaps_, _ = swaps(tmp_path, stand_ins)
-    directory = swaps_.slot_dir(routed)
-    assert directory is not None
-    for stand_in in stand_ins.values():
-        stand_in.directory = directory
+    swaps_, _, _ = swaps_for(tmp_path, routed, stand_ins)
     old = [child("a"), child("b")]
     old[0].prefixes.record([11, 12, 13])
     old[1].prefixes.record([21, 22])
@@ -177,10 +178,7 @@ async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
     heard: list[dict[str, Any]] = []
     events.listeners.append(heard.append)
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in}, events)
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    stand_in.directory = directory
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in}, events)
     assert await swaps_.save(model, [child("a")]) == 1
     swaps_.forget("m")
     assert store.usage() == {} and not directory.parent.exists()
@@ -191,11 +189,7 @@ async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
 async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset) -> None:
     stand_ins = {"a": StandIn(tmp_path, [MIN_TOKENS, MIN_TOKENS]),
                  "b": StandIn(tmp_path, [MIN_TOKENS * 2, 0])}
-    swaps_, _ = swaps(tmp_path, stand_ins)
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    for stand_in in stand_ins.values():
-        stand_in.directory = directory
+    swaps_, _, _ = swaps_for(tmp_path, model, stand_ins)
     assert await swaps_.save(model, [child("a"), child("b")]) == 3
     assert await swaps_.restore(model, [child("a"), child("b")]) == 3
     assert sorted(s for s, _ in stand_ins["a"].restored) == [0, 1]
@@ -209,10 +203,7 @@ async def test_a_save_that_hangs_is_cut_by_its_bound_and_leaves_no_file(
         tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(warm, "SAVE_BOUND_S", 0.2)
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in})
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    stand_in.directory = directory
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
     stand_in.hang = "save"
     async with asyncio.timeout(GUARD_S):
         assert await swaps_.save(model, [child("a")]) == 0
@@ -223,10 +214,7 @@ async def test_a_restore_that_hangs_or_is_refused_serves_without_it(
         tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(warm, "RESTORE_BOUND_S", 0.2)
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in})
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    stand_in.directory = directory
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
     assert await swaps_.save(model, [child("a")]) == 1
     stand_in.hang = "restore"
     async with asyncio.timeout(GUARD_S):
@@ -240,10 +228,7 @@ async def test_a_restore_that_hangs_or_is_refused_serves_without_it(
 async def test_a_save_whose_answer_does_not_match_its_file_is_not_kept(
         tmp_path: Path, model: ModelPreset) -> None:
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
-    swaps_, store = swaps(tmp_path, {"a": stand_in})
-    directory = swaps_.slot_dir(model)
-    assert directory is not None
-    stand_in.directory = directory
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
     original = stand_in.handle
 
     async def lying(request: httpx.Request) -> httpx.Response:
