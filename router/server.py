@@ -49,7 +49,7 @@ from .peers import PeerError, Peers, default_node_name, dns_target, peer_url, re
 from .reload import Reloader
 from .settings import ConfigurationError, Settings
 from .sources import Catalogue, build_catalogue
-from .statestore import StateStore
+from .statestore import StateStore, claim_root
 from .supervisor import Supervisor
 from .systemd import Notifier
 from .webui import MissingWebUI, StaticUI, WebUI
@@ -139,6 +139,7 @@ def _state_store(settings: Settings) -> StateStore | None:
     if settings.state_dir is None:
         return None
     try:
+        claim_root(settings.state_dir)  # held until the router exits: one router per directory
         store = StateStore(settings.state_dir, settings.state_budget_bytes())
     except (OSError, ValueError) as exc:
         raise ConfigurationError(f"--state-dir {settings.state_dir}: {exc}") from None

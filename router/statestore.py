@@ -40,6 +40,7 @@ within ``budget_bytes``; a model keeps at most ``MAX_STATES_PER_MODEL``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -457,6 +458,24 @@ def _prepare_root(root: Path) -> Path:
     return path
 
 
+LOCK_NAME: Final = ".lock"  # held (flock) by the one store that owns root
+
+
+def claim_root(root: Path) -> int:
+    """An exclusive lock on ``root`` (created if missing) for this process, to hold for its
+    life (the descriptor returned): a second router on the same directory is refused with
+    ValueError, since a store removes what it did not write."""
+    root = _prepare_root(root)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"state directory {root} is in use by another router: give each "
+                         "router a --state-dir of its own") from None
+    return fd
+
+
 # ---- scanning ----------------------------------------------------------------------------
 
 def _scan_fingerprint(directory: Path, root: Path) -> tuple[list[SavedState], list[Problem]]:
@@ -618,7 +637,8 @@ class StateStore:
     def __init__(self, root: Path, budget_bytes: int, *,
                  clock: Callable[[], float] = time.time) -> None:
         """``root`` (``--state-dir``) is created 0700 if missing; a symlink, a non-directory
-        or an unwritable one is refused with ValueError. ``clock``: wall-clock seconds."""
+        or an unwritable one is refused with ValueError. (One router per root: ``claim_root``
+        first.) ``clock``: wall-clock seconds."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes < 0:
             raise ValueError(f"state budget must be a number of bytes ≥ 0: {budget_bytes!r}")

@@ -731,3 +731,18 @@ def test_the_public_records_are_plain(store: StateStore, fp: str) -> None:
     record: Mapping[str, Any] = json.loads(state.manifest.read_text())
     assert set(record) == {"version", "model_id", "fingerprint", "slot", "file", "n_saved",
                            "n_written", "sha256", "saved_at", "last_used", "prefix"}
+
+
+def test_one_router_per_state_directory(tmp_path: Path) -> None:
+    """``claim_root``: a second claim on the same directory is refused while the first is
+    held (another router), and the same directory is free again once it is released."""
+    from router.statestore import claim_root
+
+    first = claim_root(tmp_path / "states")
+    try:
+        with pytest.raises(ValueError, match="in use by another router"):
+            claim_root(tmp_path / "states")
+        assert claim_root(tmp_path / "other") >= 0  # another directory: its own lock
+    finally:
+        os.close(first)
+    os.close(claim_root(tmp_path / "states"))
