@@ -235,18 +235,24 @@ async def proxy_in_uvicorn(state: object, timeout: float) -> AsyncIterator[httpx
             scope["app"] = SimpleNamespace(state=state)
             await proxy(scope, receive, send)
 
+    async with serve_in_uvicorn(app, timeout, lifespan="off") as url, \
+            httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def serve_in_uvicorn(app: Any, timeout: float, **config: Any) -> AsyncIterator[str]:
+    """``app`` served by uvicorn on a free loopback port (``config``: more of uvicorn's
+    settings); its URL. ``timeout`` guards the start and the stop."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None,
-                                           access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, **config))
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(timeout):
             while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
                 await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
-            yield client
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, timeout)

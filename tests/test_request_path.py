@@ -27,9 +27,7 @@ A module the path enters that is in neither table fails the test: it must be pla
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 import sys
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -39,8 +37,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from support import fake_binary
+from support import fake_binary, serve_in_uvicorn
 
 import router
 from router.flags import FlagTable
@@ -248,26 +245,14 @@ async def served(tmp_path: Path, help_table: FlagTable) -> AsyncIterator[httpx.A
                         "test")
     refusals = Refusals()
     app = build_app(prepared, refusals=refusals)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(
-        app, lifespan="on", log_config=None, access_log=False, proxy_headers=False,
-        ws="none", http=EnvelopeHttpToolsProtocol.configured(refusals=refusals)))
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(GUARD_S):
-            while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
-                await asyncio.sleep(0.01)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        async with httpx.AsyncClient(base_url=url, timeout=GUARD_S,
-                                     headers={"Authorization": f"Bearer {KEY}"}) as client:
-            loaded = await client.post("/models/load?wait=true", json={"model": "alpha"})
-            assert loaded.status_code == 200, loaded.text
-            yield client
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, GUARD_S)
-        sock.close()
+    async with serve_in_uvicorn(
+            app, GUARD_S, lifespan="on", proxy_headers=False, ws="none",
+            http=EnvelopeHttpToolsProtocol.configured(refusals=refusals)) as url, \
+            httpx.AsyncClient(base_url=url, timeout=GUARD_S,
+                              headers={"Authorization": f"Bearer {KEY}"}) as client:
+        loaded = await client.post("/models/load?wait=true", json={"model": "alpha"})
+        assert loaded.status_code == 200, loaded.text
+        yield client
 
 
 CHAT = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
