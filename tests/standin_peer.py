@@ -46,8 +46,23 @@ class StandInPeer:
         self.url = ""
         self.auth: list[str | None] = []
         self.via: list[str | None] = []
+        self.handlers: set[asyncio.Task[None]] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Each accepted connection is owned by its handler task: ``__aexit__`` cancels the
+        ones still running, and the handler closes its connection on every way out."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            await self._answer(reader, writer)
+        finally:
+            self.handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError,
                                  asyncio.CancelledError):
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
@@ -81,7 +96,6 @@ class StandInPeer:
                          b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
             writer.write(body)
             await writer.drain()
-        writer.close()
 
     async def _stream(self, path: str, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -136,10 +150,15 @@ class StandInPeer:
         self.server.close()
 
     async def __aexit__(self, *exc: object) -> None:
+        """Stop listening, then end every connection still open (a silent ``/health``, an
+        endless stream) and wait until each is closed: nothing outlives the stand-in."""
         assert self.server is not None
         self.server.close()
-        with contextlib.suppress(Exception):
-            self.server.close_clients()  # type: ignore[attr-defined]  # 3.13
+        handlers = list(self.handlers)
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await self.server.wait_closed()
 
 
 async def wait_for(predicate: Any, timeout: float = HANG_GUARD_S) -> None:
