@@ -162,9 +162,12 @@ class Executor:
 
     async def settle(self) -> None:
         """Until every cancelled task has stopped the children it started (the shutdown
-        waits for this: no child may outlive the router's own stop)."""
+        waits for this: no child may outlive the router's own stop), and the slot states
+        their stops wrote are kept."""
         while self._ending:
             await asyncio.gather(*self._ending, return_exceptions=True)
+        if self._warm is not None:  # the slot states the stops wrote are kept
+            await self._warm.settle()
 
     def backoff_left(self, runtime: ModelRuntime) -> float:
         """Seconds until the model may start a child again after its recent failures."""
@@ -228,12 +231,9 @@ class Executor:
                 if replica.in_flight:
                     replica.child.connections.abort_all(ended)
         warm = self._warm if reason in WARM_STOPS else None
-        written = await warm.write(runtime.preset, replicas) if warm else []  # bounded
-        stops = asyncio.gather(*(r.child.stop(seconds) for r in replicas))
-        if warm is not None:  # the files are checked and kept while the children stop
-            codes, _ = await asyncio.gather(stops, warm.keep(runtime.preset, written))
-        else:
-            codes = await stops
+        if warm is not None:  # bounded; the files are checked and kept while they stop
+            warm.keep_soon(runtime.preset, await warm.write(runtime.preset, replicas))
+        codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))
 

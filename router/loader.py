@@ -116,17 +116,24 @@ class Loader:
         started = clock.now()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
-        results = await asyncio.gather(
-            *(self._spawner.spawn_ready(runtime, children, timeout, started, share)
-              for share in self._spawner.cpu_shares(runtime, preset.replicas)),
-            return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
-        own_info = await self._spawner.model_info(children[0])
-        replicas = tuple(Replica(child) for child in children)
-        if self._warm is not None:  # bounded; a refused state is only dropped
-            await self._warm.restore(preset, replicas)
+        # The saved states are verified while the children start; this load owns the check.
+        restorable = asyncio.ensure_future(self._warm.restorable(preset)) \
+            if self._warm is not None else None
+        try:
+            results = await asyncio.gather(
+                *(self._spawner.spawn_ready(runtime, children, timeout, started, share)
+                  for share in self._spawner.cpu_shares(runtime, preset.replicas)),
+                return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            own_info = await self._spawner.model_info(children[0])
+            replicas = tuple(Replica(child) for child in children)
+            if self._warm is not None and restorable is not None:  # bounded; a refused
+                await self._warm.restore(preset, replicas, await restorable)  # one is dropped
+        finally:
+            if restorable is not None:  # not needed after all (a failed start): stopped
+                restorable.cancel()
         loaded_at = clock.now()
         duration = round(loaded_at - started, 4)
         runtime.last_load_s = duration

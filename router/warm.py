@@ -8,9 +8,10 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
   upstream, or a model without a model file gets none.
 * ``save`` (the executor, before it stops the children for an eviction, an unload, the idle
-  TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is saved
-  (``POST /slots/{id}?action=save``) under a name the store makes, then committed (checked
-  against the child's answer and checksummed).
+  TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is
+  written (``POST /slots/{id}?action=save``) under a name the store makes, then committed
+  (checked against the child's answer and checksummed) in the background while the children
+  stop (``keep_soon``): the model's next load and the router's own stop wait for it.
 * **Decided by cost** (``worth_saving``): a slot is saved when computing its tokens again
   would take longer than saving and restoring them: its child's prompt speed (its
   ``llamacpp:prompt_tokens_seconds``, read once per save) against the model's measured bytes
@@ -20,8 +21,9 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   ``SAVE_BOUND_S``: a save that takes longer is abandoned, its temp file removed, and the
   stop goes on; a save never holds a swap longer than that.
 * ``restore`` (the loader, once every new child is healthy and before the model is
-  ``loaded``): the model's verified states, newest first, one per slot, each into the slot it
-  was saved from, within ``RESTORE_BOUND_S`` in all. A state the child refuses is discarded
+  ``loaded``): the model's verified states (``restorable``, checked while the children
+  start), newest first, one per slot, each into the slot it was saved from, within
+  ``RESTORE_BOUND_S`` in all. A state the child refuses is discarded
   with a warning; it is never served again.
 * A model removed from the configuration takes its saved states with it (``forget``).
 * Prefix routing learns what a restore put in a replica: a state saved from a replica of a
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -59,6 +61,10 @@ SAVE_BOUND_S = 10.0  # all the saves of one stop together
 RESTORE_BOUND_S = 10.0  # all the restores of one load together
 LISTING_TIMEOUT_S = 5.0  # GET /slots, GET /metrics
 PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
+# Every request to a child closes its connection: one left idle in the shared client's pool
+# holds up the child's exit when it is stopped (llama-server waits on open connections; a
+# save before a stop made the stop ~100 ms slower).
+ONE_SHOT = {"connection": "close"}
 
 
 @dataclass
@@ -110,6 +116,47 @@ class Written(NamedTuple):
     keys: list[int] | None
 
 
+class Commits:
+    """The commits under way in the background, one chain per model: each starts after the
+    model's one before it; ``settle`` waits for them and never cancels one."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, asyncio.Task[int]] = {}
+
+    def start(self, model_id: str, commit: Callable[[], Awaitable[int]]) -> None:
+        earlier = self._last.get(model_id)
+
+        async def in_turn() -> int:
+            if earlier is not None:
+                await asyncio.wait([earlier])
+            return await commit()
+
+        task = asyncio.create_task(in_turn(), name=f"keep:{model_id}")
+        self._last[model_id] = task
+        task.add_done_callback(lambda done: self._ended(model_id, done))
+
+    def after(self, model_id: str, then: Callable[[], None]) -> bool:
+        """Call ``then`` once the model's commits have ended; False (not called) if none is
+        under way."""
+        last = self._last.get(model_id)
+        if last is None:
+            return False
+        last.add_done_callback(lambda _: then())
+        return True
+
+    async def settle(self, model_id: str | None = None) -> None:
+        while busy := [task for name, task in self._last.items()
+                       if model_id is None or name == model_id]:
+            await asyncio.wait(busy)
+
+    def _ended(self, model_id: str, task: asyncio.Task[int]) -> None:
+        if self._last.get(model_id) is task:
+            del self._last[model_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("keeping the slot states failed", exc_info=task.exception(),
+                      extra={"model": model_id})
+
+
 class WarmSwaps:
     def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient,
                  events: EventBus | None = None) -> None:
@@ -122,6 +169,7 @@ class WarmSwaps:
         self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
         self.counts: dict[str, Counts] = {}
         self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
+        self._keeping = Commits()  # per model: its commit under way
 
     def _counts(self, model_id: str) -> Counts:
         return self.counts.setdefault(model_id, Counts())
@@ -170,7 +218,10 @@ class WarmSwaps:
         return None if found is None else self.store.directory(preset.id, found)
 
     def forget(self, model_id: str) -> None:
-        """Remove every saved state of a model whose preset is gone (it no longer runs)."""
+        """Remove every saved state of a model whose preset is gone (it no longer runs); what
+        a commit under way keeps goes too, once it is kept."""
+        if self._keeping.after(model_id, lambda: self.forget(model_id)):
+            return
         self._fingerprints.pop(model_id, None)
         try:
             removed = self.store.remove_model(model_id)
@@ -184,6 +235,16 @@ class WarmSwaps:
             self._announce(model_id)
 
     # ----------------------------------------------------------------- saving
+
+    def keep_soon(self, preset: ModelPreset, written: Sequence[Written]) -> None:
+        """``keep`` in the background (after the model's earlier commit, if one is under way):
+        the stop that wrote them need not wait, and the model's next load does
+        (``restorable``), as does the router's own stop (``settle``)."""
+        self._keeping.start(preset.id, lambda: self.keep(preset, written))
+
+    async def settle(self, model_id: str | None = None) -> None:
+        """Until the commits under way (of ``model_id``, or all) have ended."""
+        await self._keeping.settle(model_id)
 
     async def save(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
         """Save the worthwhile slots of the model's ``replicas`` (in order): ``write`` then
@@ -272,13 +333,29 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- restoring
 
-    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
-        """Restore the model's states into its new ``replicas`` (in order, not serving yet)
-        within ``RESTORE_BOUND_S``; how many were restored."""
+    async def restorable(self, preset: ModelPreset) -> list[SavedState]:
+        """The model's states a new child may take, each verified (read and checksummed)
+        now: the loader asks while the children start, so that this costs the load nothing.
+        Never raises but a cancel: a state directory that cannot be read means a cold load."""
         found = self.fingerprint_of(preset)
-        if found is None or not replicas:
+        if found is None:
+            return []
+        await self.settle(preset.id)  # a state its last stop is keeping is among them
+        try:
+            return await asyncio.to_thread(self.store.states, preset.id, found)
+        except (OSError, ValueError) as exc:  # the load goes on, cold
+            log.warning("cannot read the saved slot states: %s", exc, extra={"model": preset.id})
+            return []
+
+    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica],
+                      states: Sequence[SavedState] | None = None) -> int:
+        """Restore the model's states (``states``, from ``restorable``; None: asked now) into
+        its new ``replicas`` (in order, not serving yet) within ``RESTORE_BOUND_S``; how many
+        were restored."""
+        if self.fingerprint_of(preset) is None or not replicas:
             return 0
-        states = await asyncio.to_thread(self.store.states, preset.id, found)
+        if states is None:
+            states = await self.restorable(preset)
         restored = 0
         try:
             async with asyncio.timeout(RESTORE_BOUND_S):
@@ -325,7 +402,7 @@ class WarmSwaps:
         """The child's slots (``GET /slots``); none when it has no such endpoint."""
         try:
             response = await self._client.get(f"{child.base_url}/slots",
-                                              timeout=LISTING_TIMEOUT_S)
+                                              timeout=LISTING_TIMEOUT_S, headers=ONE_SHOT)
             listing = response.json() if response.status_code == 200 else []
         except (httpx.HTTPError, ValueError):
             return []
@@ -336,7 +413,7 @@ class WarmSwaps:
         """The child's average prompt speed in tokens a second (its ``/metrics``), if any."""
         try:
             response = await self._client.get(f"{child.base_url}/metrics",
-                                              timeout=LISTING_TIMEOUT_S)
+                                              timeout=LISTING_TIMEOUT_S, headers=ONE_SHOT)
         except httpx.HTTPError:
             return None
         if response.status_code != 200:
@@ -356,7 +433,8 @@ class WarmSwaps:
         try:
             response = await self._client.post(
                 f"{child.base_url}/slots/{slot}", params={"action": action},
-                json={"filename": filename}, timeout=None)  # bounded by the caller
+                json={"filename": filename}, headers=ONE_SHOT,
+                timeout=None)  # bounded by the caller
             answer = response.json()
         except (httpx.HTTPError, ValueError):
             return None

@@ -66,7 +66,7 @@ from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner
 from router.state import Shutdown
-from router.statestore import PendingSave, StateStore
+from router.statestore import PendingSave, SavedState, StateStore
 from router.supervisor import Supervisor
 from router.wait import Ends
 from router.warm import WarmSwaps, Written
@@ -260,7 +260,11 @@ class HangingSaves(WarmSwaps):
     async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
         return 0
 
-    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
+    async def restorable(self, preset: ModelPreset) -> list[SavedState]:
+        return []
+
+    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica],
+                      states: Sequence[SavedState] | None = None) -> int:
         return 0
 
     def forget(self, model_id: str) -> None:

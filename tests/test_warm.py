@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -29,7 +30,7 @@ from router.server import Prepared, build_app
 from router.settings import Settings
 from router.sources import build_catalogue
 from router.state import State
-from router.statestore import LOCK_NAME, StateStore
+from router.statestore import LOCK_NAME, StateStore, model_dir_name
 from router.warm import MIN_TOKENS, Io, WarmSwaps, worth_saving
 
 GUARD_S = 30.0  # a hang guard, never a measurement
@@ -48,8 +49,10 @@ class StandIn:
         self.refuse_restore = False
         self.prompt_tps = 1000.0  # its llamacpp:prompt_tokens_seconds
         self.save_ms = 1.0  # what it reports a save took
+        self.requests: list[httpx.Request] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
         if request.url.path == "/metrics":
             return httpx.Response(200, text="# TYPE llamacpp:prompt_tokens_seconds gauge\n"
                                             f"llamacpp:prompt_tokens_seconds {self.prompt_tps}\n")
@@ -119,6 +122,20 @@ async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
     assert await swaps_.restore(model, [child("a")]) == 2
     assert sorted(slot for slot, _ in stand_in.restored) == [0, 2]
     assert not list(directory.glob("tmp-*"))
+
+
+async def test_no_request_to_a_child_leaves_its_connection_open(
+        tmp_path: Path, model: ModelPreset) -> None:
+    """A connection left idle in the shared pool holds up the child's exit when it stops
+    (llama-server waits on it): every request of a save or a restore closes its own."""
+    stand_in = StandIn(tmp_path, [MIN_TOKENS * 4])
+    swaps_, _, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    await swaps_.save(model, [child("a")])
+    await swaps_.save(model, [child("a")])  # the cost is known: it asks for /metrics too
+    await swaps_.restore(model, [child("a")])
+    paths = {request.url.path for request in stand_in.requests}
+    assert paths == {"/slots", "/metrics", "/slots/0"}
+    assert all(request.headers.get("connection") == "close" for request in stand_in.requests)
 
 
 def test_a_slot_is_saved_when_computing_it_again_costs_more() -> None:
@@ -223,6 +240,78 @@ async def test_a_restore_that_hangs_or_is_refused_serves_without_it(
     stand_in.hang, stand_in.refuse_restore = None, True
     assert await swaps_.restore(model, [child("a")]) == 0
     assert store.usage() == {}  # refused: discarded, never offered again
+
+
+def held_commits(store: StateStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every commit of ``store`` waits (in its thread) until the event returned is set."""
+    release = threading.Event()
+    commit = store.commit
+
+    def held(*args: Any) -> Any:
+        assert release.wait(GUARD_S)
+        return commit(*args)
+
+    monkeypatch.setattr(store, "commit", held)
+    return release
+
+
+async def test_a_load_waits_for_the_state_its_last_stop_is_keeping(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    release = held_commits(store, monkeypatch)
+    swaps_.keep_soon(model, await swaps_.write(model, [child("a")]))  # a stop goes on
+    restorable = asyncio.create_task(swaps_.restorable(model))  # the next load starts
+    await asyncio.sleep(0.05)
+    assert not restorable.done()  # it waits for the commit, not for a clock
+    release.set()
+    async with asyncio.timeout(GUARD_S):
+        states = await restorable
+    assert [s.n_saved for s in states] == [MIN_TOKENS]
+    assert await swaps_.restore(model, [child("a")], states) == 1
+
+
+async def test_the_routers_stop_waits_for_every_commit(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS, MIN_TOKENS * 2])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    release = held_commits(store, monkeypatch)
+    swaps_.keep_soon(model, await swaps_.write(model, [child("a")]))
+    settled = asyncio.create_task(swaps_.settle())
+    await asyncio.sleep(0.05)
+    assert not settled.done() and store.usage() == {}
+    settled.cancel()  # a waiter that gives up never cancels the commit
+    release.set()
+    async with asyncio.timeout(GUARD_S):
+        await swaps_.settle()
+    assert store.usage() == {"m": (2, MIN_TOKENS * 3 * 8)}
+
+
+async def test_a_model_removed_while_its_states_are_kept_takes_them_along(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    release = held_commits(store, monkeypatch)
+    swaps_.keep_soon(model, await swaps_.write(model, [child("a")]))
+    swaps_.forget("m")
+    release.set()
+    async with asyncio.timeout(GUARD_S):
+        await swaps_.settle()
+    assert store.usage() == {} and not (store.root / model_dir_name("m")).exists()
+
+
+async def test_a_state_directory_that_cannot_be_read_means_a_cold_load(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    assert await swaps_.save(model, [child("a")]) == 1
+
+    def unreadable(model_id: str, fingerprint: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(store, "states", unreadable)
+    assert await swaps_.restorable(model) == []
+    assert await swaps_.restore(model, [child("a")]) == 0 and not stand_in.restored
 
 
 async def test_a_save_whose_answer_does_not_match_its_file_is_not_kept(
