@@ -1,17 +1,20 @@
 """llama.cpp's own web UI, served by the router at ``/``, driven in headless Chromium against
 the real llama-server, as a person uses it: the selector lists the models, picking one loads
 it ("Model loaded: …", from the ``/models/sse`` events), a message gets a streamed reply, and
-picking another under ``--models-max 1`` swaps them and replies again. With ``--api-key``, the
-UI's own API-key prompt lets the user in."""
+picking another under ``--models-max 1`` swaps them and replies again; with ``--state-dir``, a
+conversation picked up again after such a swap comes from its restored slot. With
+``--api-key``, the UI's own API-key prompt lets the user in."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from support import start_router, wait_until, write_presets
 
@@ -129,3 +132,35 @@ def test_the_web_ui_on_a_gateway_serves_models_of_other_machines(
         pick(page, "tiny-coder")
         assert nodes[1].models()["tiny-coder"]["status"]["value"] == "loaded"
         chat(page, "Hello, second machine", 2)
+
+
+def test_a_conversation_comes_back_warm_after_the_web_ui_swapped_its_model(
+        tmp_path: Path, tiny_models: dict[str, Path], webui: Path, llama_server: Path,
+        page: Any) -> None:
+    """With ``--state-dir``: a conversation on one model, the other model picked and asked
+    (the first is evicted, its slot saved), then the first picked again and the conversation
+    continued: the next turn's prompt comes from the restored slot (its ``timings``)."""
+    states = tmp_path / "states"
+    presets = write_presets(tmp_path / "warm.ini",  # short replies: three turns fit
+                            "[*]\nctx-size = 2048\nn-predict = 24\n"
+                            f"[tiny-chat]\nmodel = {tiny_models['alpha']}\n"
+                            f"[tiny-coder]\nmodel = {tiny_models['beta']}\n")
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "1",
+                      "--state-dir", str(states)) as router:
+        page.goto(router.url + "/")
+        page.locator(SELECTOR).filter(has_text="tiny-").wait_for()
+        pick(page, "tiny-chat")
+        chat(page, "Remember these words: " + " ".join(f"word{i}" for i in range(60)), 0)
+        pick(page, "tiny-coder")  # evicts tiny-chat: its slot is saved
+        chat(page, "A question for the other model", 2)
+        assert router.models()["tiny-chat"]["status"]["states"]["count"] == 1
+        pick(page, "tiny-chat")  # loads it again: the slot is restored before it is loaded
+        with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+            chat(page, "And the next turn", 4)
+        timings = [json.loads(line[6:]).get("timings") for line in sent.value.text().splitlines()
+                   if line.startswith("data: {")]
+        last = [t for t in timings if t][-1]
+        # The whole conversation goes to tiny-chat; what it said before comes from the cache.
+        assert last["cache_n"] >= 60, last
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'llamarouter_state_restores_total{model="tiny-chat"} 1.0' in metrics
