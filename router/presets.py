@@ -110,6 +110,9 @@ class ModelPreset:
     # spec-draft-hf (they stay usable by id); ``listed`` is False for such a hidden entry.
     dedup_cache_models: bool = False
     listed: bool = True
+    # warm-swaps: with --state-dir, save this model's slots before its children stop and
+    # restore them into the next ones (``warm``); false keeps none of its conversations on disk.
+    warm_swaps: bool = True
     # upstream: a remote OpenAI-compatible server (``http://host:port``) serving this model
     # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
     # the client's, unchanged); upstream_key: the bearer key read from upstream-api-key-file
@@ -338,6 +341,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "alias": (_parse_list, "aliases"),
     "tags": (_parse_list, "tags"),
     "dedup-cache-models": (_parse_bool, "dedup_cache_models"),
+    "warm-swaps": (_parse_bool, "warm_swaps"),
     "upstream": (_parse_upstream, "upstream"),
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),

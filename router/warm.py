@@ -6,7 +6,9 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
   directory of its model and configuration (``slot_dir``; the fingerprint of its model files,
   the arguments that shape its KV cache and the llama-server build), so a state is never
   restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
-  upstream, or a model without a model file gets none.
+  upstream, or a model without a model file gets none, nor does a preset with
+  ``warm-swaps = false`` (its states saved before are removed when it loads or stops next,
+  and when the router starts).
 * ``save`` (the executor, before it stops the children for an eviction, an unload, the idle
   TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is
   written (``POST /slots/{id}?action=save``) under a name the store makes, then committed
@@ -188,8 +190,8 @@ class WarmSwaps:
     @staticmethod
     def covers(preset: ModelPreset) -> bool:
         """Whether the preset's model can have warm swaps at all (no file is read)."""
-        return preset.upstream is None and preset.model_path is not None \
-            and "slot-save-path" not in preset.args
+        return preset.warm_swaps and preset.upstream is None \
+            and preset.model_path is not None and "slot-save-path" not in preset.args
 
     def fingerprint_of(self, preset: ModelPreset) -> str | None:
         """The fingerprint of the preset's configuration; None when it gets no warm swaps
@@ -198,7 +200,10 @@ class WarmSwaps:
         if cached is not None and cached[0] is preset:
             return cached[1]
         found: str | None = None
-        if self.covers(preset):
+        if not preset.warm_swaps:  # turned off: what it saved before goes
+            self._fingerprints.pop(preset.id, None)
+            self.forget(preset.id)
+        elif self.covers(preset):
             assert preset.model_path is not None
             files = [Path(preset.model_path)]
             if preset.args.get("mmproj"):

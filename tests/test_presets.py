@@ -302,6 +302,18 @@ def test_dedup_cache_models_is_a_preset_option(tmp_path: Path, help_table: FlagT
     assert preset_file.defaults.args == {}  # never passed to a child
 
 
+def test_warm_swaps_is_a_preset_option(tmp_path: Path, help_table: FlagTable) -> None:
+    model_file(tmp_path)
+    preset_file = load(tmp_path, "[*]\nwarm-swaps = false\n[a]\nmodel = m.gguf\n"
+                       "[b]\nmodel = m.gguf\nwarm-swaps = true\n", help_table)
+    models = by_id(preset_file)
+    assert not models["a"].warm_swaps and models["b"].warm_swaps
+    assert "warm-swaps" not in models["a"].args  # never passed to a child
+    [problem] = problems_of(tmp_path, "[a]\nmodel = m.gguf\nwarm-swaps = sometimes\n",
+                            help_table)
+    assert (problem.origin.line, problem.section, problem.key) == (3, "a", "warm-swaps")
+
+
 def test_alias_short_and_env_spellings_set_aliases(tmp_path: Path,
                                                    help_table: FlagTable) -> None:
     preset_file = load(tmp_path, "[a]\nhf = o/r\na = x, y\n[b]\nhf = o/s\nLLAMA_ARG_ALIAS = z\n",

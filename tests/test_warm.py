@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, cast
@@ -342,6 +343,21 @@ async def test_models_without_warm_swaps(tmp_path: Path, preset: ModelPreset) ->
     assert swaps_.slot_dir(preset) is None
     assert await swaps_.save(preset, [child("a")]) == 0
     assert await swaps_.restore(preset, [child("a")]) == 0
+
+
+async def test_a_model_with_warm_swaps_turned_off_keeps_nothing(
+        tmp_path: Path, model: ModelPreset) -> None:
+    """``warm-swaps = false``: no slot directory for its children, no save, no restore, and
+    what it saved while on is removed (its conversations must not stay on disk)."""
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    assert await swaps_.save(model, [child("a")]) == 1
+    off = replace(model, warm_swaps=False)
+    assert not WarmSwaps.covers(off) and swaps_.slot_dir(off) is None
+    assert store.usage() == {} and not (store.root / model_dir_name("m")).exists()
+    assert await swaps_.save(off, [child("a")]) == 0 and store.usage() == {}
+    assert await swaps_.restore(off, [child("a")]) == 0 and not stand_in.restored
+    assert [r.url.path for r in stand_in.requests].count("/slots") == 1  # the save while on
 
 
 def test_a_changed_model_file_changes_the_directory(tmp_path: Path,

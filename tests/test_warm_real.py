@@ -171,3 +171,25 @@ def test_a_restarted_router_resumes_warm(
     with start_router(tmp_path, *args) as router, router.client() as client:
         again = complete(client, "alpha")
     assert first["cache_n"] == 0 and again["cache_n"] >= first["prompt_n"] - 1, again
+
+
+def test_a_model_with_warm_swaps_turned_off_leaves_nothing_on_disk(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """``warm-swaps = false``: its children get no slot directory, an eviction saves nothing,
+    and what it saved while it was on is removed when the router starts."""
+    state_dir = tmp_path / "states"
+    on = presets(tmp_path, tiny_models)
+    args = ("--llama-server", str(llama_server), "--state-dir", str(state_dir),
+            "--models-max", "1")
+    with start_router(tmp_path, "--presets", str(on), *args) as router, \
+            router.client() as client:
+        complete(client, "alpha")
+    assert len(state_files(state_dir)) == 1  # saved as the router stopped
+    off = write_presets(tmp_path / "off.ini",
+                        on.read_text().replace("[*]\n", "[*]\nwarm-swaps = false\n"))
+    with start_router(tmp_path, "--presets", str(off), *args) as router:
+        assert state_files(state_dir) == []  # removed at start
+        _, again, argv = swap_away_and_back(router)
+        assert "states" not in router.models()["alpha"]["status"]  # no warm swaps to show
+    assert "--slot-save-path" not in argv
+    assert again["cache_n"] == 0 and state_files(state_dir) == []
