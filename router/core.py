@@ -101,9 +101,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
         warm = WarmSwaps(states, build, client, events)
     if warm is not None:
         spawner.slot_dir = warm.slot_dir
-        for runtime in models.values():
-            if not runtime.preset.warm_swaps:  # what it saved before it was turned off goes
-                warm.fingerprint_of(runtime.preset)
+        warm.drop_turned_off(runtime.preset for runtime in models.values())
     parts: dict[str, Loader] = {}  # the loader, made after the executor that starts its loads
 
     async def load(runtime: ModelRuntime) -> None:

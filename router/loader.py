@@ -130,7 +130,7 @@ class Loader:
             own_info = await self._spawner.model_info(children[0])
             replicas = tuple(Replica(child) for child in children)
             if self._warm is not None and restorable is not None:  # bounded; a refused
-                await self._warm.restore(preset, replicas, await restorable)  # one is dropped
+                await self._warm.restore(preset, replicas, restorable)  # one is dropped
         finally:
             if restorable is not None:  # not needed after all (a failed start): stopped
                 restorable.cancel()

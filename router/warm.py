@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -60,7 +60,8 @@ log = logging.getLogger("router.warm")
 
 MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
 SAVE_BOUND_S = 10.0  # all the saves of one stop together
-RESTORE_BOUND_S = 10.0  # all the restores of one load together
+RESTORE_BOUND_S = 10.0  # all the restores of one load together, with waiting for its states
+COMMIT_BOUND_S = 30.0  # the router's stop waits for the commits under way
 LISTING_TIMEOUT_S = 5.0  # GET /slots, GET /metrics
 PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
 # Every request to a child closes its connection: one left idle in the shared client's pool
@@ -146,10 +147,18 @@ class Commits:
         last.add_done_callback(lambda _: then())
         return True
 
-    async def settle(self, model_id: str | None = None) -> None:
+    async def settle(self, model_id: str | None = None, timeout: float | None = None
+                     ) -> bool:
+        """Wait for the commits under way (of ``model_id``, or all), ``timeout`` seconds at
+        most: whether they all ended."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while busy := [task for name, task in self._last.items()
                        if model_id is None or name == model_id]:
-            await asyncio.wait(busy)
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if left is not None and left <= 0:
+                return False
+            await asyncio.wait(busy, timeout=left)
+        return True
 
     def _ended(self, model_id: str, task: asyncio.Task[int]) -> None:
         if self._last.get(model_id) is task:
@@ -217,6 +226,13 @@ class WarmSwaps:
         self._fingerprints[preset.id] = (preset, found)
         return found
 
+    def drop_turned_off(self, presets: Iterable[ModelPreset]) -> None:
+        """Remove what the models with ``warm-swaps = false`` saved while it was on (at the
+        router's start; later, ``fingerprint_of`` does it when such a model loads or stops)."""
+        for preset in presets:
+            if not preset.warm_swaps:
+                self.fingerprint_of(preset)
+
     def slot_dir(self, preset: ModelPreset) -> Path | None:
         """The ``--slot-save-path`` of the preset's children, or None."""
         found = self.fingerprint_of(preset)
@@ -248,8 +264,14 @@ class WarmSwaps:
         self._keeping.start(preset.id, lambda: self.keep(preset, written))
 
     async def settle(self, model_id: str | None = None) -> None:
-        """Until the commits under way (of ``model_id``, or all) have ended."""
-        await self._keeping.settle(model_id)
+        """Until the commits under way (of ``model_id``, or all) have ended; the router's stop
+        (all of them) waits ``COMMIT_BOUND_S`` at most, then leaves them (a stalled disk: their
+        temp files are removed at the next start)."""
+        if model_id is not None:
+            await self._keeping.settle(model_id)
+        elif not await self._keeping.settle(timeout=COMMIT_BOUND_S):
+            log.warning("keeping the saved slot states took over %g s; stopping without them",
+                        COMMIT_BOUND_S, extra={"event": "state_save_slow"})
 
     async def save(self, preset: ModelPreset, replicas: Sequence[Replica]) -> int:
         """Save the worthwhile slots of the model's ``replicas`` (in order): ``write`` then
@@ -353,17 +375,18 @@ class WarmSwaps:
             return []
 
     async def restore(self, preset: ModelPreset, replicas: Sequence[Replica],
-                      states: Sequence[SavedState] | None = None) -> int:
-        """Restore the model's states (``states``, from ``restorable``; None: asked now) into
-        its new ``replicas`` (in order, not serving yet) within ``RESTORE_BOUND_S``; how many
-        were restored."""
+                      restorable: Awaitable[list[SavedState]] | None = None) -> int:
+        """Restore the model's states (``restorable``, started earlier; None: asked now) into
+        its new ``replicas`` (in order, not serving yet) within ``RESTORE_BOUND_S``, waiting
+        for them included (a commit or a check that stalls never holds the load longer); how
+        many were restored."""
         if self.fingerprint_of(preset) is None or not replicas:
             return 0
-        if states is None:
-            states = await self.restorable(preset)
         restored = 0
+        states: list[SavedState] = []
         try:
             async with asyncio.timeout(RESTORE_BOUND_S):
+                states = await (restorable or self.restorable(preset))
                 n_slots = len(await self._slots(replicas[0].child)) if states else 0
                 for state in states:
                     index, slot = divmod(state.slot, n_slots) if n_slots else (0, state.slot)

@@ -28,9 +28,10 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
 * every request is answered within its wait budget plus a bound, and at the end no model is
   left draining or waited for, and no fake child is left running.
 
-A third of the schedules (``saves="hang"``) run with warm swaps whose every slot save hangs (a
-child that never answers ``action=save``): the real ``WarmSwaps.save`` bound ends each one, and
-the invariants above must hold all the same.
+A third of the schedules (``saves="hang"``) run with warm swaps on a stalled disk: every slot
+save hangs (a child that never answers ``action=save``) and every commit too; the real bounds
+end each wait (``WarmSwaps.write``'s, ``restore``'s, the router's stop's), and the invariants
+above must hold all the same.
 
 ``run_schedule(seed)`` returns the violations found (empty: none); the seed alone reproduces the
 run exactly.
@@ -61,7 +62,7 @@ from router.leases import Lease
 from router.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
 from router.presets import ModelPreset
 from router.process import ChildExited, ChildTimeout
-from router.runtime import ModelRuntime, Replica
+from router.runtime import ModelRuntime
 from router.settings import Settings
 from router.sources import Catalogue
 from router.spawner import Spawner
@@ -241,12 +242,16 @@ class FakeChild:
 
 
 class HangingSaves(WarmSwaps):
-    """Warm swaps whose children never answer a save: only ``WarmSwaps.save``'s own bound
-    (``SAVE_BOUND_S``) ends it. Nothing is restored; no file is touched."""
+    """Warm swaps on a stalled disk: the children never answer a save, and the commit of what
+    they wrote never ends. Only the real bounds end the waits: ``SAVE_BOUND_S`` the stop's,
+    ``RESTORE_BOUND_S`` the next load's (it waits for its model's commits through the real
+    ``Commits``), ``COMMIT_BOUND_S`` the router's own stop. Nothing is restored; no file is
+    touched."""
 
     def __init__(self) -> None:
         super().__init__(cast(StateStore, None), "sim", cast(httpx.AsyncClient, None))
         self.hung = 0  # saves started (each one cut by the bound, or by a cancel)
+        self.stalled = 0  # commits started (none ever ends)
 
     def fingerprint_of(self, preset: ModelPreset) -> str | None:
         return "0" * 64
@@ -258,14 +263,13 @@ class HangingSaves(WarmSwaps):
         await asyncio.Event().wait()
 
     async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
+        self.stalled += 1
+        await asyncio.Event().wait()
         return 0
 
     async def restorable(self, preset: ModelPreset) -> list[SavedState]:
+        await self.settle(preset.id)  # the commits of its last stop, as the real one waits
         return []
-
-    async def restore(self, preset: ModelPreset, replicas: Sequence[Replica],
-                      states: Sequence[SavedState] | None = None) -> int:
-        return 0
 
     def forget(self, model_id: str) -> None:
         pass

@@ -135,21 +135,25 @@ def test_random_schedules_keep_every_invariant() -> None:
 
 
 def test_saves_that_hang_never_wedge_a_swap() -> None:
-    """Warm swaps whose every slot save hangs: each stop that saves is held by the save's
-    bound only (``warm.SAVE_BOUND_S``), and every invariant holds (no wedge, every request
-    answered within its budget, nothing left running)."""
-    hung = 0
+    """Warm swaps on a stalled disk, every slot save and every commit hanging: each stop that
+    saves is held by the save's bound only (``warm.SAVE_BOUND_S``), each load that waits for
+    its model's commit by the restore's (``RESTORE_BOUND_S``), and every invariant holds (no
+    wedge, every request answered within its budget, nothing left running)."""
+    hung = stalled = cut = 0
     failures = []
     for seed in range(FIRST_SEED, FIRST_SEED + max(SCHEDULES // 4, 10)):
         sim = run_schedule(seed, saves="hang")
         assert sim.warm is not None
         hung += sim.warm.hung
+        stalled += sim.warm.stalled
+        cut += sum(counts.slow_restores for counts in sim.warm.counts.values())
         if sim.violations:
             failures.append(sim)
             if len(failures) >= 3:
                 break
     assert not failures, "\n\n".join(describe(s) for s in failures)
-    assert hung > 0  # saves did hang: evictions, unloads or idle TTLs happened
+    assert hung > 0 and stalled > 0  # saves did hang: evictions, unloads or idle TTLs happened
+    assert cut > 0  # and a model loaded again while its commit stalled: the bound ended it
 
 
 def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:

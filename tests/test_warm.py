@@ -269,7 +269,7 @@ async def test_a_load_waits_for_the_state_its_last_stop_is_keeping(
     async with asyncio.timeout(GUARD_S):
         states = await restorable
     assert [s.n_saved for s in states] == [MIN_TOKENS]
-    assert await swaps_.restore(model, [child("a")], states) == 1
+    assert await swaps_.restore(model, [child("a")], restorable) == 1
 
 
 async def test_the_routers_stop_waits_for_every_commit(
@@ -286,6 +286,26 @@ async def test_the_routers_stop_waits_for_every_commit(
     async with asyncio.timeout(GUARD_S):
         await swaps_.settle()
     assert store.usage() == {"m": (2, MIN_TOKENS * 3 * 8)}
+
+
+async def test_a_commit_that_stalls_holds_neither_a_load_nor_the_routers_stop(
+        tmp_path: Path, model: ModelPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled disk: the next load waits for the commit within ``RESTORE_BOUND_S`` and
+    serves without the state; the router's stop waits ``COMMIT_BOUND_S`` and goes on."""
+    monkeypatch.setattr(warm, "RESTORE_BOUND_S", 0.2)
+    monkeypatch.setattr(warm, "COMMIT_BOUND_S", 0.2)
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, _ = swaps_for(tmp_path, model, {"a": stand_in})
+    release = held_commits(store, monkeypatch)
+    swaps_.keep_soon(model, await swaps_.write(model, [child("a")]))
+    async with asyncio.timeout(GUARD_S):
+        assert await swaps_.restore(model, [child("a")]) == 0
+        await swaps_.settle()  # the router's stop: bounded
+    assert swaps_.counts["m"].slow_restores == 1 and not stand_in.restored
+    release.set()
+    async with asyncio.timeout(GUARD_S):
+        await swaps_._keeping.settle()
+    assert store.usage() == {"m": (1, MIN_TOKENS * 8)}  # kept once the disk came back
 
 
 async def test_a_model_removed_while_its_states_are_kept_takes_them_along(
