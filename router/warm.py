@@ -151,13 +151,13 @@ class Commits:
                      ) -> bool:
         """Wait for the commits under way (of ``model_id``, or all), ``timeout`` seconds at
         most: whether they all ended."""
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        while busy := [task for name, task in self._last.items()
-                       if model_id is None or name == model_id]:
-            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
-            if left is not None and left <= 0:
-                return False
-            await asyncio.wait(busy, timeout=left)
+        try:
+            async with asyncio.timeout(timeout):  # asyncio.wait never cancels what it waits on
+                while busy := [task for name, task in self._last.items()
+                               if model_id is None or name == model_id]:
+                    await asyncio.wait(busy)
+        except TimeoutError:
+            return False
         return True
 
     def _ended(self, model_id: str, task: asyncio.Task[int]) -> None:
@@ -210,7 +210,6 @@ class WarmSwaps:
             return cached[1]
         found: str | None = None
         if not preset.warm_swaps:  # turned off: what it saved before goes
-            self._fingerprints.pop(preset.id, None)
             self.forget(preset.id)
         elif self.covers(preset):
             assert preset.model_path is not None
