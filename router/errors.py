@@ -18,6 +18,7 @@ Hierarchy::
     │   └── ModelNotFound            404  unknown model id (names close matches)
     ├── MethodNotAllowed             405 invalid_request_error
     ├── PayloadTooLarge              413 invalid_request_error
+    ├── UnsupportedMediaType         415 invalid_request_error
     ├── QueueFull                    429 rate_limit_error
     ├── ClientGone                   499  client disconnected first (never sent)
     ├── UpstreamError                502 server_error   child unreachable / died mid-request
@@ -109,6 +110,11 @@ class MethodNotAllowed(RouterError):
 
 class PayloadTooLarge(RouterError):
     status = 413
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaType(RouterError):
+    status = 415
     type = "invalid_request_error"
 
 

@@ -42,7 +42,7 @@ from .proxy import (
     upstream_headers,
     wait_disconnect,
 )
-from .requests import WAIT_BUDGET_HEADER, RequestContext, context, target_with_model
+from .requests import WAIT_BUDGET_HEADER, RequestContext, context
 from .route import decide
 from .state import State
 from .wait import Ends
@@ -76,16 +76,6 @@ def _budget(request: RequestContext) -> float | None:
         raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a positive, finite number of "
                          "seconds")
     return value
-
-
-def _target(scope: Scope) -> bytes:
-    """The request target as the client sent it (percent-encoding kept)."""
-    path: bytes = scope.get("raw_path") or scope["path"].encode()
-    query: bytes = scope["query_string"]
-    target = path + b"?" + query if query else path
-    if not target.startswith(b"/") or any(c in target for c in (b" ", b"\r", b"\n")):
-        raise BadRequest("malformed request target")
-    return target
 
 
 class ProxyMiddleware:
@@ -133,7 +123,7 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         return  # a page of the web UI was the answer
     route = decide(state, request, model, request.conv_id if body else None)
     if route.holders and await serve_across_nodes(state, scope, request, receive, send, route,
-                                                  _target(scope)):
+                                                  request.target()):
         return
     runtime = route.local
     assert runtime is not None  # the nodes leave a request to this router only if it has it
@@ -231,9 +221,9 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
            ) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it."""
-    headers = upstream_headers(scope["headers"])
+    headers = upstream_headers(scope["headers"], request)
     preset = runtime.preset
-    target = _target(scope)
+    target = request.target()
     if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
         headers, body, target = _for_remote(request, preset, headers, body, target)
     return relay(lease.child.connections, request.method, target, headers, body,
@@ -255,7 +245,7 @@ def _for_remote(request: RequestContext, preset: ModelPreset,
                                request.headers.get(b"content-type", b""),
                                add=request.defaulted)
     if name is not None and ("model" in request.params or (request.defaulted and not body)):
-        target = target_with_model(target, request.params, name)
+        target = request.target(name)
     return headers, body, target
 
 

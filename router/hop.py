@@ -164,7 +164,7 @@ async def relay(peer: Peer, scope: Scope, request: RequestContext, receive: Rece
     """A client's request to ``peer``, relayed both ways (``proxy.relay``) with the client's
     end-to-end headers, the peer key and the via chain; the peer is marked down at once when
     it cannot be reached."""
-    headers = upstream_headers(scope["headers"])  # without the client's via header: ours
+    headers = upstream_headers(scope["headers"], request)  # without the client's via header: ours
     try:
         await relay_response(peer.connections, method, target, _headers(peer, request, headers),
                              body, receive=receive, send=send, shutdown=shutdown,

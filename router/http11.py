@@ -24,7 +24,10 @@ and the client gets a 408 envelope (the connection closes). A body that keeps fl
 cut, however long it takes, and time the router itself is not reading (its buffer full) does
 not count. Once the request is answered (a 401, a 413) the rest of its body gets one deadline
 in all, then the connection closes: a client without a key cannot hold a connection by
-trickling a body nobody will read. At shutdown the deadline shrinks to
+trickling a body nobody will read. A body whose framing breaks once its request is with the
+app (a bad chunk-size line, data not ended by CRLF) is that request's error: the app sees the
+client leave, the client gets a 400 envelope (or, if an answer is already going out, the
+connection closes), never a wait for bytes that cannot come. At shutdown the deadline shrinks to
 ``SHUTDOWN_BODY_TIMEOUT_S``, so a stalled upload does not hold SIGTERM for the grace period.
 
 Over ``connection_cap`` open connections (``fdlimit``) a new one gets a 503 envelope with
@@ -81,6 +84,8 @@ LINGER_S = 2.0  # after an error answer, how long the client may take to close i
 
 UNPARSABLE = ("the request is not valid HTTP/1.1 (its start line, headers or framing could "
               "not be parsed); the connection is closed")
+MALFORMED_BODY = ("the request body's framing is malformed (a bad chunk size line or chunk end); "
+                  "the connection is closed")
 HEAD_TIMEOUT = (f"the request's start line and headers did not arrive within "
                 f"{REQUEST_HEAD_TIMEOUT_S:g} s; the connection is closed")
 
@@ -351,13 +356,23 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         cycle.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
-        if cycle.response_started:  # an answer is going out: it cannot become a 408
-            self.transport.close()
-            return
-        # The app waiting for the body sees the client leave; the client gets the 408.
+        self._end_body(cycle, 408, body_timeout_message(timeout), "body_timeout")
+
+    def _end_body(self, cycle: RequestResponseCycle, status: int, message: str,
+                  reason: str) -> None:
+        """End the request whose body is still due (it stopped arriving, or turned
+        unparsable): the app waiting for it sees the client leave, and the client gets
+        ``status`` as its answer, or, if an answer is already going out, the connection
+        closes (it cannot become an error any more)."""
         cycle.disconnected = True
         cycle.message_event.set()
-        self._send_error(408, body_timeout_message(timeout), "body_timeout", answering=True)
+        if cycle.response_started:
+            self.refusals.add(reason)
+            self._discarding = True
+            self._cancel_body_timer()
+            self.transport.close()
+            return
+        self._send_error(status, message, reason, answering=True)
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
@@ -445,6 +460,15 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            if not self._discarding:
-                self.logger.warning("invalid HTTP request received; refusing it")
-                self._send_error(400, UNPARSABLE, "unparsable")
+            if self._discarding:
+                return
+            cycle = self.cycle
+            if not self._in_head and cycle is not None and cycle.more_body \
+                    and not cycle.response_complete:
+                # The body of the request being served broke (a bad chunk): it is that
+                # request's error, answered now, never a wait for bytes that cannot come.
+                self.logger.warning("malformed request body received; refusing it")
+                self._end_body(cycle, 400, MALFORMED_BODY, "unparsable")
+                return
+            self.logger.warning("invalid HTTP request received; refusing it")
+            self._send_error(400, UNPARSABLE, "unparsable")

@@ -31,7 +31,7 @@ from .peer import Peer
 from .peers import Peers
 from .placement import by_prefix, candidates
 from .proxy import FailOver, with_model
-from .requests import BODY_METHODS, RequestContext, target_with_model
+from .requests import BODY_METHODS, RequestContext
 from .state import State
 
 if TYPE_CHECKING:
@@ -120,5 +120,5 @@ def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext
         body = with_model(body, parsed, request.headers.get(b"content-type", b""), model,
                           add=add)
     if "model" in request.params or (add and not body):
-        target = target_with_model(target, request.params, model)
+        target = request.target(model)
     return body, target

@@ -131,9 +131,16 @@ def direct_body(scope: Any) -> DirectBody | None:
     return DirectBody(writer, request)
 
 
-def upstream_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers as the child gets them."""
-    return strip_hop_by_hop(raw, REQUEST_DROP)
+def upstream_headers(raw: list[tuple[bytes, bytes]], request: RequestContext | None = None
+                     ) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the child gets them. A JSON body sent with a form's media
+    type (``RequestContext.json_as_form``, ``curl -d``) goes as ``application/json``:
+    llama-server would also read a form's fields as the request's parameters."""
+    kept = strip_hop_by_hop(raw, REQUEST_DROP)
+    if request is not None and request.json_as_form:
+        kept = [pair for pair in kept if pair[0].lower() != b"content-type"]
+        kept.append((b"content-type", b"application/json"))
+    return kept
 
 
 def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, parsed: dict[str, Any] | None,

@@ -10,9 +10,16 @@ and the disagreement is an auth bypass (``?%6dodel=`` read as no model by one an
 by the other). Nothing else looks at the raw query bytes or parses the body again.
 
 What two readers could read two ways is refused here, before anything acts on it (a 400
-envelope): two ``X-Conversation-Id`` headers (``refused``), two multipart ``model`` fields,
-and JSON nested deeper than ``MAX_JSON_DEPTH`` (``parse_json``, the one reader of a client's
-JSON).
+envelope): two ``X-Conversation-Id`` or ``Content-Type`` headers (``refused``), a target
+with ``%uXXXX`` (llama-server's HTTP library decodes it, ``/%u0073lots`` is its ``/slots``),
+percent-encoded bytes that are no UTF-8 or a control character in the path, two multipart
+``model`` fields, JSON nested deeper than ``MAX_JSON_DEPTH`` (``parse_json``, the one
+reader of a client's JSON), and a form body (``application/x-www-form-urlencoded``, whose
+fields llama-server reads as parameters over the query) that is not JSON (a 415).
+
+Upstreams get the target the router read, not the one the client sent: encoded again from
+the decoded path and query (``upstream_target``), so that llama-server reads exactly what
+every decision read (each query name once, with the value the router took).
 
 The body is never re-encoded: the router forwards the exact bytes it received, except where
 the upstream must get the model the router decided (a remote upstream's ``upstream-model``,
@@ -25,12 +32,19 @@ import json
 import re
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from urllib.parse import quote, unquote_to_bytes, urlencode
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope
 
-from .errors import BadRequest, ClientGone, MalformedBody, NestedTooDeeply, PayloadTooLarge
+from .errors import (
+    BadRequest,
+    ClientGone,
+    MalformedBody,
+    NestedTooDeeply,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from .paths import is_local
 from .tail import ResponseTail
 
@@ -68,6 +82,14 @@ _KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-le
                    WAIT_BUDGET_HEADER, CONVERSATION_HEADER,
                    # where a browser says it comes from (``cors``)
                    b"host", b"origin", b"sec-fetch-site", b"access-control-request-method"})
+# A form body's media type: llama-server (cpp-httplib) folds such a body into the request's
+# parameters, for any method, over the query's (``form_body``).
+FORM = b"application/x-www-form-urlencoded"
+# Percent-encodings llama-server's HTTP library (cpp-httplib) reads and the router does not:
+# ``%uXXXX`` (its path decoder turns ``%u0073`` into ``s``).
+_PERCENT_U = re.compile(rb"%[uU]")
+# What a decoded path may not hold: control characters (NUL included).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class RequestContext:
@@ -87,7 +109,10 @@ class RequestContext:
     * ``refused``: why the request is refused before anything acts on it (a 400 the edge
       answers, ``middleware.RequestMetricsMiddleware``): more than one
       ``X-Conversation-Id`` (the router would check one stream's owner and llama-server keep
-      another); None for none;
+      another) or ``Content-Type``, or a target llama-server would read otherwise than the
+      router (``%uXXXX``, percent-encoded bytes that are no UTF-8, a control character in
+      the path); None for none;
+    * ``target()``: the target upstreams get, encoded from this reading (``upstream_target``);
     * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
       ``key_hash`` (a keyed hash of the API key presented, ``keys.key_hash``; empty without
       keys: what owns the resumable streams it starts),
@@ -101,9 +126,10 @@ class RequestContext:
       their end says (``tail.ResponseTail``: timings, tokens), read once.
     """
 
-    __slots__ = ("_tail", "body", "defaulted", "first_sent", "headers", "key_hash", "key_scope",
-                 "local", "method", "model", "model_id", "named", "node", "params", "parsed",
-                 "path", "queue_s", "refused", "sent_before", "sent_last", "via")
+    __slots__ = ("_raw", "_tail", "_target", "body", "defaulted", "first_sent", "headers",
+                 "json_as_form", "key_hash", "key_scope", "local", "method", "model",
+                 "model_id", "named", "node", "params", "parsed", "path", "queue_s", "refused",
+                 "sent_before", "sent_last", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -112,9 +138,13 @@ class RequestContext:
         self.params = QueryParams(query) if query else NO_PARAMS
         self.model: str | None = self.params.get("model") or None if query else None
         self.local = is_local(self.path, self.params)
+        raw_path: bytes = scope.get("raw_path") or self.path.encode()
+        self._raw = raw_path, query
+        self._target: bytes | None = None
+        self.refused: BadRequest | None = (
+            _unreadable_target(raw_path, query) if b"%" in raw_path or b"%" in query else None)
         kept: dict[bytes, bytes] = {}
         via: tuple[str, ...] = ()
-        self.refused: BadRequest | None = None
         for name, value in scope["headers"]:
             if name in _KEPT:
                 if name not in kept:
@@ -122,6 +152,9 @@ class RequestContext:
                 elif name == CONVERSATION_HEADER:
                     self.refused = BadRequest(
                         "more than one X-Conversation-Id header: send one conversation id")
+                elif name == b"content-type":
+                    self.refused = BadRequest(
+                        "more than one Content-Type header: send one media type")
             elif name == VIA_HEADER:
                 via += tuple(hop.strip() for hop in value.decode("latin-1").split(",")
                              if hop.strip())
@@ -131,6 +164,7 @@ class RequestContext:
         self.key_hash = ""
         self.body: bytes | None = None
         self.parsed: dict[str, Any] | None = None
+        self.json_as_form = False
         self.model_id = ""
         self.queue_s: float | None = None
         self.node = ""
@@ -166,6 +200,23 @@ class RequestContext:
         self.defaulted = True
         return default
 
+    def target(self, model: str | None = None) -> bytes:
+        """The request target an upstream gets: what the router read, encoded so that
+        llama-server's HTTP library reads the same (``upstream_target``); with ``model``, the
+        query's ``model`` set to it (where it is, else added last)."""
+        if model is not None:
+            return upstream_target(self._raw[0], self.path, self.params, model)
+        if self._target is None:
+            self._target = upstream_target(self._raw[0], self.path, self.params)
+        return self._target
+
+    def form_body(self) -> bool:
+        """Whether the body is a form (``application/x-www-form-urlencoded``, in any case,
+        whatever its parameters): llama-server would read its fields as the request's
+        parameters, over the query the router decided on."""
+        media = self.headers.get(b"content-type", b"").partition(b";")[0]
+        return media.strip().lower() == FORM
+
     def credential(self) -> bytes:
         """The API key presented: ``Authorization: Bearer K`` (any other Authorization value
         as it is, so that it matches no key), else ``X-Api-Key: K``; empty for none."""
@@ -194,14 +245,24 @@ class RequestContext:
 
     async def read(self, receive: Receive, limit: int, *, parse: bool = True) -> bytes:
         """The body (read once, refused with 413 past ``limit``); with ``parse``, for POST,
-        PUT and PATCH, the ``model`` it names (which wins over ``?model=``) and ``parsed``."""
+        PUT and PATCH, the ``model`` it names (which wins over ``?model=``) and ``parsed``.
+        A body with a form's media type (``form_body``) is refused with 415 unless it was
+        read as JSON (``curl -d`` sends JSON so): then ``json_as_form``, and upstreams get
+        it as the JSON it is (``proxy.upstream_headers``)."""
         if self.body is None:
-            self.body = await _read(self.headers.get(b"content-length"), receive, limit)
+            self.body = body = await _read(self.headers.get(b"content-length"), receive, limit)
             if parse and self.method in BODY_METHODS:
                 content_type = self.headers.get(b"content-type", b"").decode("latin-1")
-                model, self.parsed = model_from_body(content_type, self.body)
+                model, self.parsed = model_from_body(content_type, body)
                 if model:
                     self.model = model
+            if body and self.form_body():
+                if self.parsed is None:
+                    raise UnsupportedMediaType(
+                        "a form body (application/x-www-form-urlencoded) is not accepted: "
+                        "llama-server would read its fields as the request's parameters; "
+                        "send JSON, multipart/form-data, or the parameters in the query")
+                self.json_as_form = True
         return self.body
 
 
@@ -349,14 +410,43 @@ def with_multipart_model(content_type: str, body: bytes, model: str, *,
     return body[:at] + part + body[at:]
 
 
-def target_with_model(target: bytes, params: QueryParams, model: str) -> bytes:
-    """The request target ``target`` with its query's ``model`` (as the context decoded it,
-    ``params``) set to ``model`` where it is, added last when it has none; its other
-    parameters re-encoded."""
-    pairs = [(k, model if k == "model" else v) for k, v in params.multi_items()]
-    if "model" not in params:
-        pairs.append(("model", model))
-    return target.partition(b"?")[0] + b"?" + urlencode(pairs).encode("latin-1")
+def _unreadable_target(raw_path: bytes, query: bytes) -> BadRequest | None:
+    """Why a request target (its path and query as sent, with a percent sign in one of them)
+    is refused: an encoding llama-server's HTTP library decodes and the router does not
+    (``%uXXXX``), or one the two decode into different text (bytes that are no UTF-8, which
+    the router reads as U+FFFD and llama-server as they are), or a path with a control
+    character; None when both read it alike."""
+    if _PERCENT_U.search(raw_path) or _PERCENT_U.search(query):
+        return BadRequest("the request target holds a %u escape (%uXXXX), which is no "
+                          "percent-encoding: encode the character's UTF-8 bytes as %XX")
+    try:
+        path = unquote_to_bytes(raw_path).decode("utf-8")
+        unquote_to_bytes(query.replace(b"+", b" ")).decode("utf-8")
+    except UnicodeDecodeError:
+        return BadRequest("the request target's percent-encoded bytes are not UTF-8")
+    if _CONTROL.search(path):
+        return BadRequest("the request path holds a control character")
+    return None
+
+
+def upstream_target(raw_path: bytes, path: str, params: QueryParams,
+                    model: str | None = None) -> bytes:
+    """The target an upstream gets for a request whose decoded ``path`` and query
+    (``params``) the router decided on: read by llama-server's HTTP library (cpp-httplib:
+    ``%XX`` in the path, ``%XX`` and ``+`` in the query) as exactly that. The path as sent
+    when it holds no percent sign (nothing to decode, on either side), else encoded again
+    from ``path``; the query encoded again from ``params``: each name once with the value the
+    router read (the last), no pair without a name (the library drops those), with ``model``
+    set to ``model`` when given (where it is, else added last)."""
+    if not raw_path.startswith(b"/") or any(c in raw_path for c in (b" ", b"\r", b"\n")):
+        raise BadRequest("malformed request target")
+    target = raw_path if b"%" not in raw_path else quote(path, safe="/").encode("ascii")
+    if not params and model is None:
+        return target
+    pairs = {name: value for name, value in params.items() if name}
+    if model is not None:
+        pairs["model"] = model
+    return target + b"?" + urlencode(pairs).encode("ascii")
 
 
 def _model_field(content_type: str, body: bytes) -> tuple[int, int] | None:

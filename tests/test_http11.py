@@ -525,3 +525,74 @@ def test_uvicorns_server_names_that_the_router_server_uses_exist() -> None:
     assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
     # The loop the router replaces refreshes the Date header when counter % 10 == 0.
     assert "counter % 10" in inspect.getsource(uvicorn.Server.on_tick)
+
+
+def chunked_head() -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+
+@pytest.mark.parametrize("broken", [
+    b"5\nhello\r\n",  # a chunk-size line ended by a bare LF
+    b"zz\r\nhello\r\n",  # a size that is no hex number
+    b"5\r\nhelloXX",  # the chunk's data not followed by CRLF
+    b"5;\x01=x\r\nhello\r\n",  # a control character in a chunk extension
+])
+async def test_a_body_that_turns_malformed_after_dispatch_gets_its_400(broken: bytes) -> None:
+    """The request was handed to the app (its first chunk arrived), then a chunk is
+    malformed: that request gets the 400 envelope at once, the app sees the client leave,
+    and the connection closes; no wait for the body deadline (60 s here)."""
+    box: list[Served] = []
+    async with serving(echo_app(box), body_timeout_s=60.0) as served:
+        box.append(served)
+        reader, writer = await served.connect()
+        writer.write(chunked_head() + b"4\r\n{\"a\"\r\n")
+        await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            await served.called.wait()
+        writer.write(broken)
+        await writer.drain()
+        started = time.monotonic()
+        raw = await read_all(reader)
+        waited = time.monotonic() - started
+        writer.close()
+    assert "framing is malformed" in envelope(raw, 400)
+    assert parse(raw)[1]["connection"] == "close"
+    assert waited < 5.0
+    [record] = served.seen
+    assert record["disconnect"]  # the app's wait for the body ended
+    assert served.refusals.counts["unparsable"] == 1
+
+
+async def test_a_malformed_body_behind_a_started_answer_closes_the_connection() -> None:
+    """An app that answers before reading the whole body (a stream already going out):
+    a malformed chunk then cannot become a 400; the connection closes, the app is told."""
+    seen: list[str] = []
+    started = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        started.set()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                seen.append("disconnect")
+                return
+            if not message.get("more_body"):
+                return
+
+    async with serving(app, body_timeout_s=60.0) as served:
+        reader, writer = await served.connect()
+        writer.write(chunked_head() + b"4\r\n{\"a\"\r\n")
+        await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            await started.wait()
+        writer.write(b"zz\r\n")
+        await writer.drain()
+        raw = await read_all(reader)
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 200")
+    assert seen == ["disconnect"]
