@@ -241,7 +241,8 @@ def _for_remote(request: RequestContext, preset: ModelPreset,
     field, ``?model=``), never the name the client gave: the upstream must not decide again
     what the key's scope was checked against."""
     name = preset.upstream_model or (preset.id if request.defaulted else None)
-    headers, body = for_remote(headers, body, request.parsed, preset.upstream_key, name,
+    headers, body = for_remote(headers, body, request.json_scan() if name else None,
+                               preset.upstream_key, name,
                                request.headers.get(b"content-type", b""),
                                add=request.defaulted)
     if name is not None and ("model" in request.params or (request.defaulted and not body)):

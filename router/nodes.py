@@ -20,7 +20,7 @@ next turn first where its prompt is cached: ``placement.by_prefix``):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
@@ -101,7 +101,7 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
     # --peer-prefix: the peer knows the model by its own id; a request the default model took
     # names it, so that the peer serves the model the router decided (not its own default).
     if peer_model != model or request.defaulted:
-        body, target = _renamed(body, request.parsed, request, target, peer_model)
+        body, target = _renamed(body, request, target, peer_model)
     request.node = peer.node
     if route.conversation is not None:  # resumed through the peer that has it
         route.conversation.served_by(peer)
@@ -110,15 +110,15 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
                         shutdown=state.shutdown, fail_over=fail_over)
 
 
-def _renamed(body: bytes, parsed: dict[str, Any] | None, request: RequestContext,
-             target: bytes, model: str) -> tuple[bytes, bytes]:
+def _renamed(body: bytes, request: RequestContext, target: bytes, model: str
+             ) -> tuple[bytes, bytes]:
     """The body's ``model`` (JSON, or the multipart field) and the query's ``model`` (as the
     request's context decoded it) set to ``model``; for a request the default model took,
     added where it names none (the query of a bodiless one)."""
     add = request.defaulted
     if request.method in BODY_METHODS and body:
-        body = with_model(body, parsed, request.headers.get(b"content-type", b""), model,
-                          add=add)
+        body = with_model(body, request.json_scan(), request.headers.get(b"content-type", b""),
+                          model, add=add)
     if "model" in request.params or (add and not body):
         target = request.target(model)
     return body, target

@@ -45,6 +45,7 @@ from .requests import CONTEXT, VIA_HEADER, RequestContext, with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 if TYPE_CHECKING:
+    from .jsonscan import Scanned
     from .state import Shutdown
 
 log = logging.getLogger("router.proxy")
@@ -143,30 +144,31 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], request: RequestContext | N
     return kept
 
 
-def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, parsed: dict[str, Any] | None,
+def for_remote(headers: list[tuple[bytes, bytes]], body: bytes, scanned: Scanned | None,
                key: str | None, model: str | None, content_type: bytes = b"", *,
                add: bool = False) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """A request as a remote upstream (``remote``) gets it: its own bearer key (the client's
     credentials were dropped already), and the body's ``model`` set to ``model`` when the
     router decides the name the upstream gets (the preset's ``upstream-model``, or the
-    default model's for a request the default took): in a JSON body (``parsed``), or the
+    default model's for a request the default took): in a JSON body (``scanned``), or the
     ``model`` field of a multipart body (``content_type``), as the router read it; with
     ``add`` a multipart body without the field gets one (a JSON object always does). Only
     models with ``upstream`` pay for this."""
     if key is not None:
         headers = [*headers, (b"authorization", b"Bearer " + key.encode("latin-1"))]
     if model is not None:
-        body = with_model(body, parsed, content_type, model, add=add)
+        body = with_model(body, scanned, content_type, model, add=add)
     return headers, body
 
 
-def with_model(body: bytes, parsed: dict[str, Any] | None, content_type: bytes, model: str,
+def with_model(body: bytes, scanned: Scanned | None, content_type: bytes, model: str,
                *, add: bool = False) -> bytes:
-    """``body`` naming ``model``: the JSON object's ``model`` set (``parsed``: the body as
-    the router read it), or the multipart ``model`` field's value (with ``add``, a field
-    added where it has none); any other body unchanged."""
-    if parsed is not None:
-        return json.dumps({**parsed, "model": model}, ensure_ascii=False).encode()
+    """``body`` naming ``model``: the JSON object's ``model`` set where the router read it
+    (``scanned``; every other byte kept, ``Scanned.with_model``), or the multipart ``model``
+    field's value (with ``add``, a field added where it has none); any other body
+    unchanged."""
+    if scanned is not None:
+        return scanned.with_model(body, model)
     if content_type[:19].lower() == b"multipart/form-data":
         return with_multipart_model(content_type.decode("latin-1"), body, model, add=add)
     return body

@@ -31,12 +31,15 @@ from __future__ import annotations
 import json
 import re
 import time
+from itertools import accumulate, count
+from operator import sub
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_to_bytes, urlencode
 
 from starlette.datastructures import QueryParams
 from starlette.types import Receive, Scope
 
+from . import jsonscan
 from .errors import (
     BadRequest,
     ClientGone,
@@ -56,14 +59,20 @@ _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 # are case-insensitive), its value exactly ``model``, as llama.cpp reads form fields: a part
 # named ``MODEL`` is another field, never the model.
 _MODEL_PART = re.compile(rb'(?i:content-disposition):[^\r\n]*;[ \t]*(?i:name)="model"')
-# JSON nested deeper than this is refused (``parse_json``): far past what any API request
-# holds, far below the interpreter's recursion limit, so that neither the parser nor anything
-# that walks or re-encodes the parsed value (``proxy.for_remote``, ``nodes``) can overflow.
-MAX_JSON_DEPTH = 256
+# JSON nested deeper than this is refused (``parse_json``, ``jsonscan``): far past what any
+# API request holds, far below the interpreter's recursion limit, so that neither the parser
+# nor anything that walks the parsed value (``affinity``) can overflow.
+MAX_JSON_DEPTH = jsonscan.MAX_JSON_DEPTH
+# A proxied JSON body up to this size is parsed (``parsed``: prefix routing reads it); a
+# larger one is only scanned (``jsonscan``: its model, without building it or holding the
+# event loop).
+SMALL_JSON_BYTES = 256 * 1024
+MAX_PARTS = 1000  # parts of a multipart body (a transcription sends a handful)
 # What measuring a body's nesting keeps of it: quotes and brackets (``_too_deep``).
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
 _STRING = re.compile(rb'"[^"]*"')  # a string, once only quotes and brackets are left
 _INNERMOST = re.compile(rb"\[\]|\{\}")  # an empty array or object: the innermost level
+_RISE = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # an opening bracket counts 2, a closing 0
 
 
 CONTEXT = "llama_router.request"  # the ASGI scope's entry holding its RequestContext
@@ -129,7 +138,7 @@ class RequestContext:
     __slots__ = ("_raw", "_tail", "_target", "body", "defaulted", "first_sent", "headers",
                  "json_as_form", "key_hash", "key_scope", "local", "method", "model",
                  "model_id", "named", "node", "params", "parsed", "path", "queue_s", "refused",
-                 "sent_before", "sent_last", "via")
+                 "scanned", "sent_before", "sent_last", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -165,6 +174,7 @@ class RequestContext:
         self.body: bytes | None = None
         self.parsed: dict[str, Any] | None = None
         self.json_as_form = False
+        self.scanned: jsonscan.Scanned | None = None
         self.model_id = ""
         self.queue_s: float | None = None
         self.node = ""
@@ -210,6 +220,13 @@ class RequestContext:
             self._target = upstream_target(self._raw[0], self.path, self.params)
         return self._target
 
+    def json_scan(self) -> jsonscan.Scanned | None:
+        """The body as ``jsonscan`` reads a JSON object (what a rename of its model writes
+        with: ``proxy.with_model``), once; None when it was not read as one."""
+        if self.scanned is None and self.parsed is not None and self.body:
+            self.scanned = jsonscan.scan_now(self.body)
+        return self.scanned
+
     def form_body(self) -> bool:
         """Whether the body is a form (``application/x-www-form-urlencoded``, in any case,
         whatever its parameters): llama-server would read its fields as the request's
@@ -253,11 +270,15 @@ class RequestContext:
             self.body = body = await _read(self.headers.get(b"content-length"), receive, limit)
             if parse and self.method in BODY_METHODS:
                 content_type = self.headers.get(b"content-type", b"").decode("latin-1")
-                model, self.parsed = model_from_body(content_type, body)
+                if len(body) > SMALL_JSON_BYTES and not _multipart(content_type):
+                    self.scanned = await jsonscan.scan(body)  # not built: see SMALL_JSON_BYTES
+                    model = _checked(self.scanned.model)
+                else:
+                    model, self.parsed = model_from_body(content_type, body)
                 if model:
                     self.model = model
             if body and self.form_body():
-                if self.parsed is None:
+                if self.parsed is None and self.scanned is None:
                     raise UnsupportedMediaType(
                         "a form body (application/x-www-form-urlencoded) is not accepted: "
                         "llama-server would read its fields as the request's parameters; "
@@ -288,11 +309,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 async def _read(declared: bytes | None, receive: Receive, limit: int) -> bytes:
+    """The body, refused past ``limit`` (declared or counted); a ``bytearray`` when it came in
+    several chunks (a ``bytes`` to every reader, never written to again)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared.decode()} bytes exceeds the limit "
                               f"of {limit}")
+    # A body in several chunks grows in one buffer as they arrive (the memory is touched a
+    # chunk at a time): joining them at the end would copy it all in one step of the event
+    # loop (about 170 ms for 256 MiB). The buffer is the body; nothing writes to it again.
     first = b""
-    chunks: list[bytes] | None = None
+    buffer: bytearray | None = None
     size = 0
     while True:
         message = await receive()
@@ -302,15 +328,16 @@ async def _read(declared: bytes | None, receive: Receive, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        if chunks is None:
+        if buffer is None:
             if not first:
                 first = chunk
             elif chunk:
-                chunks = [first, chunk]
+                buffer = bytearray(first)
+                buffer += chunk
         elif chunk:
-            chunks.append(chunk)
+            buffer += chunk
         if not message.get("more_body", False):
-            return first if chunks is None else b"".join(chunks)
+            return first if buffer is None else buffer  # type: ignore[return-value]
 
 
 def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[str, Any] | None]:
@@ -319,7 +346,7 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
     Multipart bodies are scanned for a ``model`` form field; anything else must be a JSON
     object (an empty body has no model).
     """
-    if content_type.lower().startswith("multipart/form-data"):
+    if _multipart(content_type):
         return _multipart_model(content_type, body), None
     if not body.strip():
         return None, None
@@ -329,9 +356,18 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
     model = parsed.get("model")
     if not isinstance(model, str) or not model:
         return None, parsed
-    if not model.isascii():
+    return _checked(model), parsed
+
+
+def _multipart(content_type: str) -> bool:
+    return content_type[:19].lower() == "multipart/form-data"
+
+
+def _checked(model: str | None) -> str | None:
+    """``model``, unless it holds a lone surrogate (``_check_unicode``)."""
+    if model and not model.isascii():
         _check_unicode(model)
-    return model, parsed
+    return model
 
 
 def parse_json(body: bytes) -> Any:
@@ -353,23 +389,31 @@ def parse_json(body: bytes) -> Any:
 
 
 def _too_deep(body: bytes) -> bool:
-    """Whether ``body``'s arrays and objects nest deeper than ``MAX_JSON_DEPTH``: its
-    brackets outside strings, with the innermost empty pairs removed once per level. A body
-    whose brackets do not pair up is left to the parser (which says what is wrong).
+    """Whether ``body``'s arrays and objects nest deeper than ``MAX_JSON_DEPTH``: the
+    deepest point of its brackets outside strings. Linear in the body, at C speed but for one
+    step per bracket left (``_deepest``). A body whose brackets do not pair up is left to the
+    parser (which says what is wrong).
 
-    All at C speed: escaped backslashes, then escaped quotes, go first (left to right, as
-    JSON pairs a run of backslashes), so that every quote left delimits a string; of the rest
-    only quotes and brackets are kept, and the strings among them dropped."""
+    Escaped backslashes, then escaped quotes, go first (left to right, as JSON pairs a run of
+    backslashes), so that every quote left delimits a string; of the rest only quotes and
+    brackets are kept, and the strings among them dropped."""
     if b'\\"' in body:  # (only an escaped quote could be taken for a string's end)
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    brackets = _STRING.sub(b"", body.translate(None, _NOT_STRUCTURE))
-    for _ in range(MAX_JSON_DEPTH):
-        if not brackets:
-            return False
-        brackets, removed = _INNERMOST.subn(b"", brackets)
-        if not removed:
-            return False  # not JSON: the parser's error
-    return bool(brackets)
+    return _deepest(_STRING.sub(b"", body.translate(None, _NOT_STRUCTURE))) > MAX_JSON_DEPTH
+
+
+def _deepest(brackets: bytes) -> int:
+    """How deep ``brackets`` (only ``[]{}``) nest. The empty pairs go first, in one pass (each
+    is one level, and most brackets of a wide body are such); then the running count of what
+    is open, at each bracket left: twice the opening ones so far less the brackets so far."""
+    if not brackets:
+        return 0
+    inner, removed = _INNERMOST.subn(b"", brackets)
+    if not inner:
+        return 1 if removed else 0
+    rises = accumulate(inner.translate(_RISE))
+    deepest: int = max(map(sub, rises, count(1)))
+    return deepest + (1 if removed else 0)
 
 
 def _check_unicode(name: str) -> None:
@@ -457,6 +501,8 @@ def _model_field(content_type: str, body: bytes) -> tuple[int, int] | None:
     if not match:
         raise MalformedBody("multipart request without a boundary")
     delimiter = b"--" + match.group(1).encode()
+    if body.count(delimiter) > MAX_PARTS + 1:  # each part is a step below: bounded
+        raise PayloadTooLarge(f"multipart body with more than {MAX_PARTS} parts")
     found: tuple[int, int] | None = None
     at = body.find(delimiter)
     while at >= 0:

@@ -123,11 +123,14 @@ _FORBIDDEN = b"\r\n\0"
 _NAMES_SEEN_MAX = 1024
 _names_seen: set[bytes] = set()  # names already found to be tokens: a set lookup, not a match
 NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+ONE_PIECE_BYTES = 1 << 20  # a request body up to this size is written with its head
+Wire = bytes | tuple[bytes, bytes]  # a request as written: one piece, or head and body
 
 
 def encode_request(method: str, target: bytes, host: bytes,
-                   headers: Sequence[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes:
-    """The request as written to the child, in one piece.
+                   headers: Sequence[tuple[bytes, bytes]], body: bytes, close: bool) -> Wire:
+    """The request as written to the child: in one piece, or the head and a body over
+    ``ONE_PIECE_BYTES`` apart (joining them would copy the body in one step of the loop).
 
     Raises ``InvalidHeader`` if a name is not a token or a CR, LF or NUL is in a value or the
     target: written as is, it would let the client end a line early and add headers, or a
@@ -151,6 +154,8 @@ def encode_request(method: str, target: bytes, host: bytes,
     head = b"".join(parts)
     if len(head) - len(head.translate(None, _FORBIDDEN)) != 2 * lines:
         raise _line_break_in(target, headers)
+    if len(body) > ONE_PIECE_BYTES:
+        return head, body
     return head + body if body else head
 
 
@@ -250,14 +255,17 @@ class _Connection(ConnectionView, asyncio.Protocol):
         self._handed = False  # ``next_chunk`` returned a chunk its caller may still be sending
         self._head_bytes = 0  # of the response head so far, interim heads included
 
-    def begin(self, request: bytes, head_only: bool, keep_alive: bool = True) -> None:
+    def begin(self, request: Wire, head_only: bool, keep_alive: bool = True) -> None:
         """Write ``request``: its response head is now due. ``keep_alive`` False: the
         connection carries no other exchange after this one."""
         assert self.transport is not None
         self._reset(head_only)
         self._apply(BEGIN_REUSABLE if keep_alive and not head_only else BEGIN_LAST)
         if self._state.phase is HEAD_DUE:  # else closed since it was chosen: failed at once
-            self.transport.write(request)
+            if isinstance(request, tuple):
+                self.transport.writelines(request)
+            else:
+                self.transport.write(request)
 
     def _head_late(self) -> None:
         self._apply(HeadLate(UpstreamTimeout(f"{self.label} sent no response head within "

@@ -5,7 +5,6 @@ the peer is found frozen."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -26,11 +25,11 @@ def test_request_renamed_for_a_prefixed_peer_and_via() -> None:
                                "headers": list(headers)})
 
     chat = context("/v1/chat/completions")
-    body, target = _renamed(b'{"model": "a/m", "x": 1}', {"model": "a/m", "x": 1}, chat,
-                            b"/v1/chat/completions", "m")
-    assert json.loads(body) == {"model": "m", "x": 1} and target == b"/v1/chat/completions"
+    chat.body, chat.parsed = b'{"model": "a/m", "x": 1}', {"model": "a/m", "x": 1}
+    body, target = _renamed(chat.body, chat, b"/v1/chat/completions", "m")
+    assert body == b'{"model": "m", "x": 1}' and target == b"/v1/chat/completions"
     slots = context("/slots?mod%65l=a%2Fm&id=1")  # the decoded name is the model's
-    body, target = _renamed(b"", None, slots, b"/slots?mod%65l=a%2Fm&id=1", "m")
+    body, target = _renamed(b"", slots, b"/slots?mod%65l=a%2Fm&id=1", "m")
     assert target == b"/slots?model=m&id=1"
     request = context("/", (b"x-llama-router-via", b"gw, node-a"), (b"x-llama-router-via", b"c"))
     assert request.via == ("gw", "node-a", "c")

@@ -21,6 +21,7 @@ from support import llama_server_process, start_router, wait_until, write_preset
 
 from router.errors import UpstreamError
 from router.flags import FlagTable
+from router.jsonscan import scan_now
 from router.lifecycle import ModelState, Status
 from router.liveness import Liveness
 from router.logs import LogRing
@@ -117,11 +118,16 @@ def test_reconfiguring_the_address_or_key_restarts() -> None:
 
 def test_for_remote_adds_the_key_and_renames_the_model() -> None:
     headers = [(b"content-type", b"application/json")]
-    parsed = {"model": "remote", "messages": []}
-    out_headers, body = for_remote(headers, b"{}", parsed, "sk", "served")
+    sent = b'{"model" : "remote",\n "messages": [], "n": 1.50}'
+    out_headers, body = for_remote(headers, sent, scan_now(sent), "sk", "served")
     assert out_headers[-1] == (b"authorization", b"Bearer sk")
-    assert json.loads(body) == {"model": "served", "messages": []}
-    assert parsed["model"] == "remote"  # the parsed request is left as it was
+    assert body == b'{"model" : "served",\n "messages": [], "n": 1.50}'  # only the name
+    for sent, renamed in [(b'{}', {"model": "served"}),
+                          (b'{"a": 1, "model": null}', {"a": 1, "model": "served"}),
+                          (b'{"model": "x", "a": {"model": "y"}, "mod\\u0065l": 3}',
+                           {"a": {"model": "y"}, "model": "served"})]:
+        _, body = for_remote(headers, sent, scan_now(sent), None, "served")
+        assert json.loads(body) == renamed, body
     same_headers, same_body = for_remote(headers, b"raw", None, None, "served")
     assert (same_headers, same_body) == (headers, b"raw")  # not JSON: unchanged
 
