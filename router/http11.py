@@ -30,8 +30,11 @@ client leave, the client gets a 400 envelope (or, if an answer is already going 
 connection closes), never a wait for bytes that cannot come. At shutdown the deadline shrinks to
 ``SHUTDOWN_BODY_TIMEOUT_S``, so a stalled upload does not hold SIGTERM for the grace period.
 
-Over ``connection_cap`` open connections (``fdlimit``) a new one gets a 503 envelope with
-``Retry-After`` and is closed before its request is read.
+Over ``connection_cap`` open connections (``fdlimit``) the idle connection (between requests)
+idle the longest among those that never carried a request with a valid API key is closed to
+make room; when there is none, the new one gets a 503 envelope with ``Retry-After`` and is
+closed before its request is read. So connections without a key kept alive on the public
+``/health`` cannot keep a client with a key out.
 
 A request head is bounded in bytes, not only in time, tighter than llama-server's own limits
 (cpp-httplib: 8,192 bytes a target or header line, 100 headers), so nothing the router accepts
@@ -64,7 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -74,7 +77,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from .errors import envelope_bytes
-from .requests import BODY_TIMED_OUT
+from .requests import BODY_TIMED_OUT, CONTEXT, RequestContext
 from .settings import DEFAULT_BODY_TIMEOUT_S
 
 REQUEST_HEAD_TIMEOUT_S = 15.0
@@ -228,6 +231,8 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
     _shutting_down = False
     _in_head = True  # waiting for a request head, or inside one: what arrives is bounded
     _head_bytes = 0  # bytes fed to the parser since the last request ended
+    _idle_since = 0.0  # loop time of the last answer (or of the connection)
+    _trusted = False  # a request on it carried a valid API key (``on_response_complete``)
     connection_cap: int | None = None
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     refusals: Refusals = Refusals()  # ``configured`` gives each server its own
@@ -246,12 +251,39 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.connection_cap is not None and len(self.connections) > self.connection_cap:
+        self._idle_since = self.loop.time()
+        if self.connection_cap is not None and len(self.connections) > self.connection_cap \
+                and not self._make_room():
             self.logger.warning("over the cap of %d connections; refusing one",
                                 self.connection_cap)
             self._send_error(503, OVER_CAP, "connection_cap", retry_after=True)
             return
         self._arm_head_timer()
+
+    def _make_room(self) -> bool:
+        """At the cap: close the connection idle the longest (between requests, nothing of
+        the next one read) among those that never carried a request with a valid API key;
+        False when there is none, and this one is refused instead. So idle
+        connections without a key, kept alive on the public ``/health``, cannot keep a
+        client with a key out."""
+        idle = [c for c in self.connections
+                if isinstance(c, EnvelopeHttpToolsProtocol) and c is not self and c._idle()
+                and not c._trusted]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._idle_since)
+        self.logger.info("at the cap of %d connections: closing one idle without a key",
+                         self.connection_cap)
+        oldest._discarding = True
+        oldest.transport.close()
+        return True
+
+    def _idle(self) -> bool:
+        """Between requests: the last one answered, nothing of the next one read."""
+        cycle = self.cycle
+        return (cycle is None or cycle.response_complete) and self._in_head \
+            and not self._head_bytes and not self.transport.is_closing()
+
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -306,8 +338,12 @@ class EnvelopeHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        request = cast("RequestContext | None", self.cycle.scope.get(CONTEXT))
+        if request is not None and request.key_hash:  # a valid API key (``keys``) came on it
+            self._trusted = True
         if self._body_timer is not None:  # answered before its body came: the rest's window
-            self._body_seen = self.loop.time()
+            self._body_seen = self._idle_since
         super().on_response_complete()
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ refused at once and does not disturb the shutdown. Figures: build/reliability/ed
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
 import threading
@@ -177,3 +178,42 @@ def test_a_head_at_the_bounds_reaches_a_real_llama_server_and_one_past_them_does
             assert over.json()["error"]["code"] == 431
             longer = client.post(target + "p", json=body)
             assert longer.status_code == 414 and longer.json()["error"]["code"] == 414
+
+
+def test_idle_connections_without_a_key_cannot_keep_a_keyed_client_out(tmp_path: Path) -> None:
+    """At the connection cap (8, from a small descriptor limit), every connection kept alive
+    on the public /health without a key: a client with a key still gets in (an idle keyless
+    one is closed for it), and so does the next one; the keyless connections that are left
+    are answered or closed, never held open against the cap for ever."""
+    with start_router(tmp_path, "--api-key", "sk-ration-1", "--no-webui",
+                      open_files=150) as router:
+        assert "up to 8 client connections" in router.log(), router.log()
+        idle = []
+        for _ in range(7):  # the cap, with the one the check below keeps
+            sock = socket.create_connection(("127.0.0.1", router.port), timeout=GUARD_S)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            idle.append(sock)
+        keyed = [httpx.Client(base_url=router.url, timeout=GUARD_S,
+                              headers={"Authorization": "Bearer sk-ration-1"})
+                 for _ in range(3)]
+        with httpx.Client(base_url=router.url, timeout=GUARD_S) as keyless:
+            assert keyless.get("/health").status_code == 200  # the eighth, kept alive
+            for client in keyed:  # each one more, each kept open
+                answer = client.get("/models")
+                assert answer.status_code == 200, answer.text
+            for client in keyed:  # kept: they carried a key
+                assert client.get("/models").status_code == 200
+        for client in keyed:
+            client.close()
+        closed = 0  # one made room for each keyed client: wait for the three closes
+        deadline = time.monotonic() + GUARD_S
+        while closed < 3 and time.monotonic() < deadline:
+            ready, _, _ = select.select(idle, [], [], deadline - time.monotonic())
+            for sock in ready:
+                closed += sock.recv(4096) == b""
+                idle.remove(sock)
+                sock.close()
+        for sock in idle:
+            sock.close()
+        assert closed >= 3, closed

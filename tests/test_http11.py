@@ -19,7 +19,7 @@ from uvicorn.server import ServerState
 
 from router import http11
 from router.http11 import EnvelopeHttpToolsProtocol
-from router.requests import BODY_TIMED_OUT
+from router.requests import BODY_TIMED_OUT, context
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
 GUARD_S = 20.0  # a hang fails the test, it does not hold the suite
@@ -290,16 +290,70 @@ async def test_a_request_head_that_never_ends_gets_a_408(
 
 
 async def test_connections_over_the_cap_get_a_503() -> None:
+    """The one connection there is not idle (its request head has begun): no room."""
     box: list[Served] = []
     async with serving(echo_app(box), cap=1) as served:
         box.append(served)
         _, first = await served.connect()
+        first.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        await first.drain()
+        async with asyncio.timeout(GUARD_S):  # until the server has read it
+            while not any(c._head_bytes for c in served.state.connections):  # noqa: ASYNC110 (protocol state, no event)
+                await asyncio.sleep(0.001)
         reader, writer = await served.connect()
         raw = await read_all(reader)
         writer.close()
         first.close()
     envelope(raw, 503)
     assert parse(raw)[1]["retry-after"] == "1"
+
+
+def trusting_app(served: list[Served]) -> App:
+    """``echo_app``, with the request's context saying a valid API key came with it when the
+    request says so (as ``keys.ApiKeyMiddleware`` sets ``key_hash``)."""
+    echo = echo_app(served)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (b"x-key", b"yes") in scope["headers"]:
+            context(scope).key_hash = "a-key's-hash"
+        await echo(scope, receive, send)
+
+    return app
+
+
+async def exchange_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      *extra: str) -> bytes:
+    """One request on a kept-alive connection; its answer's status line."""
+    writer.write(head(2, *extra) + b"{}")
+    await writer.drain()
+    async with asyncio.timeout(GUARD_S):
+        line = await reader.readline()
+        await reader.readuntil(b"}")  # the rest of the small JSON answer
+    return line
+
+
+async def test_at_the_cap_an_idle_connection_without_a_key_makes_room() -> None:
+    """Cap 2: one idle connection that carried a key, one idle without (kept alive on a
+    public path, say): a third connection closes the one without a key and is served; with
+    both carrying keys, the third gets the 503."""
+    box: list[Served] = []
+    async with serving(trusting_app(box), cap=2) as served:
+        box.append(served)
+        keyed = await served.connect()
+        keyless = await served.connect()
+        assert (await exchange_on(*keyed, "X-Key: yes")).startswith(b"HTTP/1.1 200")
+        assert (await exchange_on(*keyless)).startswith(b"HTTP/1.1 200")
+        third = await served.connect()
+        assert (await exchange_on(*third, "X-Key: yes")).startswith(b"HTTP/1.1 200")
+        assert await read_all(keyless[0]) == b""  # closed to make room, nothing written
+        assert (await exchange_on(*keyed, "X-Key: yes")).startswith(b"HTTP/1.1 200")
+        fourth_reader, fourth = await served.connect()
+        raw = await read_all(fourth_reader)
+        for _, writer in (keyed, keyless, third):
+            writer.close()
+        fourth.close()
+    envelope(raw, 503)
+    assert served.refusals.counts["connection_cap"] == 1
 
 
 # -- the request head's bounds -----------------------------------------------------------------
