@@ -268,7 +268,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     from .server import serve
-    from .settings import ConfigurationError, Settings
+    from .settings import ConfigurationError, Settings, describe
 
     values = {k: v for k, v in vars(args).items() if k != "command"}
     if "api_key" in values:  # given but holding no key: [""], which the settings refuse
@@ -279,7 +279,7 @@ def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     try:
         settings = Settings(**values)
     except ValidationError as exc:
-        print(f"llama-router: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"llama-router: invalid settings:\n{describe(exc)}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level)
     try:

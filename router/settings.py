@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigurationError as ConfigurationError  # its home: errors
@@ -36,6 +36,7 @@ DEFAULT_LIVENESS_TIMEOUT_S = 3.0
 DEFAULT_LIVENESS_MISSES = 3
 DEFAULT_PEER_DNS_INTERVAL_S = 10.0
 DEFAULT_STATE_BUDGET = "10G"  # saved slot states (warm swaps), least recently used dropped
+MAX_STATE_BUDGET_BYTES = 1 << 50  # 1 PiB: past any disk, short of a number that means none
 DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
 
 
@@ -187,9 +188,11 @@ class Settings(BaseSettings):
     @field_validator("state_budget")
     @classmethod
     def _check_state_budget(cls, value: str) -> str:
-        from .memory import parse_size
+        from .memory import format_size, parse_size
 
-        parse_size(value)
+        if parse_size(value) > MAX_STATE_BUDGET_BYTES:
+            raise ValueError(f"{value!r} is more than the most a state directory may hold "
+                             f"({format_size(MAX_STATE_BUDGET_BYTES)})")
         return value
 
     def state_budget_bytes(self) -> int:
@@ -253,3 +256,23 @@ class Settings(BaseSettings):
                 f"{where} gives no API key (empty, blank or only comments): refusing to start "
                 "without authentication; set a key, or remove the option to serve without keys")
         return keys
+
+
+def describe(error: ValidationError) -> str:
+    """What was wrong with the settings, one line a setting, each named as it is given: its
+    flag and its environment variable (``--state-budget`` / ``LLAMA_ROUTER_STATE_BUDGET``),
+    with the validator's own message (never pydantic's layout or links)."""
+    lines = []
+    for problem in error.errors(include_url=False):
+        where = problem["loc"][0] if problem["loc"] else ""
+        message = str(problem["msg"]).removeprefix("Value error, ")
+        if isinstance(where, str) and where:
+            name = f"--{where.replace('_', '-')} ({Settings.model_config['env_prefix']}" \
+                   f"{where.upper()})"
+            given = problem.get("input")
+            if isinstance(given, (str, int, float)) and str(given) not in message:
+                message = f"{message} (given {given!r})"
+            lines.append(f"  {name}: {message}")
+        else:
+            lines.append(f"  {message}")
+    return "\n".join(lines)

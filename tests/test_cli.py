@@ -148,15 +148,21 @@ def test_models_dir_source(tmp_path: Path, tiny_models: dict[str, Path]) -> None
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (("--memory-budget", "lots"), "memory_budget"),
-    (("--gpu-memory-budget", "1:2G"), "gpu_memory_budget"),
+    (("--memory-budget", "lots"), "--memory-budget (LLAMA_ROUTER_MEMORY_BUDGET): invalid size"),
+    (("--gpu-memory-budget", "1:2G"), "--gpu-memory-budget (LLAMA_ROUTER_GPU_MEMORY_BUDGET): "),
     (("--gpu-memory-budget", "x=2G"), "expected INDEX=SIZE"),
+    (("--state-budget=-1",), "--state-budget (LLAMA_ROUTER_STATE_BUDGET): invalid size '-1'"),
+    (("--state-budget", "abc"), "--state-budget (LLAMA_ROUTER_STATE_BUDGET): invalid size"),
+    (("--state-budget", "1e400"), "invalid size '1e400'"),
+    (("--state-budget", "99999999999999999999999T"),
+     "is more than the most a state directory may hold (1024.0 TiB)"),
 ])
 def test_bad_budgets_are_refused_before_anything_starts(args: tuple[str, ...],
                                                         expected: str) -> None:
     result = run("serve", "--port", "0", *args)
     assert result.returncode == 2
-    assert "invalid settings" in result.stderr and expected in result.stderr
+    assert "invalid settings" in result.stderr and expected in result.stderr, result.stderr
+    assert "pydantic" not in result.stderr and "validation error" not in result.stderr
 
 
 @pytest.mark.real
