@@ -137,8 +137,11 @@ class Executor:
 
     def set_preset(self, runtime: ModelRuntime, preset: ModelPreset) -> None:
         """The model's preset from now on (a reconfiguration; a download that resolved its
-        files)."""
+        files). One that turns warm swaps off removes the model's saved states at once, also
+        those a stop under way is writing."""
         runtime.preset = preset
+        if self._warm is not None and not preset.warm_swaps:
+            self._warm.fingerprint_of(preset)
 
     def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
         """The model's download task, started unless one runs (shared by the load and by

@@ -116,6 +116,8 @@ class Loader:
         started = clock.now()
         preset = runtime.preset
         timeout = preset.load_timeout or self.settings.load_timeout
+        if self._warm is not None:  # the weights' content, once per file version (bounded)
+            await self._warm.prepare(preset)
         # The saved states are verified while the children start; this load owns the check.
         restorable = asyncio.ensure_future(self._warm.restorable(preset)) \
             if self._warm is not None else None

@@ -152,7 +152,7 @@ class Estimate:
 # --------------------------------------------------------------------------- GGUF header
 
 
-def _shard_paths(path: Path) -> list[Path]:
+def shard_paths(path: Path) -> list[Path]:
     """All existing shards of a split model (``NAME-00001-of-0000N.gguf``), else ``[path]``."""
     m = _SHARD.match(path.name)
     if m is None:
@@ -180,7 +180,7 @@ def read_shape(path: str | Path) -> GGUFShape:
     unreadable or non-GGUF file, or one without an architecture or block count.
     """
     p = Path(path)
-    shards = _shard_paths(p)
+    shards = shard_paths(p)
     first = shards[0] if _SHARD.match(p.name) else p
     if not first.is_file():
         raise ValueError(f"{path}: not a GGUF file (no such file)")
@@ -364,6 +364,17 @@ def estimate_for_args(model_path: str | Path, args: Mapping[str, str]) -> Estima
         cache_ram = base.default_cache_ram_mib
     return replace(base, prompt_cache_bytes=max(cache_ram, 0) * MiB,
                    prompt_cache_unbounded=cache_ram < 0)
+
+
+def kv_bytes_per_token(model_path: str | Path, args: Mapping[str, str]) -> int:
+    """The bytes of KV cache one token takes in a child of ``model_path`` with ``args`` (its
+    cache types), from the GGUF header: at least what a saved slot state holds per token."""
+    shape = read_shape(model_path)
+    k_row = _row_bytes(shape.n_head_kv * shape.head_dim_k,
+                       option_value(args, "cache-type-k", "ctk") or "f16")
+    v_row = _row_bytes(shape.n_head_kv * shape.head_dim_v,
+                       option_value(args, "cache-type-v", "ctv") or "f16")
+    return shape.n_layer * (k_row + v_row)
 
 
 # --------------------------------------------------------------------------- measurement

@@ -195,7 +195,8 @@ class _WarmSwaps(Collector):
                 ("restored_tokens", "llamarouter_state_restored_tokens",
                  "Prompt tokens restored instead of computed again"),
                 ("refused", "llamarouter_state_refused",
-                 "Slot states discarded: not matching the child's answer, or refused by it"),
+                 "Slot states discarded: not matching the child's answer, refused by it, or made "
+                 "with other weights or settings"),
                 ("slow_saves", "llamarouter_state_slow_saves",
                  "Stops whose saves were cut by their bound"),
                 ("slow_restores", "llamarouter_state_slow_restores",

@@ -17,11 +17,13 @@ Layout under ``root`` (the router's ``--state-dir``, created 0700)::
 
 * ``<model-dir>`` (``model_dir_name``): a sanitised readable part of the model id and 128 bits
   of its sha256, so that ids of any characters get distinct, safe directories;
-* ``<fingerprint>`` (``fingerprint``): what the states were made with: the model files, the
-  llama-server arguments that shape the KV cache or give it meaning (``KV_ARGS``) and the
-  llama-server build. llama.cpp checks only a file's KV *layout* on restore, never which model
-  or RoPE settings wrote it (tests/test_slot_state_real.py): the directory is what keeps a
-  state from being restored into another configuration.
+* ``<fingerprint>`` (``fingerprint``): what the states were made with: the content of the
+  weight files (``digests``: a model replaced by another of the same size and mtime is
+  another fingerprint), the llama-server arguments that shape the KV cache or give it
+  meaning (``KV_ARGS``) and the llama-server build. llama.cpp checks only a file's KV
+  *layout* on restore, never which model or RoPE settings wrote it
+  (tests/test_slot_state_real.py): the directory is what keeps a state from being restored
+  into another configuration.
 
 Every name the store makes is ``[A-Za-z0-9_-]`` with single dots, at most 255 bytes, never
 starting with a dot or a space: llama-server accepts it as a slot filename.
@@ -60,7 +62,7 @@ from typing import Any, Final, NamedTuple
 log = logging.getLogger("router.statestore")
 
 MANIFEST_VERSION: Final = 1
-FINGERPRINT_VERSION: Final = 1  # bump when what the fingerprint covers changes
+FINGERPRINT_VERSION: Final = 2  # bump when what the fingerprint covers changes
 MANIFEST_MAX_BYTES: Final = 64 * 1024  # a manifest read is bounded by this
 PREFIX_MAX_BYTES: Final = 32 * 1024  # the caller's opaque prefix, as JSON
 MODEL_ID_MAX_BYTES: Final = 4096  # longer ids get no states (their manifest would not fit)
@@ -97,7 +99,8 @@ class KvArg:
 # kv-offload, override-tensor), threads, batch sizes, sampling, the chat template, caching
 # policy (cache-ram, cache-reuse, checkpoints) and the draft model do not count: llama-server
 # saves the main context's KV only, and refuses a layout a placement change alters with a 400.
-# The model, mmproj and LoRA *files* are counted by path, size and mtime (``model_files``).
+# The weight files themselves (model, mmproj, LoRA adapters, control vectors) are counted by
+# their content (``fingerprint``'s digests).
 KV_ARGS: Final[tuple[KvArg, ...]] = (
     KvArg("ctx-size", "int", ("c",), "LLAMA_ARG_CTX_SIZE"),
     KvArg("parallel", "int", ("np",), "LLAMA_ARG_N_PARALLEL"),
@@ -175,18 +178,13 @@ def kv_args(args: Mapping[str, str]) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def fingerprint(model_files: Sequence[Path], args: Mapping[str, str], build: str) -> str:
-    """The sha256 (hex) of what a child's KV cache depends on: each model file (model, mmproj,
-    LoRA adapters, in the caller's order) by resolved path, size and mtime; ``kv_args(args)``;
-    and the llama-server build (the file format may change between builds). A missing model
-    file raises OSError."""
-    files: list[list[object]] = []
-    for path in model_files:
-        resolved = Path(path).resolve()
-        info = os.stat(resolved)
-        files.append([str(resolved), info.st_size, info.st_mtime_ns])
-    canonical = {"version": FINGERPRINT_VERSION, "files": files, "args": kv_args(args),
-                 "build": build}
+def fingerprint(digests: Sequence[str], args: Mapping[str, str], build: str) -> str:
+    """The sha256 (hex) of what a child's KV cache depends on: the content of each weight
+    file (``digests``: the model's shards, mmproj, LoRA adapters and control vectors, in the
+    caller's order; ``digests.Digests``), ``kv_args(args)``, and the llama-server build (the
+    file format may change between builds)."""
+    canonical = {"version": FINGERPRINT_VERSION, "files": list(digests),
+                 "args": kv_args(args), "build": build}
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
@@ -770,7 +768,14 @@ class StateStore:
                 chosen.setdefault(state.slot, state)
         return list(chosen.values())
 
-    def _drop_stale(self, model_id: str, fingerprint: str) -> None:
+    def drop_stale(self, model_id: str, fingerprint: str) -> int:
+        """Remove the model's states of every other fingerprint (another configuration, or
+        other weights: a child of this one can never take them); how many there were."""
+        _check_names(model_id, fingerprint)
+        with self._lock:
+            return self._drop_stale(model_id, fingerprint)
+
+    def _drop_stale(self, model_id: str, fingerprint: str) -> int:
         model_dir = self.root / model_dir_name(model_id)
         stale = [s for s in self._index.of(model_id) if s.fingerprint != fingerprint]
         for state in stale:
@@ -781,8 +786,9 @@ class StateStore:
                 removed += _clear_dir(model_dir / name) if kind == "dir" \
                     else _unlink(model_dir / name)
         if stale or removed:
-            log.info("removed %d saved slot states of an earlier configuration", len(stale),
-                     extra={"event": "state_stale", "model": model_id})
+            log.info("removed %d saved slot states of an earlier configuration or other "
+                     "weights", len(stale), extra={"event": "state_stale", "model": model_id})
+        return len(stale)
 
     def touch(self, state: SavedState) -> SavedState | None:
         """Mark ``state`` used now (its manifest's ``last_used``), so that the budget drops it

@@ -3,12 +3,15 @@ children, so that a conversation's next turn comes from the prompt cache after a
 an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
 
 * A child of a model with warm swaps starts with ``--slot-save-path`` set to the store's
-  directory of its model and configuration (``slot_dir``; the fingerprint of its model files,
-  the arguments that shape its KV cache and the llama-server build), so a state is never
-  restored into another configuration. A preset that sets ``slot-save-path`` itself, a remote
-  upstream, or a model without a model file gets none, nor does a preset with
-  ``warm-swaps = false`` (its states saved before are removed when it loads or stops next,
-  and when the router starts).
+  directory of its model and configuration (``slot_dir``; the fingerprint of its weight
+  files' content (``weights``: computed before the load, once per file version, within a
+  bound), the arguments that shape its KV cache and the
+  llama-server build), so a state is never restored into another configuration or other
+  weights; the states of another fingerprint are dropped (counted as refused) when it
+  loads. A preset that sets ``slot-save-path`` itself, a remote upstream, or a model without
+  a model file gets none, nor does a preset with ``warm-swaps = false`` (its states saved
+  before are removed when it is applied, by a reload or at the router's start, and what a
+  stop under way writes is not kept).
 * ``save`` (the executor, before it stops the children for an eviction, an unload, the idle
   TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is
   written (``POST /slots/{id}?action=save``) under a name the store makes, then committed
@@ -42,6 +45,7 @@ without a bound, and nothing it does is answered to a client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,10 +55,13 @@ from typing import Any, NamedTuple
 import httpx
 
 from .backend import Backend
+from .digests import CACHE_NAME, Digests
 from .events import EventBus
+from .memory import kv_bytes_per_token
 from .presets import ModelPreset
 from .runtime import Replica
-from .statestore import Commit, PendingSave, SavedState, StateStore, fingerprint
+from .statestore import Commit, PendingSave, SavedState, StateStore
+from .weights import Fingerprints, covers
 
 log = logging.getLogger("router.warm")
 
@@ -106,7 +113,8 @@ class Counts:
     saved_bytes: int = 0
     restored: int = 0  # states a new child took
     restored_tokens: int = 0
-    refused: int = 0  # states discarded: not kept at commit, or refused on restore
+    refused: int = 0  # states discarded: not kept at commit, refused on restore, or made
+    # with other weights or settings (dropped when the model loads)
     slow_saves: int = 0  # stops whose saves were cut by SAVE_BOUND_S
     slow_restores: int = 0  # loads whose restores were cut by RESTORE_BOUND_S
 
@@ -168,16 +176,42 @@ class Commits:
                       extra={"model": model_id})
 
 
+def prompt_speed(metrics: str) -> float | None:
+    """A child's average prompt speed in tokens a second, from its ``/metrics`` text."""
+    for line in metrics.splitlines():
+        if line.startswith("llamacpp:prompt_tokens_seconds "):
+            try:
+                value = float(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+            return value if value > 0 and value != float("inf") else None
+    return None
+
+
+async def most_tokens(preset: ModelPreset, io: Io, budget: int) -> int | None:
+    """The most tokens a state of the model can hold within ``budget`` bytes, from its bytes
+    per token (measured by earlier saves, ``io``, else the KV cache's from the GGUF header,
+    ``memory.kv_bytes_per_token``); None when neither is known."""
+    per_token = io.bytes_per_token
+    if per_token is None and preset.model_path is not None:
+        with contextlib.suppress(OSError, ValueError):
+            per_token = await asyncio.to_thread(kv_bytes_per_token, preset.model_path,
+                                                preset.args)
+    return int(budget // per_token) if per_token else None
+
+
 class WarmSwaps:
     def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, digests: Digests | None = None) -> None:
         """``events``: where a model's saved states are announced when they change
-        (``slot_states``, on ``/models/sse``)."""
+        (``slot_states``, on ``/models/sse``); ``digests``: the model files' content
+        (default: kept in the store's directory)."""
         self.store = store
-        self._build = build
         self._client = client
         self._events = events
-        self._fingerprints: dict[str, tuple[ModelPreset, str | None]] = {}
+        self.prints = Fingerprints(store, build, digests if digests is not None
+                                   else Digests(store.root / CACHE_NAME))
+        self._off: set[str] = set()  # models whose preset now says ``warm-swaps = false``
         self.counts: dict[str, Counts] = {}
         self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
         self._keeping = Commits()  # per model: its commit under way
@@ -196,34 +230,23 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- configuration
 
-    @staticmethod
-    def covers(preset: ModelPreset) -> bool:
-        """Whether the preset's model can have warm swaps at all (no file is read)."""
-        return preset.warm_swaps and preset.upstream is None \
-            and preset.model_path is not None and "slot-save-path" not in preset.args
+    covers = staticmethod(covers)
 
     def fingerprint_of(self, preset: ModelPreset) -> str | None:
-        """The fingerprint of the preset's configuration; None when it gets no warm swaps
-        (see the module docstring) or its model file cannot be read."""
-        cached = self._fingerprints.get(preset.id)
-        if cached is not None and cached[0] is preset:
-            return cached[1]
-        found: str | None = None
-        if not preset.warm_swaps:  # turned off: what it saved before goes
+        """The fingerprint of the preset's configuration (``weights.Fingerprints``); None when
+        it gets no warm swaps, or not yet. A preset with warm swaps turned off has what its
+        model saved removed, and what a stop under way writes is not kept (``keep``)."""
+        if not preset.warm_swaps:
+            self._off.add(preset.id)
             self.forget(preset.id)
-        elif self.covers(preset):
-            assert preset.model_path is not None
-            files = [Path(preset.model_path)]
-            if preset.args.get("mmproj"):
-                files.append(Path(preset.args["mmproj"]))
-            try:
-                found = fingerprint(files, preset.args, self._build)
-                self.store.directory(preset.id, found)
-            except (OSError, ValueError) as exc:
-                log.warning("no warm swaps for this model: %s", exc, extra={"model": preset.id})
-                found = None
-        self._fingerprints[preset.id] = (preset, found)
-        return found
+            return None
+        self._off.discard(preset.id)
+        return self.prints.of(preset)
+
+    async def prepare(self, preset: ModelPreset) -> None:
+        """Before a load: its weights' content (``weights.Fingerprints.prepare``)."""
+        if self.fingerprint_of(preset) is None:
+            await self.prints.prepare(preset)
 
     def drop_turned_off(self, presets: Iterable[ModelPreset]) -> None:
         """Remove what the models with ``warm-swaps = false`` saved while it was on (at the
@@ -242,7 +265,7 @@ class WarmSwaps:
         a commit under way keeps goes too, once it is kept."""
         if self._keeping.after(model_id, lambda: self.forget(model_id)):
             return
-        self._fingerprints.pop(model_id, None)
+        self.prints.forget(model_id)
         try:
             removed = self.store.remove_model(model_id)
         except (OSError, ValueError) as exc:
@@ -292,7 +315,7 @@ class WarmSwaps:
                 for index, replica in enumerate(replicas):
                     keys = replica.prefixes.recent(PREFIX_KEYS) if preset.prefix_routing \
                         else None
-                    await self._save_child(preset.id, found, index, replica.child, keys,
+                    await self._save_child(preset, found, index, replica.child, keys,
                                            pending, written)
         except TimeoutError:
             self._counts(preset.id).slow_saves += 1
@@ -308,6 +331,10 @@ class WarmSwaps:
         renamed; ``statestore``); how many were kept. Never raises but a cancel: it runs
         beside the children's stop."""
         model_id = preset.id
+        if model_id in self._off:  # turned off since the stop began: its files go
+            for save, _, _ in written:
+                await asyncio.to_thread(self.store.abandon, save)
+            return 0
         io = self.io.setdefault(model_id, Io())
         counts = self._counts(model_id)
         kept: list[SavedState] = []
@@ -337,16 +364,28 @@ class WarmSwaps:
                      extra={"event": "state_saved", "model": model_id})
         return len(kept)
 
-    async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
+    async def _save_child(self, preset: ModelPreset, found: str, index: int, child: Backend,
                           keys: list[int] | None, pending: list[PendingSave],
                           written: list[Written]) -> None:
+        """Have ``child`` write its worthwhile slots; a slot of more tokens than the whole
+        budget holds (``most_tokens``) is never asked for: its file could never be kept."""
+        model_id = preset.id
         slots = await self._slots(child)
         io = self.io.setdefault(model_id, Io())
         speed = await self._prompt_speed(child) if io.cost_ms(1) is not None else None
+        most: int | None = -1  # not asked yet
         for slot in slots:
             tokens = slot.get("n_prompt_tokens")
             if not isinstance(tokens, int) or isinstance(tokens, bool) \
                     or not worth_saving(tokens, speed, io):
+                continue
+            if most == -1:
+                most = await most_tokens(preset, io, self.store.budget_bytes)
+            if most is not None and tokens > most:  # never written, never refused later
+                self._counts(model_id).refused += 1
+                log.info("slot %s not saved: %d tokens, over the whole state budget",
+                         slot.get("id"), tokens,
+                         extra={"event": "state_over_budget", "model": model_id})
                 continue
             number = index * len(slots) + int(slot["id"])
             save = await asyncio.to_thread(self.store.begin_save, model_id, found, number)
@@ -368,6 +407,8 @@ class WarmSwaps:
             return []
         await self.settle(preset.id)  # a state its last stop is keeping is among them
         try:
+            stale = await asyncio.to_thread(self.store.drop_stale, preset.id, found)
+            self._counts(preset.id).refused += stale  # made with other weights or settings
             return await asyncio.to_thread(self.store.states, preset.id, found)
         except (OSError, ValueError) as exc:  # the load goes on, cold
             log.warning("cannot read the saved slot states: %s", exc, extra={"model": preset.id})
@@ -443,16 +484,7 @@ class WarmSwaps:
                                               timeout=LISTING_TIMEOUT_S, headers=ONE_SHOT)
         except httpx.HTTPError:
             return None
-        if response.status_code != 200:
-            return None
-        for line in response.text.splitlines():
-            if line.startswith("llamacpp:prompt_tokens_seconds "):
-                try:
-                    value = float(line.split()[1])
-                except (IndexError, ValueError):
-                    return None
-                return value if value > 0 and value != float("inf") else None
-        return None
+        return prompt_speed(response.text) if response.status_code == 200 else None
 
     async def _action(self, child: Backend, slot: int, action: str, filename: str
                       ) -> dict[str, Any] | None:

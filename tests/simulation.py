@@ -55,6 +55,7 @@ from simloop import Stalled, VirtualTimeLoop
 from router import clock
 from router.backend import Backend
 from router.core import wire
+from router.digests import Digests
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
 from router.flags import FlagTable
@@ -249,14 +250,15 @@ class HangingSaves(WarmSwaps):
     touched."""
 
     def __init__(self) -> None:
-        super().__init__(cast(StateStore, None), "sim", cast(httpx.AsyncClient, None))
+        super().__init__(cast(StateStore, None), "sim", cast(httpx.AsyncClient, None),
+                         digests=Digests())
         self.hung = 0  # saves started (each one cut by the bound, or by a cancel)
         self.stalled = 0  # commits started (none ever ends)
 
     def fingerprint_of(self, preset: ModelPreset) -> str | None:
         return "0" * 64
 
-    async def _save_child(self, model_id: str, found: str, index: int, child: Backend,
+    async def _save_child(self, preset: ModelPreset, found: str, index: int, child: Backend,
                           keys: list[int] | None, pending: list[PendingSave],
                           written: list[Written]) -> None:
         self.hung += 1

@@ -4,6 +4,7 @@ written the way llama-server writes them (``--slot-save-path DIR`` plus the file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -76,9 +77,13 @@ def model_file(tmp_path: Path) -> Path:
     return path
 
 
+def content(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 @pytest.fixture
 def fp(model_file: Path) -> str:
-    return fingerprint([model_file], {"ctx-size": "4096", "parallel": "2"}, BUILD)
+    return fingerprint([content(model_file)], {"ctx-size": "4096", "parallel": "2"}, BUILD)
 
 
 @pytest.fixture
@@ -281,9 +286,9 @@ def test_every_kv_argument_has_a_case() -> None:
 def test_each_kv_argument_changes_the_fingerprint(model_file: Path, key: str) -> None:
     one, other = KV_CASES[key]
     base = {"threads": "4"}
-    prints = {fingerprint([model_file], base, BUILD),
-              fingerprint([model_file], base | {key: one}, BUILD),
-              fingerprint([model_file], base | {key: other}, BUILD)}
+    prints = {fingerprint([content(model_file)], base, BUILD),
+              fingerprint([content(model_file)], base | {key: one}, BUILD),
+              fingerprint([content(model_file)], base | {key: other}, BUILD)}
     assert len(prints) == 3
 
 
@@ -294,8 +299,8 @@ def test_each_kv_argument_changes_the_fingerprint(model_file: Path, key: str) ->
                                    {"frobnicate": "1"}, {"model": "/elsewhere.gguf"}])
 def test_other_arguments_do_not_count(model_file: Path, extra: dict[str, str]) -> None:
     base = {"ctx-size": "4096"}
-    assert fingerprint([model_file], base, BUILD) == fingerprint([model_file], base | extra,
-                                                                 BUILD)
+    weights = [content(model_file)]
+    assert fingerprint(weights, base, BUILD) == fingerprint(weights, base | extra, BUILD)
 
 
 @pytest.mark.parametrize("spelled", [
@@ -314,8 +319,8 @@ def test_short_long_and_env_spellings_agree(model_file: Path,
     canonical = {"ctx-size": "4096", "parallel": "2", "cache-type-k": "q8_0",
                  "cache-type-v": "q8_0", "flash-attn": "on", "kv-unified": "true"}
     assert kv_args(spelled) == kv_args(canonical)
-    assert fingerprint([model_file], spelled, BUILD) == fingerprint([model_file], canonical,
-                                                                    BUILD)
+    weights = [content(model_file)]
+    assert fingerprint(weights, spelled, BUILD) == fingerprint(weights, canonical, BUILD)
 
 
 @pytest.mark.parametrize("negative", [{"no-kv-unified": "true"}, {"-no-kvu": "on"},
@@ -342,31 +347,19 @@ def test_the_spellings_are_llama_servers(help_table: FlagTable) -> None:
             assert arg.name in kv_args({spelling: "1"}), spelling
 
 
-def test_model_files_and_the_build_count(tmp_path: Path, model_file: Path) -> None:
+def test_weights_by_content_and_the_build_count(tmp_path: Path, model_file: Path) -> None:
     args = {"ctx-size": "4096"}
-    before = fingerprint([model_file], args, BUILD)
-    assert fingerprint([model_file], args, BUILD) == before
-    assert fingerprint([model_file], args, "b11435") != before
+    before = fingerprint([content(model_file)], args, BUILD)
+    assert fingerprint([content(model_file)], args, BUILD) == before
+    assert fingerprint([content(model_file)], args, "b11435") != before
     mmproj = tmp_path / "mmproj.gguf"
     mmproj.write_bytes(b"GGUF")
-    assert fingerprint([model_file, mmproj], args, BUILD) != before
+    assert fingerprint([content(model_file), content(mmproj)], args, BUILD) != before
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(model_file.read_bytes())
-    os.utime(copy, ns=(model_file.stat().st_atime_ns, model_file.stat().st_mtime_ns))
-    assert fingerprint([copy], args, BUILD) != before  # another file
-    link = tmp_path / "link.gguf"
-    link.symlink_to(model_file)
-    assert fingerprint([link], args, BUILD) == before  # the same file (HF cache links)
-    info = model_file.stat()
-    os.utime(model_file, ns=(info.st_atime_ns, info.st_mtime_ns + 1))
-    touched = fingerprint([model_file], args, BUILD)
-    assert touched != before
-    with open(model_file, "ab") as handle:
-        handle.write(b"\0")
-    os.utime(model_file, ns=(info.st_atime_ns, info.st_mtime_ns + 1))
-    assert fingerprint([model_file], args, BUILD) not in {before, touched}
-    with pytest.raises(OSError):
-        fingerprint([tmp_path / "missing.gguf"], args, BUILD)
+    assert fingerprint([content(copy)], args, BUILD) == before  # the same weights
+    other = model_file.read_bytes()[:-1] + b"\1"  # another model, the same size
+    assert fingerprint([hashlib.sha256(other).hexdigest()], args, BUILD) != before
 
 
 # ---- verification ------------------------------------------------------------------------
@@ -622,7 +615,7 @@ def test_touch_and_discard(store: StateStore, fp: str) -> None:
 
 def test_states_of_another_configuration_are_removed(store: StateStore, model_file: Path,
                                                      fp: str, root: Path) -> None:
-    old = kept(save(store, fingerprint([model_file], {"ctx-size": "2048"}, BUILD)))
+    old = kept(save(store, fingerprint([content(model_file)], {"ctx-size": "2048"}, BUILD)))
     unrelated = kept(save(store, fp, model="unrelated"))
     current = kept(save(store, fp))
     assert store.states(MODEL, fp) == [current]

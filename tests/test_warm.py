@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -33,6 +34,7 @@ from router.sources import build_catalogue
 from router.state import State
 from router.statestore import LOCK_NAME, StateStore, model_dir_name
 from router.warm import MIN_TOKENS, Io, WarmSwaps, worth_saving
+from router.weights import weight_files
 
 GUARD_S = 30.0  # a hang guard, never a measurement
 
@@ -102,10 +104,18 @@ def swaps(tmp_path: Path, stand_ins: dict[str, StandIn],
     return WarmSwaps(store, "b11434", client, events), store
 
 
+def known(swaps_: WarmSwaps, *presets: ModelPreset) -> None:
+    """The presets' weight files digested, as a load's ``prepare`` does."""
+    for preset in presets:
+        for path in weight_files(preset):
+            assert swaps_.prints.digests.digest_now(path) is not None
+
+
 def swaps_for(tmp_path: Path, preset: ModelPreset, stand_ins: dict[str, StandIn],
               events: EventBus | None = None) -> tuple[WarmSwaps, StateStore, Path]:
     """``swaps``, with every stand-in writing into ``preset``'s slot directory (returned)."""
     swaps_, store = swaps(tmp_path, stand_ins, events)
+    known(swaps_, preset)
     directory = swaps_.slot_dir(preset)
     assert directory is not None and directory.is_relative_to(store.root)
     for stand_in in stand_ins.values():
@@ -380,15 +390,76 @@ async def test_a_model_with_warm_swaps_turned_off_keeps_nothing(
     assert [r.url.path for r in stand_in.requests].count("/slots") == 1  # the save while on
 
 
+async def test_warm_swaps_turned_off_during_a_stop_keep_nothing_it_wrote(
+        tmp_path: Path, model: ModelPreset) -> None:
+    """A reload turns warm swaps off while a stop's children are writing their slots: what
+    they wrote is not kept (a churn run left such files behind)."""
+    stand_in = StandIn(tmp_path, [MIN_TOKENS])
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
+    written = await swaps_.write(model, [child("a")])
+    assert written and any(directory.iterdir())
+    swaps_.fingerprint_of(replace(model, warm_swaps=False))  # the reload's new preset
+    assert await swaps_.keep(model, written) == 0
+    assert store.usage() == {} and not (store.root / model_dir_name("m")).exists()
+
+
 def test_a_changed_model_file_changes_the_directory(tmp_path: Path,
                                                     model: ModelPreset) -> None:
     swaps_, _ = swaps(tmp_path, {})
+    known(swaps_, model)
     before = swaps_.slot_dir(model)
-    Path(model.args["model"]).write_bytes(b"GGUF" + bytes(61))
-    reloaded = ModelPreset("m", MappingProxyType(dict(model.args)))  # a reload's new preset
-    assert swaps_.slot_dir(reloaded) != before
+    assert before is not None
+    path = Path(model.args["model"])
+    info = path.stat()
+    path.write_bytes(b"GGUF" + bytes(59) + b"\1")  # other weights: same size, same mtime
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert swaps_.slot_dir(model) is None  # this version's content is not known yet
+    known(swaps_, model)
+    replaced = swaps_.slot_dir(model)
+    assert replaced not in (None, before)
+    path.chmod(0o600)  # a new ctime, the same content: the same directory
+    known(swaps_, model)
+    assert swaps_.slot_dir(model) == replaced
     other_ctx = ModelPreset("m", MappingProxyType({**model.args, "ctx-size": "8192"}))
-    assert swaps_.slot_dir(other_ctx) not in (before, swaps_.slot_dir(reloaded))
+    assert swaps_.slot_dir(other_ctx) not in (before, replaced)
+
+
+def test_every_weight_file_counts_by_content(tmp_path: Path, model: ModelPreset) -> None:
+    """Shards, the projector, LoRA adapters and control vectors, in every spelling."""
+    for name in ("big-00001-of-00003.gguf", "big-00002-of-00003.gguf",
+                 "big-00003-of-00003.gguf", "mm.gguf", "a.gguf", "b.gguf", "cv.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF" + name.encode())
+    preset = ModelPreset("big", MappingProxyType({
+        "model": str(tmp_path / "big-00001-of-00003.gguf"), "mmproj": str(tmp_path / "mm.gguf"),
+        "lora": f"{tmp_path / 'a.gguf'}", "lora-scaled": f"{tmp_path / 'b.gguf'}:0.5",
+        "control-vector-scaled": f"{tmp_path / 'cv.gguf'}:0.8"}))
+    files = weight_files(preset)
+    assert [f.name for f in files] == [
+        "big-00001-of-00003.gguf", "big-00002-of-00003.gguf", "big-00003-of-00003.gguf",
+        "mm.gguf", "a.gguf", "b.gguf", "cv.gguf"]
+    swaps_, _ = swaps(tmp_path, {})
+    known(swaps_, preset)
+    before = swaps_.slot_dir(preset)
+    for changed in files[1:]:
+        info = changed.stat()
+        changed.write_bytes(changed.read_bytes()[:-1] + b"!")  # same size
+        os.utime(changed, ns=(info.st_atime_ns, info.st_mtime_ns))
+        known(swaps_, preset)
+        after = swaps_.slot_dir(preset)
+        assert after not in (None, before), changed.name
+        before = after
+
+
+async def test_a_load_digests_its_files_once_and_a_restart_keeps_them(
+        tmp_path: Path, model: ModelPreset) -> None:
+    swaps_, store = swaps(tmp_path, {})
+    await swaps_.prepare(model)
+    directory = swaps_.slot_dir(model)
+    assert directory is not None
+    restarted = WarmSwaps(store, "b11434", httpx.AsyncClient())
+    assert restarted.slot_dir(model) == directory  # no digest computed again
+    (store.root / "digests.json").write_text("[not json")  # a damaged table: read again
+    assert WarmSwaps(store, "b11434", httpx.AsyncClient()).slot_dir(model) is None
 
 
 # ------------------------------------------------------------- a client's slot files
@@ -467,6 +538,7 @@ def test_a_child_killed_during_its_save_leaves_nothing_behind(tmp_path: Path) ->
             response = client.post("/v1/chat/completions", json={"model": model, **chat})
             assert response.status_code == 200, (model, response.text)
         log = router.log()
-    assert [p for p in states.rglob("*") if p.is_file()] == [states / LOCK_NAME]
+    assert sorted(p for p in states.rglob("*") if p.is_file()) == sorted(
+        [states / LOCK_NAME, states / "digests.json"])  # no state, no temp file
     assert "simulated crash (during a slot save)" in log
     assert "Traceback" not in log

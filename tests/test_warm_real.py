@@ -8,6 +8,7 @@ file a client names through the router's ``/slots`` is refused.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,10 @@ def test_a_state_over_the_budget_is_not_kept(
         _, again, _ = swap_away_and_back(router)
         log = router.log()
     assert again["cache_n"] == 0 and state_files(state_dir) == []
-    assert "not saved: " in log and "budget" in log, log
+    # refused before the child was asked: its KV per token (GGUF header) times the slot's
+    # tokens is over the whole budget, so no file was ever written
+    assert "event=state_over_budget" in log and "bytes, over the whole state budget" not in log, \
+        log  # (that would be the commit's refusal of a file written)
 
 
 def test_a_state_of_another_configuration_is_never_restored(
@@ -193,3 +197,53 @@ def test_a_model_with_warm_swaps_turned_off_leaves_nothing_on_disk(
         assert "states" not in router.models()["alpha"]["status"]  # no warm swaps to show
     assert "--slot-save-path" not in argv
     assert again["cache_n"] == 0 and state_files(state_dir) == []
+
+
+def test_a_state_is_never_restored_into_other_weights_of_the_same_size_and_mtime(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """alpha's file replaced in place by beta's weights (the same size), its mtime kept, as
+    ``cp -p``, ``rsync -a`` or an image layer with normalised mtimes do: the restarted router
+    restores nothing into the new weights, drops the old state and counts it; the same file
+    put back as it was gets its states again (its content is what counts)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(tiny_models["alpha"].read_bytes())
+    other = tiny_models["beta"].read_bytes()
+    assert len(other) == model.stat().st_size and other != model.read_bytes()
+    state_dir = tmp_path / "states"
+    preset_file = write_presets(tmp_path / "models.ini",
+                                f"[*]\nctx-size = 2048\nparallel = 1\n[alpha]\nmodel = {model}\n")
+    args = ("--presets", str(preset_file), "--llama-server", str(llama_server),
+            "--state-dir", str(state_dir))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        complete(client, "alpha")
+    (saved,) = state_files(state_dir)
+    info = model.stat()
+    with open(model, "r+b") as handle:  # in place: the same inode, as cp -p writes
+        handle.write(other)
+    os.utime(model, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert (model.stat().st_size, model.stat().st_mtime_ns) == (info.st_size, info.st_mtime_ns)
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        again = complete(client, "alpha")
+        metrics = httpx.get(router.url + "/metrics", timeout=GUARD_S).text
+        log = router.log()
+    assert again["cache_n"] == 0, again  # nothing restored into beta's weights
+    assert not saved.exists() and "event=state_stale" in log, log
+    assert 'llamarouter_state_refused_total{model="alpha"} 1.0' in metrics, metrics
+    assert 'llamarouter_state_restores_total{model="alpha"} 0.0' in metrics
+
+
+def test_a_router_restarted_on_unchanged_weights_reads_no_file_to_fingerprint(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """The weights' digests are kept in the state directory by file version: a restart
+    finds them there (the second router resumes warm with the digests file unchanged)."""
+    state_dir = tmp_path / "states"
+    args = ("--presets", str(presets(tmp_path, tiny_models)), "--llama-server",
+            str(llama_server), "--state-dir", str(state_dir))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        first = complete(client, "alpha")
+    digests = (state_dir / "digests.json").read_bytes()
+    assert str(tiny_models["alpha"].stat().st_ino).encode() in digests
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        again = complete(client, "alpha")
+    assert again["cache_n"] >= first["prompt_n"] - 1, again
+    assert (state_dir / "digests.json").read_bytes() == digests  # nothing hashed again
