@@ -15,15 +15,19 @@ with ``%uXXXX`` (llama-server's HTTP library decodes it, ``/%u0073lots`` is its 
 percent-encoded bytes that are no UTF-8 or a control character in the path, two multipart
 ``model`` fields, JSON nested deeper than ``MAX_JSON_DEPTH`` (``parse_json``, the one
 reader of a client's JSON), and a form body (``application/x-www-form-urlencoded``, whose
-fields llama-server reads as parameters over the query) that is not JSON (a 415).
+fields llama-server reads as parameters over the query) that is not JSON (on a method whose
+body is not read as JSON, a 415).
 
 Upstreams get the target the router read, not the one the client sent: encoded again from
 the decoded path and query (``upstream_target``), so that llama-server reads exactly what
 every decision read (each query name once, with the value the router took).
 
-The body is never re-encoded: the router forwards the exact bytes it received, except where
-the upstream must get the model the router decided (a remote upstream's ``upstream-model``,
-a request the default model took, a peer's own name: ``proxy.for_remote``, ``nodes``).
+The body is never re-encoded: the router forwards the exact bytes it received, except the
+value of ``model`` where the upstream must get the model the router decided (a remote
+upstream's ``upstream-model``, a request the default model took, a peer's own name:
+``proxy.for_remote``, ``nodes``), written where the router read it
+(``jsonscan.Scanned.with_model``). A JSON body over ``SMALL_JSON_BYTES`` is scanned for
+its model, not parsed (``jsonscan``).
 """
 
 from __future__ import annotations
@@ -95,8 +99,8 @@ _KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-le
 # parameters, for any method, over the query's (``form_body``).
 FORM = b"application/x-www-form-urlencoded"
 # Percent-encodings llama-server's HTTP library (cpp-httplib) reads and the router does not:
-# ``%uXXXX`` (its path decoder turns ``%u0073`` into ``s``).
-_PERCENT_U = re.compile(rb"%[uU]")
+# ``%uXXXX`` (its path decoder turns ``%u0073`` into ``s``; ``%U`` too, in other versions).
+_PERCENT_U = re.compile(rb"%[uU][0-9A-Fa-f]{4}")
 # What a decoded path may not hold: control characters (NUL included).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

@@ -141,6 +141,14 @@ def test_the_raw_target_would_have_read_differently() -> None:
     assert RequestContext(scope_for(b"/p?model=a&model=b")).params["model"] == "b"  # type: ignore[arg-type]
 
 
+def test_a_percent_sign_that_escapes_nothing_is_no_percent_u() -> None:
+    """``%up`` escapes nothing for either reader (both keep the ``%``): not refused, and
+    forwarded as ``%25``, which both read back as ``%``."""
+    request = RequestContext(scope_for(b"/props?q=100%uptime"))  # type: ignore[arg-type]
+    assert request.refused is None and request.params["q"] == "100%uptime"
+    assert_read_alike(b"/props?q=100%uptime")
+
+
 def test_a_plain_target_is_forwarded_as_it_came() -> None:
     """No percent sign in the path and no query: the bytes as sent (the hot path)."""
     request = RequestContext(scope_for(b"/v1/chat/completions"))  # type: ignore[arg-type]
