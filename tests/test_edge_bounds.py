@@ -6,7 +6,6 @@ refused at once and does not disturb the shutdown. Figures: build/reliability/ed
 from __future__ import annotations
 
 import json
-import select
 import signal
 import socket
 import threading
@@ -183,8 +182,7 @@ def test_a_head_at_the_bounds_reaches_a_real_llama_server_and_one_past_them_does
 def test_idle_connections_without_a_key_cannot_keep_a_keyed_client_out(tmp_path: Path) -> None:
     """At the connection cap (8, from a small descriptor limit), every connection kept alive
     on the public /health without a key: a client with a key still gets in (an idle keyless
-    one is closed for it), and so does the next one; the keyless connections that are left
-    are answered or closed, never held open against the cap for ever."""
+    one is closed for it), and so do the next two, each kept open."""
     with start_router(tmp_path, "--api-key", "sk-ration-1", "--no-webui",
                       open_files=150) as router:
         assert "up to 8 client connections" in router.log(), router.log()
@@ -206,14 +204,9 @@ def test_idle_connections_without_a_key_cannot_keep_a_keyed_client_out(tmp_path:
                 assert client.get("/models").status_code == 200
         for client in keyed:
             client.close()
-        closed = 0  # one made room for each keyed client: wait for the three closes
-        deadline = time.monotonic() + GUARD_S
-        while closed < 3 and time.monotonic() < deadline:
-            ready, _, _ = select.select(idle, [], [], deadline - time.monotonic())
-            for sock in ready:
-                closed += sock.recv(4096) == b""
-                idle.remove(sock)
-                sock.close()
         for sock in idle:
             sock.close()
-        assert closed >= 3, closed
+        # one idle connection without a key was closed for each keyed one (which ones: the
+        # idle the longest, the test's or the start-up probes' the router has not yet seen
+        # end)
+        assert router.log().count("closing one idle without a key") >= 3, router.log()
