@@ -82,7 +82,7 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
-PHASES = ("main", "relay", "real", "multiturn", "warmswap", "sharing")
+PHASES = ("main", "relay", "real", "multiturn", "warmswap", "bodies", "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
@@ -1294,6 +1294,11 @@ def run_bench(cfg: Config) -> dict[str, Any]:
                 reps=cfg.warmswap_reps)
             phases["warmswap"] = warmswap.run_phase(bench, swaps)
             took("warmswap")
+        if "bodies" in cfg.phases:
+            from . import bodies
+
+            phases["bodies"] = bodies.run_phase(bench, cfg.quick)
+            took("bodies")
         if "sharing" in cfg.phases and cfg.sharing_reps > 0:
             from .sharing import run_phase
 
@@ -1357,7 +1362,9 @@ def print_report(report: dict[str, Any]) -> None:
                         ("real_model", "Real model (SmolLM2-135M-Instruct Q4_1):"),
                         ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):"),
                         ("warmswap", "A conversation's next turn after its model was swapped "
-                                     "out (SmolLM2, ~2,000 tokens):")):
+                                     "out (SmolLM2, ~2,000 tokens):"),
+                        ("bodies", "The largest request bodies, while /health is asked every "
+                                   "10 ms (tiny model):")):
         phase = report.get(name)
         if phase is None:
             continue

@@ -200,3 +200,17 @@ def test_stream_client_receives_every_event_the_standin_writes(paced: bool) -> N
     assert stats["events"] == 4 * 53 == result["events"] + result["done"]  # type: ignore[operator]
     gaps = result["gap_ms"]
     assert isinstance(gaps, dict) and gaps["n"] == 4 * 52  # each event after the first
+
+
+@pytest.mark.real
+def test_bodies_phase_reports_each_shape(tmp_path: Path, llama_server: Path) -> None:
+    """The big-body phase at quick settings (bodies of 1/16 the size): each shape answered
+    as it should be, and its figures and targets reported."""
+    result, report = run_quick_bench(tmp_path, 240, "--phases", "bodies")
+    bodies = report["bodies"]["results"]
+    assert {name: r["status"] for name, r in bodies.items()} == {
+        "text": 200, "nests": 200, "values": 413}, bodies
+    for r in bodies.values():
+        assert r["probes"] > 0 and r["health_max_ms"] > 0 and r["growth_bytes"] >= 0
+    assert set(report["bodies"]["targets"]) == {"bodies_stall", "bodies_memory"}
+    assert "The largest request bodies" in result.stdout
