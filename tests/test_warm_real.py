@@ -247,3 +247,24 @@ def test_a_router_restarted_on_unchanged_weights_reads_no_file_to_fingerprint(
         again = complete(client, "alpha")
     assert again["cache_n"] >= first["prompt_n"] - 1, again
     assert (state_dir / "digests.json").read_bytes() == digests  # nothing hashed again
+
+
+def test_warm_swaps_turned_off_by_a_reload_remove_the_states_at_once(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """alpha's state saved by an eviction, then ``warm-swaps = false`` applied by a reload
+    while alpha stays unloaded: its states go with the reload, not at its next load (which
+    may never come)."""
+    state_dir = tmp_path / "states"
+    preset_file = presets(tmp_path, tiny_models)
+    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
+                      str(llama_server), "--models-max", "1",
+                      "--state-dir", str(state_dir)) as router, router.client() as client:
+        complete(client, "alpha")
+        complete(client, "beta")  # alpha saved and stopped
+        assert wait_until(lambda: state_files(state_dir), GUARD_S)
+        preset_file.write_text(preset_file.read_text().replace(
+            f"[alpha]\nmodel = {tiny_models['alpha']}\n",
+            f"[alpha]\nmodel = {tiny_models['alpha']}\nwarm-swaps = false\n"))
+        assert client.post("/models/reload").status_code == 200
+        assert router.models()["alpha"]["status"]["value"] == "unloaded"
+        assert wait_until(lambda: not state_files(state_dir), GUARD_S), state_files(state_dir)
