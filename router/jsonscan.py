@@ -75,22 +75,26 @@ async def scan(body: bytes) -> Scanned:
     """``body`` read as a JSON object (see the module docstring), the event loop given a turn
     every ``SLICE_BYTES``."""
     walk = _walk(body)
-    while True:
-        try:
-            next(walk)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    while (found := _step(walk)) is None:  # noqa: ASYNC110 (a turn for others, no event)
         await asyncio.sleep(0)
+    return found
 
 
 def scan_now(body: bytes) -> Scanned:
     """``scan`` at once, for a body small enough to read in one go."""
     walk = _walk(body)
-    while True:
-        try:
-            next(walk)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    while (found := _step(walk)) is None:
+        pass
+    return found
+
+
+def _step(walk: Generator[None, None, Scanned]) -> Scanned | None:
+    """One step of the walk: its result once it has ended, else None."""
+    try:
+        next(walk)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    return None
 
 
 def _walk(body: bytes) -> Generator[None, None, Scanned]:

@@ -8,7 +8,9 @@ file a client names through the router's ``/slots`` is refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,27 @@ def swap_away_and_back(router: RouterProcess
 
 def state_files(state_dir: Path) -> list[Path]:
     return sorted(state_dir.rglob("slot-*.bin"))
+
+
+@contextlib.contextmanager
+def saved_then_reloaded(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path],
+                        line: str) -> Iterator[tuple[RouterProcess, httpx.Client]]:
+    """A router with ``--state-dir tmp_path/states``: alpha's state saved by an eviction
+    (beta's request), then ``line`` added to alpha's preset and the presets reloaded; the
+    router and a client of it, with alpha unloaded."""
+    preset_file = presets(tmp_path, tiny_models)
+    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
+                      str(llama_server), "--models-max", "1",
+                      "--state-dir", str(tmp_path / "states")) as router, \
+            router.client() as client:
+        complete(client, "alpha")
+        complete(client, "beta")  # alpha saved and stopped
+        assert wait_until(lambda: state_files(tmp_path / "states"), GUARD_S)
+        preset_file.write_text(preset_file.read_text().replace(
+            f"[alpha]\nmodel = {tiny_models['alpha']}\n",
+            f"[alpha]\nmodel = {tiny_models['alpha']}\n{line}\n"))
+        assert client.post("/models/reload").status_code == 200
+        yield router, client
 
 
 def test_a_swapped_out_model_comes_back_with_its_prompt_cache(
@@ -144,18 +167,9 @@ def test_a_state_of_another_configuration_is_never_restored(
     checks would still fit): the new child gets a directory of its own, and the old states
     are removed when it loads."""
     state_dir = tmp_path / "states"
-    preset_file = presets(tmp_path, tiny_models)
-    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
-                      str(llama_server), "--models-max", "1",
-                      "--state-dir", str(state_dir)) as router, router.client() as client:
-        complete(client, "alpha")
-        complete(client, "beta")  # alpha saved and stopped
-        assert wait_until(lambda: state_files(state_dir), GUARD_S)
+    with saved_then_reloaded(tmp_path, llama_server, tiny_models, "ctx-size = 4096") \
+            as (router, client):
         (old,) = state_files(state_dir)
-        preset_file.write_text(preset_file.read_text().replace(
-            f"[alpha]\nmodel = {tiny_models['alpha']}\n",
-            f"[alpha]\nmodel = {tiny_models['alpha']}\nctx-size = 4096\n"))
-        assert client.post("/models/reload").status_code == 200
         again = complete(client, "alpha")
         assert again["cache_n"] == 0, again
         assert not old.exists() and not old.parent.exists()
@@ -255,16 +269,7 @@ def test_warm_swaps_turned_off_by_a_reload_remove_the_states_at_once(
     while alpha stays unloaded: its states go with the reload, not at its next load (which
     may never come)."""
     state_dir = tmp_path / "states"
-    preset_file = presets(tmp_path, tiny_models)
-    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
-                      str(llama_server), "--models-max", "1",
-                      "--state-dir", str(state_dir)) as router, router.client() as client:
-        complete(client, "alpha")
-        complete(client, "beta")  # alpha saved and stopped
-        assert wait_until(lambda: state_files(state_dir), GUARD_S)
-        preset_file.write_text(preset_file.read_text().replace(
-            f"[alpha]\nmodel = {tiny_models['alpha']}\n",
-            f"[alpha]\nmodel = {tiny_models['alpha']}\nwarm-swaps = false\n"))
-        assert client.post("/models/reload").status_code == 200
+    with saved_then_reloaded(tmp_path, llama_server, tiny_models, "warm-swaps = false") \
+            as (router, _):
         assert router.models()["alpha"]["status"]["value"] == "unloaded"
         assert wait_until(lambda: not state_files(state_dir), GUARD_S), state_files(state_dir)
