@@ -88,6 +88,7 @@ def measure(bench: Bench, name: str, body: bytes, model: Path) -> dict[str, Any]
         before = peak_rss(item.proc.pid)
         waits: list[float] = []
         stop = threading.Event()
+        probing = threading.Event()  # the probe's first answer came (its connection is up)
 
         def probe() -> None:
             with httpx.Client(base_url=url, timeout=60, trust_env=False) as health:
@@ -95,21 +96,26 @@ def measure(bench: Bench, name: str, body: bytes, model: Path) -> dict[str, Any]
                     started = time.perf_counter()
                     health.get("/health")
                     waits.append((time.perf_counter() - started) * 1000)
+                    probing.set()
                     time.sleep(0.01)
 
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
+        probing.wait(60)
         started = time.perf_counter()
         status = post(int(url.rsplit(":", 1)[1]), body)
         took = time.perf_counter() - started
+        probed = len(waits)
+        while len(waits) == probed and prober.is_alive():  # one answer after the body's too
+            time.sleep(0.01)
         stop.set()
         prober.join(60)
         growth = peak_rss(item.proc.pid) - before
     finally:
         bench.procs.stop(item)
     return {"bytes": len(body), "status": status, "answer_s": round(took, 3),
-            "health_max_ms": round(max(waits), 2), "health_p50_ms":
-            round(statistics.median(waits), 2), "probes": len(waits),
+            "health_max_ms": round(max(waits, default=0.0), 2), "health_p50_ms":
+            round(statistics.median(waits or [0.0]), 2), "probes": len(waits),
             "growth_bytes": growth, "growth_x": round(growth / len(body), 2)}
 
 
