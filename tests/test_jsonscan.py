@@ -22,6 +22,7 @@ from router.errors import MalformedBody, NestedTooDeeply, PayloadTooLarge
 from router.jsonscan import Scanned, scan, scan_now
 from router.requests import SMALL_JSON_BYTES, RequestContext
 from router.settings import DEFAULT_MAX_BODY_BYTES
+from tests.test_parse_once import nesting  # the nesting of a parsed value, as measured there
 
 TRICKY = st.lists(st.sampled_from(['[', '{', ']', '}', '\\', '"', 'a', ':', ',', '\n', 'é',
                                    'model', '\x00']), max_size=6).map("".join)
@@ -74,13 +75,6 @@ def test_the_rename_writes_only_the_name() -> None:
 @settings(max_examples=300, deadline=None)
 @given(objects(), st.integers(1, 6))
 def test_the_depth_is_refused_past_the_limit(body: bytes, limit: int) -> None:
-    def nesting(value: Any) -> int:
-        if isinstance(value, dict):
-            value = list(value.values())
-        if isinstance(value, list):
-            return 1 + max(map(nesting, value), default=0)
-        return 0
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jsonscan, "MAX_JSON_DEPTH", limit)
         # every value counts, also those of a repeated key (the parser keeps the last)
