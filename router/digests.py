@@ -93,19 +93,21 @@ class Digests:
         next caller gets its result)."""
         found: list[str] = []
         for path in paths:
-            digest = self.known(path)
+            try:
+                version = version_of(path)
+            except OSError:
+                return None  # no file to read (the load says why)
+            digest = self._known.get(version)
             if digest is None:
-                digest = await asyncio.shield(self._task(path))
+                digest = await asyncio.shield(self._task(path, version))
             if digest is None:
                 return None
             found.append(digest)
         return found
 
-    def _task(self, path: Path) -> asyncio.Task[str | None]:
-        try:
-            version = version_of(path)
-        except OSError:
-            version = Version(-1, -1, -1, -1, -1)
+    def _task(self, path: Path, version: Version) -> asyncio.Task[str | None]:
+        """The computation of ``path``'s digest at ``version``: one per version, shared by
+        every caller waiting for it."""
         task = self._running.get(version)
         if task is None:
             task = self._running[version] = asyncio.get_running_loop().create_task(
