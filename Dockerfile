@@ -8,7 +8,7 @@
 #
 # llama-server is taken from the official llama.cpp server image, pinned to one build. The tag
 # MUST match the flags your presets use: preset keys are checked against this binary's --help,
-# and b11434 is the build the router is tested against (router/install.py,
+# and b11434 is the build the router is tested against (router/llama/install.py,
 # tests/data/llama-server-help.txt). Change the tag and the build number together, and prefer a
 # digest (`...:server-b11434@sha256:...`) for reproducible builds. Variants of the same build:
 #   server-b11434         CPU (all x86-64/arm64 variants, picked at run time)

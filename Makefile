@@ -30,7 +30,7 @@ llama-server: venv
 
 demo-models: smollm2
 	@mkdir -p $(MODELS)
-	ln -sf "$$($(BIN)/python -m router.smollm2)" $(MODELS)/smollm2.gguf
+	ln -sf "$$($(BIN)/python -m router.llama.smollm2)" $(MODELS)/smollm2.gguf
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-chat.gguf --seed 1 --name tiny-chat >/dev/null
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-coder.gguf --seed 2 --name tiny-coder >/dev/null
 	$(BIN)/llama-router tiny-model $(MODELS)/tiny-embed.gguf --seed 3 --name tiny-embed >/dev/null

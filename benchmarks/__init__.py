@@ -1,9 +1,11 @@
-"""The benchmark harness (``make bench``, docs/benchmarks.md); not part of the wheel.
+"""The benchmarks (``make bench``, docs/benchmarks.md); not part of the wheel.
 
-Run from the repository root: ``python -m benchmarks.bench``. ``bench`` measures a direct
-llama-server, llama.cpp's router mode and llama-router on tiny generated models; its phases
-with the real SmolLM2-135M-Instruct are ``realmodel`` (tokens/s, TTFT, identical output, swap)
-and ``multiturn`` (conversations on two replicas: prefix vs least-busy routing); ``sharing`` is
-its CPU-sharing phase. All import the installed ``router`` package (with the ``tiny`` extra:
-gguf, numpy).
+Run from the repository root: ``python -m benchmarks.bench``. Three parts: the ``harness``
+(``harness``: the targets it starts, a direct llama-server, llama.cpp's router mode and
+llama-router, the processes it owns and the shared measurements, with ``standin``,
+``streamclient``, ``floorrelay`` and ``llama_cpp_suite``); the phases, each a module that
+imports the harness (``relay``, ``realmodel``, ``multiturn``, ``warmswap``, ``bodies``,
+``sharing``); and the runner (``bench``), which imports both. All import the installed
+``router`` package (its ``foundation``, ``llama``, ``host``, ``config`` and ``children``;
+with the ``tiny`` extra: gguf, numpy).
 """

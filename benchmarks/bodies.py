@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from router.tinymodel import write_tiny_model
+from router.llama.tinymodel import write_tiny_model
 
-from .bench import wait_healthy, write_presets
+from .harness import wait_healthy, write_presets
 
 if TYPE_CHECKING:
-    from .bench import Bench
+    from .harness import Bench
 
 MiB = 1 << 20
 STALL_GOAL_MS = 100.0

@@ -50,9 +50,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from router.flags import FlagTable, load_flag_table
-from router.install import find_llama_server
-from router.process import free_port
+from router.children.process import free_port
+from router.llama.flags import FlagTable, load_flag_table
+from router.llama.install import find_llama_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,7 +224,7 @@ ServerPreset.load_all = staticmethod(lambda: None)
 
 
 def prepare(work: Path, sdist: Path) -> Path:
-    from router.tinymodel import write_tiny_model
+    from router.llama.tinymodel import write_tiny_model
 
     suite = unpack_suite(sdist, work / "llama.cpp")
     with open(suite / "utils.py", "a") as f:

@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from router.smollm2 import INSTALL_HINT, find_smollm2
+from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .bench import (
+from .harness import (
     BenchError,
     Managed,
     chat_events,
@@ -64,7 +64,7 @@ from .bench import (
 )
 
 if TYPE_CHECKING:
-    from .bench import Bench
+    from .harness import Bench
 
 PREFIX, LEAST_BUSY, LLAMACPP_ONE = "prefix", "least_busy", "llamacpp_router"
 BASELINE = "baseline"

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from router.smollm2 import INSTALL_HINT, find_smollm2
+from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .bench import (
+from .harness import (
     COLUMNS,
     DIRECT,
     JSON_HEADERS,
@@ -60,7 +60,7 @@ from .bench import (
 )
 
 if TYPE_CHECKING:
-    from .bench import Bench
+    from .harness import Bench
 
 MODEL_A, MODEL_B = "smol-a", "smol-b"
 # Prompts of the generation streams (stream i of 4 gets prompt i).

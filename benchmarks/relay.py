@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from router.cpus import spin_environment
-from router.process import free_port
-from router.tinymodel import write_tiny_model
+from router.children.process import free_port
+from router.host.cpus import spin_environment
+from router.llama.tinymodel import write_tiny_model
 
-from .bench import (
+from .harness import (
     COLUMNS,
     DIRECT,
     LABELS,
@@ -67,7 +67,7 @@ from .bench import (
 )
 
 if TYPE_CHECKING:
-    from .bench import Bench
+    from .harness import Bench
 
 MODEL = "relay"
 STANDIN_MODEL = "standin"

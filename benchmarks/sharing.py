@@ -27,11 +27,11 @@ from typing import Any
 
 import httpx
 
-from router.process import free_port
-from router.smollm2 import INSTALL_HINT, find_smollm2
-from router.tinymodel import write_tiny_model
+from router.children.process import free_port
+from router.llama.smollm2 import INSTALL_HINT, find_smollm2
+from router.llama.tinymodel import write_tiny_model
 
-from .bench import (
+from .harness import (
     DIRECT,
     LLAMACPP,
     ROOT,

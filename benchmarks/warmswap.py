@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from router.smollm2 import INSTALL_HINT, find_smollm2
+from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .bench import Managed, chat_events, percentile, rotate, wait_healthy, write_presets
+from .harness import Managed, chat_events, percentile, rotate, wait_healthy, write_presets
 from .multiturn import QUESTIONS, system_prompt
 
 if TYPE_CHECKING:
-    from .bench import Bench
+    from .harness import Bench
 
 WARM, COLD, KEPT = "warm", "cold", "kept"
 TARGETS = (WARM, COLD, KEPT)

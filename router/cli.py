@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from . import logs
 from .client import COMMANDS, add_client_commands, list_cached, pull, run_client
-from .install import InstallError, install_llama_server, install_webui
-from .presets import PresetsInvalid
+from .config.presets import PresetsInvalid
+from .llama.install import InstallError, install_llama_server, install_webui
 
 S = argparse.SUPPRESS
 # `tiny-model` needs these; they come with the extra, not with the router (pyproject.toml).
@@ -255,7 +255,7 @@ def _install(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     # gguf and numpy are the optional extra `tiny`: imported here only, never by the router.
     try:
-        from .tinymodel import write_tiny_model
+        from .llama.tinymodel import write_tiny_model
     except ModuleNotFoundError as exc:
         if exc.name not in TINY_EXTRA_MODULES:
             raise
@@ -267,8 +267,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
+    from .config.settings import ConfigurationError, Settings, describe
     from .server import serve
-    from .settings import ConfigurationError, Settings, describe
 
     values = {k: v for k, v in vars(args).items() if k != "command"}
     if "api_key" in values:  # given but holding no key: [""], which the settings refuse

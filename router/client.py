@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from .memory import format_size
-from .sse import EventTooLarge, iter_events
+from .host.memory import format_size
+from .http.sse import EventTooLarge, iter_events
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -225,7 +225,7 @@ def _print_events(payloads: Iterator[str], args: argparse.Namespace, out: TextIO
 
 
 def list_cached(as_json: bool, out: TextIO = sys.stdout) -> int:
-    from .downloads import cached_models, hub_cache_dir
+    from .config.downloads import cached_models, hub_cache_dir
 
     models = cached_models()
     if as_json:
@@ -243,7 +243,7 @@ def list_cached(as_json: bool, out: TextIO = sys.stdout) -> int:
 
 def pull(model: str, hf_file: str | None = None, out: TextIO = sys.stderr) -> int:
     """Download a model with a progress line per file; usable without a running router."""
-    from .downloads import HfRef, HubUnreachable, ResolveError, download, resolve_remote
+    from .config.downloads import HfRef, HubUnreachable, ResolveError, download, resolve_remote
 
     try:
         resolution = resolve_remote(HfRef.parse(model), hf_file)

@@ -164,7 +164,7 @@ class ModelUnloaded(Unavailable):
 
 class ShuttingDown(Unavailable):
     """The router is shutting down: the request came after the first signal, or it was still
-    running when the grace period ended (``state.Shutdown``)."""
+    running when the grace period ended (``shutdown.Shutdown``)."""
 
 
 _TYPES_BY_STATUS = {

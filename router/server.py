@@ -25,34 +25,36 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from . import childenv, defaults, gpus, spawn
-from .app import State, create_app
-from .core import wire
+from .children import childenv, spawn
+from .config.listen import bind
+from .config.origins import CorsPolicy
+from .config.settings import ConfigurationError, Settings
+from .config.sources import Catalogue, build_catalogue
+from .core.supervisor import Supervisor
+from .core.wiring import wire
+from .edge import defaults
+from .edge.app import State, create_app
+from .edge.reload import Reloader
 from .events import EventBus
-from .fdlimit import connection_cap, raise_soft_limit
-from .flags import FlagTable, Option, load_flag_table
-from .gpus import GpuDevice
-from .http11 import KEEP_ALIVE_IDLE_S, EnvelopeHttpToolsProtocol, Refusals
-from .install import (
+from .host import gpus
+from .host.fdlimit import connection_cap, raise_soft_limit
+from .host.gpus import GpuDevice
+from .host.memory import format_size
+from .host.systemd import Notifier
+from .http.http11 import KEEP_ALIVE_IDLE_S, EnvelopeHttpToolsProtocol, Refusals
+from .llama.flags import FlagTable, Option, load_flag_table
+from .llama.install import (
     WEBUI_MISSING,
     InstallError,
     cache_root,
     find_llama_server,
     find_webui,
 )
-from .listen import bind
+from .llama.webui import MissingWebUI, StaticUI, WebUI
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
-from .memory import format_size
-from .metrics import RouterMetrics
-from .origins import CorsPolicy
-from .peers import PeerError, Peers, default_node_name, dns_target, peer_url, read_peer_key
-from .reload import Reloader
-from .settings import ConfigurationError, Settings
-from .sources import Catalogue, build_catalogue
-from .statestore import StateStore, claim_root
-from .supervisor import Supervisor
-from .systemd import Notifier
-from .webui import MissingWebUI, StaticUI, WebUI
+from .observe.metrics import RouterMetrics
+from .peers.registry import PeerError, Peers, default_node_name, dns_target, peer_url, read_peer_key
+from .warm.statestore import StateStore, claim_root
 
 log = logging.getLogger("router.server")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from router.flags import FlagTable, parse_help
-from router.install import InstallError, find_llama_server
-from router.tinymodel import write_tiny_model
+from router.llama.flags import FlagTable, parse_help
+from router.llama.install import InstallError, find_llama_server
+from router.llama.tinymodel import write_tiny_model
 
 pytest_plugins = ["browser"]
 
@@ -172,7 +172,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct's GGUF. Missing is a failure, not a skip: `make test` installs it."""
-    from router.smollm2 import INSTALL_HINT, find_smollm2
+    from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
     path = find_smollm2()
     if path is None:

@@ -53,25 +53,25 @@ import httpx
 from simloop import Stalled, VirtualTimeLoop
 
 from router import clock
-from router.backend import Backend
-from router.core import wire
-from router.digests import Digests
+from router.children.backend import Backend
+from router.children.process import ChildExited, ChildTimeout
+from router.config.presets import ModelPreset
+from router.config.settings import Settings
+from router.config.sources import Catalogue
+from router.core.leases import Lease
+from router.core.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
+from router.core.runtime import ModelRuntime
+from router.core.spawner import Spawner
+from router.core.supervisor import Supervisor
+from router.core.wait import Ends
+from router.core.wiring import wire
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
-from router.flags import FlagTable
-from router.leases import Lease
-from router.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
-from router.presets import ModelPreset
-from router.process import ChildExited, ChildTimeout
-from router.runtime import ModelRuntime
-from router.settings import Settings
-from router.sources import Catalogue
-from router.spawner import Spawner
-from router.state import Shutdown
-from router.statestore import PendingSave, SavedState, StateStore
-from router.supervisor import Supervisor
-from router.wait import Ends
-from router.warm import WarmSwaps, Written
+from router.http.shutdown import Shutdown
+from router.llama.flags import FlagTable
+from router.warm.digests import Digests
+from router.warm.statestore import PendingSave, SavedState, StateStore
+from router.warm.swaps import WarmSwaps, Written
 
 MODEL_IDS = ("a", "b", "c", "d")
 MEMORY_UNIT = 1000  # bytes one model is estimated to need, in configurations with a budget

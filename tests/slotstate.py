@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from support import llama_server_process, wait_until
 
-from router.process import free_port
+from router.children.process import free_port
 
 STATE_SEQ_MAGIC = 0x67677371  # 'ggsq'
 STATE_SEQ_VERSION = 4

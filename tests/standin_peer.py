@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 
 from router.events import EventBus
-from router.peer import Peer
-from router.placement import Candidate
+from router.peers.peer import Peer
+from router.peers.placement import Candidate
+from router.peers.tasks import perform
 
 HANG_GUARD_S = 20.0
 ENDLESS_CHUNK = b"x" * (1 << 20)
@@ -171,7 +172,7 @@ async def wait_for(predicate: Any, timeout: float = HANG_GUARD_S) -> None:
 async def running_peer(stand_in: StandInPeer, events: EventBus, **options: Any
                        ) -> AsyncIterator[Peer]:
     async with httpx.AsyncClient() as client:
-        peer = Peer(stand_in.url, client=client, events=events, own_node="gw",
+        peer = Peer(stand_in.url, client=client, events=events, work=perform, own_node="gw",
                     own_instance="gw-instance", api_key="sk-peer",
                     **{"interval": 0.05, "timeout": 2.0, "misses": 2, **options})
         peer.start()

@@ -25,9 +25,9 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from router.forward import proxy
-from router.listen import url_host
-from router.process import free_port
+from router.children.process import free_port
+from router.config.listen import url_host
+from router.edge.forward import proxy
 
 TESTS = Path(__file__).parent
 FAKE_SERVER = TESTS / "fake_llama_server.py"

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-import router.accounting as accounting_module
-from router.accounting import Accounting
+import router.core.accounting as accounting_module
+from router.config.presets import ModelPreset
+from router.core.accounting import Accounting
+from router.core.runtime import ModelRuntime
 from router.logs import LogRing
-from router.presets import ModelPreset
-from router.runtime import ModelRuntime
 
 
 def runtime_for(path: Path) -> ModelRuntime:

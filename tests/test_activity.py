@@ -15,15 +15,15 @@ import pytest
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
 
-import router.middleware as middleware_module
-import router.requests as requests_module
-from router.activity import Activity, Record
-from router.app import create_app
+import router.edge.middleware as middleware_module
+import router.http.requests as requests_module
 from router.dashboard import DASHBOARD_PATHS
-from router.metrics import RouterMetrics
-from router.middleware import RequestMetricsMiddleware
-from router.requests import context
-from router.tail import TAIL_BYTES, generated_tokens
+from router.edge.app import create_app
+from router.edge.middleware import RequestMetricsMiddleware
+from router.http.requests import context
+from router.http.tail import TAIL_BYTES, generated_tokens
+from router.observe.activity import Activity, Record
+from router.observe.metrics import RouterMetrics
 
 # The end of a real llama-server b11434 chat stream: the last event carries the timings.
 STREAM_END = (

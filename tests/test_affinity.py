@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from router import forward
-from router.affinity import (
+from router.children.process import ChildProcess
+from router.config.presets import ModelPreset, PresetsInvalid, load_preset_file
+from router.config.reconfig import diff
+from router.core.affinity import (
     BLOCK_CHARS,
     BLOCK_TOKENS,
     MAX_KEYS,
@@ -35,17 +37,15 @@ from router.affinity import (
     text_keys,
     token_keys,
 )
-from router.cpugate import CpuGate
+from router.core.cpugate import CpuGate
+from router.core.leases import Leases
+from router.core.runtime import ModelRuntime, Replica
+from router.edge import forward
 from router.errors import ModelNotLoaded
-from router.flags import FlagTable
-from router.leases import Leases
+from router.http.shutdown import Shutdown
+from router.llama.flags import FlagTable
 from router.logs import LogRing
-from router.metrics import RouterMetrics
-from router.presets import ModelPreset, PresetsInvalid, load_preset_file
-from router.process import ChildProcess
-from router.reconfig import diff
-from router.runtime import ModelRuntime, Replica
-from router.state import Shutdown
+from router.observe.metrics import RouterMetrics
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

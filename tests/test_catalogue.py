@@ -1,4 +1,4 @@
-"""The peers' models (``router/catalogue.py``): the merged entry of a model on several nodes,
+"""The peers' models (``router/peers/catalogue.py``): the merged entry of a model on several nodes,
 its status in events across them, and a peer's listing and events read with bounds: a listing
 over the caps refused with its reason, an endless event line giving up the peer's stream and
 not the peer."""
@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from standin_peer import StandInPeer, StubPeer, StubPeers, running_peer, wait_for
 
-from router import catalogue
-from router.catalogue import across_nodes, merge_entries
 from router.events import EventBus
-from router.sse import MAX_EVENT_BYTES
+from router.http.sse import MAX_EVENT_BYTES
+from router.peers import catalogue
+from router.peers.catalogue import merge_entries
+from router.peers.fleet import across_nodes
 
 
 def test_merged_entry_for_a_model_on_several_nodes() -> None:

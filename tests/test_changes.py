@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from router.changes import Changes
-from router.executor import to_the_end
+from router.core.executor import to_the_end
 
 
 def test_a_cancel_that_comes_as_the_change_is_notified_propagates() -> None:

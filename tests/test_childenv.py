@@ -3,7 +3,7 @@ llama-server child is in ``test_childenv_real.py``."""
 
 from __future__ import annotations
 
-from router.childenv import child_environment, ignored
+from router.children.childenv import child_environment, ignored
 
 ROUTER_ENV = {
     # kept: the machine's settings a child relies on

@@ -20,7 +20,7 @@ import pytest
 from support import RouterProcess, fake_binary, start_router, wait_until, write_presets
 
 from router import client as commands
-from router.process import free_port
+from router.children.process import free_port
 
 pytestmark = pytest.mark.fake
 

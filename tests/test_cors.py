@@ -22,14 +22,14 @@ import pytest
 from starlette.applications import Starlette
 from support import start_router, write_presets
 
-from router.cors import CorsPolicy, cross_origin, same_origin
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.edge.cors import CorsPolicy, cross_origin, same_origin
+from router.edge.state import State
 from router.errors import Unavailable
-from router.flags import FlagTable
-from router.requests import RequestContext
+from router.http.requests import RequestContext
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
-from router.state import State
 
 KEY = "sk-cors-7f3a"
 HOST = "router.test:8080"  # the Host of every in-process request

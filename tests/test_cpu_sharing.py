@@ -11,8 +11,8 @@ import psutil
 import pytest
 from support import start_router, write_presets
 
-from router.cpus import machine_cores
-from router.tinymodel import write_tiny_model
+from router.host.cpus import machine_cores
+from router.llama.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.real
 

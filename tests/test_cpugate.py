@@ -9,9 +9,9 @@ import httpx
 import psutil
 import pytest
 
-from router.cpugate import CpuGate, next_turn
+from router.children.process import ChildProcess
+from router.core.cpugate import CpuGate, next_turn
 from router.logs import LogRing
-from router.process import ChildProcess
 
 
 class FakeChild:

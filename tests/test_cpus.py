@@ -7,8 +7,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.core import wire
-from router.cpus import (
+from router.config.presets import ModelPreset
+from router.config.settings import Settings
+from router.config.sources import Catalogue
+from router.core.supervisor import Supervisor
+from router.core.wiring import wire
+from router.events import EventBus
+from router.host.cpus import (
     CpuShare,
     all_layers_offloaded,
     cgroup_cpu_limit,
@@ -17,13 +22,8 @@ from router.cpus import (
     select_cores,
     spin_environment,
 )
-from router.events import EventBus
-from router.flags import FlagTable
-from router.gpus import GpuDevice
-from router.presets import ModelPreset
-from router.settings import Settings
-from router.sources import Catalogue
-from router.supervisor import Supervisor
+from router.host.gpus import GpuDevice
+from router.llama.flags import FlagTable
 
 
 def cores_of(shares: list[CpuShare]) -> list[tuple[int, ...]]:

@@ -21,13 +21,13 @@ import pytest
 from starlette.applications import Starlette
 from support import start_router, wait_until, write_presets
 
-from router.defaults import ONLY_MODEL, SETTING, DefaultModel, NoDefaultModel, check
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.edge.defaults import ONLY_MODEL, SETTING, DefaultModel, NoDefaultModel, check
+from router.edge.state import State
 from router.errors import Unavailable
-from router.flags import FlagTable
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
-from router.state import State
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 

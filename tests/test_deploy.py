@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import yaml
 
-from router.flags import FlagTable
-from router.install import LLAMA_CPP_BUILD
-from router.presets import PRESET_ONLY, ROUTER_OWNED, load_preset_file, parse_ini
+from router.config.presets import PRESET_ONLY, ROUTER_OWNED, load_preset_file, parse_ini
+from router.config.settings import DEFAULT_SHUTDOWN_GRACE_S, DEFAULT_STOP_TIMEOUT_S, Settings
+from router.llama.flags import FlagTable
+from router.llama.install import LLAMA_CPP_BUILD
 from router.server import GRACE_DRAIN_S
-from router.settings import DEFAULT_SHUTDOWN_GRACE_S, DEFAULT_STOP_TIMEOUT_S, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"

@@ -30,9 +30,9 @@ import pytest
 import uvloop
 from fdcheck import CloseGuard, open_descriptors
 
-from router import spawn
+from router.children import spawn
+from router.children.process import ChildProcess
 from router.logs import LogRing
-from router.process import ChildProcess
 
 pytestmark = pytest.mark.process
 
@@ -177,7 +177,7 @@ async def test_a_stopped_child_has_closed_each_of_its_descriptors_once(
 CHURN = """
 import asyncio, gc, os, signal, threading
 import uvloop
-from router import spawn
+from router.children import spawn
 
 async def main():
     env = dict(os.environ)

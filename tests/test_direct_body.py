@@ -21,13 +21,13 @@ import pytest
 from test_http11 import GUARD_S, serving
 from test_upstream import Server, serve
 
-from router import http11, upstream
-from router.activity import Activity
-from router.metrics import RouterMetrics
-from router.middleware import RequestMetricsMiddleware
-from router.proxy import direct_body, relay
-from router.requests import context
-from router.upstream import ChildConnections
+from router.edge.middleware import RequestMetricsMiddleware
+from router.http import http11, upstream
+from router.http.proxy import direct_body, relay
+from router.http.requests import context
+from router.http.upstream import ChildConnections
+from router.observe.activity import Activity
+from router.observe.metrics import RouterMetrics
 
 STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                b"transfer-encoding: chunked\r\n\r\n")

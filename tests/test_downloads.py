@@ -18,8 +18,8 @@ import pytest
 from fake_hub import FakeHub, local_only_hf_client
 from support import SSEClient, start_router, wait_until, write_presets
 
-from router import downloads
-from router.downloads import (
+from router.config import downloads
+from router.config.downloads import (
     DownloadCancelled,
     HfRef,
     Resolution,

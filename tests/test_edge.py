@@ -10,13 +10,13 @@ import pytest
 from starlette.middleware.errors import ServerErrorMiddleware
 from test_activity import no_lifespan
 
-import router.forward as forward_module
-from router.activity import Activity
-from router.app import create_app
-from router.cors import CorsMiddleware
-from router.forward import ProxyMiddleware
-from router.keys import ApiKeyMiddleware
-from router.middleware import RequestMetricsMiddleware
+import router.edge.forward as forward_module
+from router.edge.app import create_app
+from router.edge.cors import CorsMiddleware
+from router.edge.forward import ProxyMiddleware
+from router.edge.keys import ApiKeyMiddleware
+from router.edge.middleware import RequestMetricsMiddleware
+from router.observe.activity import Activity
 
 
 async def request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from support import fake_binary, start_router, wait_until, write_presets
 
-from router import http11
+from router.http import http11
 
 pytestmark = pytest.mark.process
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from uvicorn.server import ServerState
 
-from router import http11, upstream
-from router.http11 import EnvelopeHttpToolsProtocol
+from router.http import http11, upstream
+from router.http.http11 import EnvelopeHttpToolsProtocol
 
 
 class RecordingTransport(asyncio.Transport):

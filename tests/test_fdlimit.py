@@ -6,8 +6,8 @@ import resource
 
 import pytest
 
-from router import fdlimit
-from router.fdlimit import FDS_PER_MODEL, RESERVED_FDS, connection_cap, raise_soft_limit
+from router.host import fdlimit
+from router.host.fdlimit import FDS_PER_MODEL, RESERVED_FDS, connection_cap, raise_soft_limit
 
 
 def test_the_cap_leaves_room_for_the_router_and_its_children() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.flags import FlagTable, Option, parse_help
+from router.llama.flags import FlagTable, Option, parse_help
 
 
 def test_parses_a_few_hundred_options(help_table: FlagTable) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import gguf
 import pytest
 
-from router.ggufmeta import StringArray, read_metadata
-from router.tinymodel import write_tiny_model
+from router.llama.ggufmeta import StringArray, read_metadata
+from router.llama.tinymodel import write_tiny_model
 
 
 def reference(path: Path) -> dict[str, Any]:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from support import fake_nvidia_smi
 
-from router import gpus
-from router.gpus import GpuDevice, budgets, detect, placement, usage_by_pid
-from router.memory import BASE_OVERHEAD_BYTES, Estimate
-from router.scheduler import RAM
+from router.core.scheduler import RAM
+from router.host import gpus
+from router.host.gpus import GpuDevice, budgets, detect, placement, usage_by_pid
+from router.host.memory import BASE_OVERHEAD_BYTES, Estimate
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -21,12 +21,12 @@ import httpx
 import pytest
 from support import proxy_in_uvicorn, start_router, write_presets
 
-from router import hop
-from router.forward import proxy
-from router.proxy import RESPONSE_DROP, upstream_headers
-from router.requests import RequestContext
-from router.state import Shutdown
-from router.upstream import ChildConnections
+from router.edge.forward import proxy
+from router.http.proxy import RESPONSE_DROP, upstream_headers
+from router.http.requests import RequestContext
+from router.http.shutdown import Shutdown
+from router.http.upstream import ChildConnections
+from router.peers import hop
 
 # A scripted child: called with the request head it read (the body, if any, is left unread).
 Child = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]

@@ -17,9 +17,9 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from router import http11
-from router.http11 import EnvelopeHttpToolsProtocol
-from router.requests import BODY_TIMED_OUT, context
+from router.http import http11
+from router.http.http11 import EnvelopeHttpToolsProtocol
+from router.http.requests import BODY_TIMED_OUT, context
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
 GUARD_S = 20.0  # a hang fails the test, it does not hold the suite
@@ -532,7 +532,7 @@ async def test_every_refusal_is_counted_by_reason() -> None:
 
 
 def test_uvicorns_private_names_that_the_adapter_uses_exist() -> None:
-    """The contract with uvicorn's private protocol (``router/http11.py`` is its one reader):
+    """The contract with uvicorn's private protocol (``router/http/http11.py`` is its one reader):
     each name it reads or overrides, on the installed version. A uvicorn release that
     renames one fails here, not in production."""
     from uvicorn.protocols.http import httptools_impl

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from types import MappingProxyType
 
-from router.idle import idle_expired
-from router.lifecycle import ModelState, Status
+from router.children.process import ChildProcess
+from router.config.presets import ModelPreset
+from router.core.idle import idle_expired
+from router.core.lifecycle import ModelState, Status
+from router.core.runtime import ModelRuntime, Replica
 from router.logs import LogRing
-from router.presets import ModelPreset
-from router.process import ChildProcess
-from router.runtime import ModelRuntime, Replica
 
 
 def serving(ttl: float | None = None, **state: object) -> ModelRuntime:

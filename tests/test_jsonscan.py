@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import jsonscan
+from router.config.settings import DEFAULT_MAX_BODY_BYTES
 from router.errors import MalformedBody, NestedTooDeeply, PayloadTooLarge
-from router.jsonscan import Scanned, scan, scan_now
-from router.requests import SMALL_JSON_BYTES, RequestContext
-from router.settings import DEFAULT_MAX_BODY_BYTES
+from router.http import jsonscan
+from router.http.jsonscan import Scanned, scan, scan_now
+from router.http.requests import SMALL_JSON_BYTES, RequestContext
 from tests.test_parse_once import nesting  # the nesting of a parsed value, as measured there
 
 TRICKY = st.lists(st.sampled_from(['[', '{', ']', '}', '\\', '"', 'a', ':', ',', '\n', 'é',

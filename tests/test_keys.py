@@ -20,8 +20,7 @@ import pytest
 from starlette.applications import Starlette
 from support import fake_binary, start_router, write_presets
 
-from router.app import create_app
-from router.keyfile import (
+from router.config.keyfile import (
     ADMIN,
     FULL,
     INFER,
@@ -32,12 +31,13 @@ from router.keyfile import (
     parse_file,
     parse_line,
 )
-from router.keys import needed_role
-from router.requests import RequestContext
-from router.routes import EventStream
+from router.config.settings import ConfigurationError, Settings
+from router.edge.app import create_app
+from router.edge.keys import needed_role
+from router.edge.routes import EventStream
+from router.edge.state import State
+from router.http.requests import RequestContext
 from router.server import build_app, prepare
-from router.settings import ConfigurationError, Settings
-from router.state import State
 
 SECRET = "sk-Very-Secret-0123456789"  # must never show in an error message
 

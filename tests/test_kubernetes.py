@@ -50,10 +50,10 @@ import yaml
 from pydantic import ValidationError
 
 from router import cli
-from router.flags import FlagTable
-from router.presets import load_preset_file
+from router.config.presets import load_preset_file
+from router.config.settings import Settings
+from router.llama.flags import FlagTable
 from router.server import GRACE_DRAIN_S
-from router.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"

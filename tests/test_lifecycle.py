@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.lifecycle import (
+from router.core.lifecycle import (
     ALREADY_RUNNING,
     CLOSING,
     CRASH_LOOP,

@@ -9,8 +9,8 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from router.listen import ListenError, bind, parse_hosts, url_host
-from router.settings import ConfigurationError, Settings
+from router.config.listen import ListenError, bind, parse_hosts, url_host
+from router.config.settings import ConfigurationError, Settings
 
 
 def ipv6_loopback() -> bool:

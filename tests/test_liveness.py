@@ -16,12 +16,12 @@ import httpx
 import pytest
 from support import SSEClient, start_router, wait_until, write_presets
 
-from router.lifecycle import ModelState, Status
-from router.liveness import Liveness
+from router.children.process import ChildProcess
+from router.config.presets import ModelPreset
+from router.core.lifecycle import ModelState, Status
+from router.core.liveness import Liveness
+from router.core.runtime import ModelRuntime, Replica
 from router.logs import LogRing
-from router.presets import ModelPreset
-from router.process import ChildProcess
-from router.runtime import ModelRuntime, Replica
 
 real = pytest.mark.real
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support import SSEClient, start_router, wait_until, write_presets
 
-from router.process import load_progress, progress_rank
+from router.children.process import load_progress, progress_rank
 
 LLAMA_CPP_STATUSES = {"unloaded", "loading", "loaded", "sleeping", "downloading", "downloaded"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.llama_cpp_suite import _ini_value, compare, read_junit, translate, unpack_suite
-from router.flags import FlagTable
-from router.presets import load_preset_file
-from router.spawner import Spawner
+from router.config.presets import load_preset_file
+from router.core.spawner import Spawner
+from router.llama.flags import FlagTable
 
 # What the suite's ServerProcess.start() passes for ServerPreset.tinyllama2() with an API
 # key, a CORS setting, aliases and a few flags in their short and negative spellings.

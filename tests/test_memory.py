@@ -15,8 +15,8 @@ from support import wait_until
 
 pytest.importorskip("gguf")
 
-from router import memory
-from router.memory import (
+from router.host import memory
+from router.host.memory import (
     BASE_OVERHEAD_BYTES,
     Estimate,
     GGUFShape,
@@ -29,7 +29,7 @@ from router.memory import (
     read_shape,
     total_ram_bytes,
 )
-from router.tinymodel import tokenizer_vocab, write_tiny_model
+from router.llama.tinymodel import tokenizer_vocab, write_tiny_model
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -14,7 +14,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import (
+from router.observe.metrics import (
     RouterMetrics,
     merge_child_metrics,
     merged_exposition,
@@ -209,7 +209,7 @@ def test_exposition_scrapes_the_loaded_children() -> None:
         return httpx.Response(200, text=texts[base])
 
     def view(model: str, status: str, *urls: str) -> Any:
-        from router.scheduler import Status
+        from router.core.scheduler import Status
         replicas = [SimpleNamespace(base_url=url, missed_checks=0) for url in urls]
         return SimpleNamespace(id=model, status=Status(status), replicas=lambda: replicas)
 

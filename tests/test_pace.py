@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 
 from router import clock
-from router.affinity import MISS, OVERRIDE, PREFIX_HIT, Prefix, request_prefix
-from router.cpugate import CpuGate
-from router.leases import Leases
-from router.logs import LogRing
-from router.pace import (
+from router.children.process import ChildProcess
+from router.config.presets import ModelPreset
+from router.core.affinity import MISS, OVERRIDE, PREFIX_HIT, Prefix, request_prefix
+from router.core.cpugate import CpuGate
+from router.core.leases import Leases
+from router.core.pace import (
     MIN_PROMPT_TOKENS,
     OVERRUN_SHARE,
     Backlog,
@@ -28,10 +29,9 @@ from router.pace import (
     Pace,
     by_cost,
 )
-from router.presets import ModelPreset
-from router.process import ChildProcess
-from router.runtime import ModelRuntime, Replica
-from router.tail import ResponseTail, Timings, parse_timings
+from router.core.runtime import ModelRuntime, Replica
+from router.http.tail import ResponseTail, Timings, parse_timings
+from router.logs import LogRing
 
 # -- timings from a response's end ------------------------------------------------------------
 

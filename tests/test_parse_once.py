@@ -31,14 +31,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
 
-from router import requests
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.edge.state import State
 from router.errors import NestedTooDeeply, Unavailable
-from router.flags import FlagTable
-from router.requests import MAX_JSON_DEPTH, RequestContext, parse_json
+from router.http import requests
+from router.http.requests import MAX_JSON_DEPTH, RequestContext, parse_json
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
-from router.state import State
 
 ADMIN_KEY, ALPHA_KEY = "sk-admin-77c1", "sk-alpha-41e9"  # alpha: models=alpha role=infer
 GUARD_S = 30.0  # a hang guard, never a measurement

@@ -1,6 +1,6 @@
-"""The one hop to peers (``router/hop.py``, ``router/nodes.py``): the via chain, a request
-renamed for a prefixed peer, and the router's own calls bounded in size and time and ended when
-the peer is found frozen."""
+"""The one hop to peers (``router/peers/hop.py``, ``router/edge/nodes.py``): the via chain, a
+request renamed for a prefixed peer, and the router's own calls bounded in size and time and
+ended when the peer is found frozen."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import time
 import pytest
 from standin_peer import HANG_GUARD_S, StandInPeer, running_peer, wait_for
 
-from router import hop
+from router.edge.nodes import _renamed
 from router.errors import UpstreamError
 from router.events import EventBus
-from router.hop import NoAnswer, TooLarge, came_through
-from router.nodes import _renamed
-from router.requests import RequestContext
+from router.http.requests import RequestContext
+from router.peers import hop
+from router.peers.hop import NoAnswer, TooLarge, came_through
 
 
 def test_request_renamed_for_a_prefixed_peer_and_via() -> None:

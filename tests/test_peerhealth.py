@@ -1,4 +1,4 @@
-"""A peer's health (``router/peerhealth.py``) against a stand-in peer router: models
+"""A peer's health (``router/peers/peerhealth.py``) against a stand-in peer router: models
 imported with the node's name, events relayed with ``node``, down after missed checks,
 requests in flight aborted only when the peer went silent, back when it answers; a peer that
 is this router is not used, with its reason."""

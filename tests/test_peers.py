@@ -1,4 +1,4 @@
-"""The set of peers (``router/peers.py``): settings, distinct labels for nodes that share a
+"""The set of peers (``router/peers/registry.py``): settings, distinct labels for nodes that share a
 name, and the peers following their sources. The real thing, with real nodes, is
 ``test_peers_real.py``; each concept's own tests are ``test_peerhealth.py``,
 ``test_catalogue.py``, ``test_placement.py`` and ``test_peer_hop.py``.
@@ -13,11 +13,11 @@ import httpx
 import pytest
 from standin_peer import HANG_GUARD_S, StandInPeer, wait_for
 
+from router.children.process import free_port
+from router.config.settings import ConfigurationError, Settings
 from router.events import EventBus
-from router.peers import PeerError, Peers, dns_target, peer_url, read_peer_key
-from router.process import free_port
+from router.peers.registry import PeerError, Peers, dns_target, peer_url, read_peer_key
 from router.server import _check_peers
-from router.settings import ConfigurationError, Settings
 
 
 def test_peer_urls_and_dns_targets() -> None:

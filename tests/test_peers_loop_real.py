@@ -24,7 +24,7 @@ import psutil
 import pytest
 from support import RouterProcess, SSEClient, start_router, wait_until, write_presets
 
-from router.process import free_port
+from router.children.process import free_port
 
 pytestmark = pytest.mark.real
 

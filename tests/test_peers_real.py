@@ -35,7 +35,7 @@ from support import (
     write_presets,
 )
 
-from router.process import free_port
+from router.children.process import free_port
 
 pytestmark = pytest.mark.real
 

@@ -1,4 +1,4 @@
-"""Which node serves a model (``router/placement.py``): the order nodes are tried in, a
+"""Which node serves a model (``router/peers/placement.py``): the order nodes are tried in, a
 conversation sent back to the node that has its prompt cached, where a load or unload goes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from standin_peer import StubPeer, StubPeers
 
 from router.errors import BadRequest
-from router.placement import Candidate, admin_targets, rank
+from router.peers.placement import Candidate, admin_targets, rank
 
 
 def test_rank_loaded_then_least_outstanding_then_local() -> None:
@@ -35,8 +35,8 @@ def test_where_load_and_unload_go() -> None:
 
 
 def test_a_conversation_goes_back_to_the_node_that_has_its_prefix() -> None:
-    from router.affinity import PrefixTable, chat_keys
-    from router.placement import NODE_SLOTS, by_prefix
+    from router.core.affinity import PrefixTable, chat_keys
+    from router.peers.placement import NODE_SLOTS, by_prefix
 
     first_turn = [{"role": "system", "content": "long"}, {"role": "user", "content": "q1"}]
     follow_up = chat_keys([*first_turn, {"role": "assistant", "content": "a1"},

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from router.flags import FlagTable
-from router.presets import (
+from router.config.presets import (
     ModelPreset,
     Origin,
     PresetFile,
@@ -17,6 +16,7 @@ from router.presets import (
     load_preset_file,
     parse_ini,
 )
+from router.llama.flags import FlagTable
 
 
 def write(directory: Path, text: str, name: str = "presets.ini") -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from router.presets import ModelPreset
-from router.reconfig import diff, needs_restart
+from router.config.presets import ModelPreset
+from router.config.reconfig import diff, needs_restart
 
 
 def preset(model_id: str, replicas: int = 1, ttl: float | None = None, **args: str) -> ModelPreset:

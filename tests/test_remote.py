@@ -19,19 +19,19 @@ import httpx
 import pytest
 from support import llama_server_process, start_router, wait_until, write_presets
 
+from router.children.process import ChildTimeout, free_port
+from router.children.remote import GONE_CODE, RemoteUpstream, UpstreamUnreachable
+from router.config.presets import ModelPreset, PresetsInvalid, load_preset_file
+from router.config.reconfig import needs_restart
+from router.config.sources import build_catalogue
+from router.core.lifecycle import ModelState, Status
+from router.core.liveness import Liveness
+from router.core.runtime import ModelRuntime, Replica
 from router.errors import UpstreamError
-from router.flags import FlagTable
-from router.jsonscan import scan_now
-from router.lifecycle import ModelState, Status
-from router.liveness import Liveness
+from router.http.jsonscan import scan_now
+from router.http.proxy import for_remote
+from router.llama.flags import FlagTable
 from router.logs import LogRing
-from router.presets import ModelPreset, PresetsInvalid, load_preset_file
-from router.process import ChildTimeout, free_port
-from router.proxy import for_remote
-from router.reconfig import needs_restart
-from router.remote import GONE_CODE, RemoteUpstream, UpstreamUnreachable
-from router.runtime import ModelRuntime, Replica
-from router.sources import build_catalogue
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 HANG_GUARD_S = 60.0

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from support import start_router, write_presets
 
-from router.flags import FlagTable
-from router.presets import PresetsInvalid
-from router.proxy import for_remote
-from router.sources import build_catalogue
+from router.config.presets import PresetsInvalid
+from router.config.sources import build_catalogue
+from router.http.proxy import for_remote
+from router.llama.flags import FlagTable
 
 SECRET = "sk-remote-0123456789"
 BOUNDARY = "----routerRenameBoundary"

@@ -24,14 +24,14 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from support import start_router, wait_until
 
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.edge.state import State
 from router.errors import Unavailable
-from router.flags import FlagTable
-from router.paths import CHILD_GET_PATHS, LISTING_PATHS, is_local
-from router.requests import RequestContext
+from router.http.paths import CHILD_GET_PATHS, LISTING_PATHS, is_local
+from router.http.requests import RequestContext
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
-from router.state import State
 
 ADMIN_KEY, INFER_KEY = "sk-admin-5d1e", "sk-infer-93ac"  # infer: models=alpha role=infer
 MODELS = ("alpha", "beta")

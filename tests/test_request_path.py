@@ -40,11 +40,11 @@ import pytest
 from support import fake_binary, serve_in_uvicorn
 
 import router
-from router.flags import FlagTable
-from router.http11 import EnvelopeHttpToolsProtocol, Refusals
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.http.http11 import EnvelopeHttpToolsProtocol, Refusals
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
 
 pytestmark = pytest.mark.fake
 
@@ -147,7 +147,7 @@ class Recorder:
         if event in ("call", "return"):
             filename = frame.f_code.co_filename
             if filename.startswith(self._root):
-                module = filename[len(self._root):-3].replace("/", ".")
+                module = Path(filename).stem  # a module's name is unique across the parts
                 self.calls.append(Call(event, module, frame.f_code.co_qualname))
 
     @contextlib.contextmanager

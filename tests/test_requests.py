@@ -29,7 +29,7 @@ from router.errors import (
     envelope,
     envelope_bytes,
 )
-from router.requests import model_from_body, read_body, with_multipart_model
+from router.http.requests import model_from_body, read_body, with_multipart_model
 
 # --- model_from_body: JSON -------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.runtime import (
+from router.core.runtime import (
     DEFAULT_SLOTS,
     MIN_HTTP_THREADS,
     RESERVED_HTTP_THREADS,

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.errors import BadRequest
-from router.requests import RequestContext
+from router.http.requests import RequestContext
 
 HEX = set(b"0123456789abcdefABCDEF")
 

@@ -23,7 +23,7 @@ from urllib.parse import quote, unquote
 import httpx
 import pytest
 
-from router.process import free_port
+from router.children.process import free_port
 from tests.hostile import exchange, judge, request
 from tests.support import llama_server_process, start_router, wait_until, write_presets
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from router.scheduler import Admission, ModelSnapshot, Status, plan_admission
+from router.core.scheduler import Admission, ModelSnapshot, Status, plan_admission
 
 U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from support import alive, fake_nvidia_smi, start_router, wait_until, write_presets
 
-from router.cpus import machine_cores
-from router.gpus import GpuDevice, placement
-from router.memory import estimate_for_args
+from router.host.cpus import machine_cores
+from router.host.gpus import GpuDevice, placement
+from router.host.memory import estimate_for_args
 
 pytestmark = pytest.mark.real
 

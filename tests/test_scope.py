@@ -19,12 +19,12 @@ import pytest
 from starlette.applications import Starlette
 from support import SSEClient, fake_binary, start_router, wait_until, write_presets
 
-from router.keyfile import FULL, INFER, KeyScope
-from router.metrics import only_models
-from router.routes import EventStream
+from router.config.keyfile import FULL, INFER, KeyScope
+from router.config.settings import Settings
+from router.edge.routes import EventStream
+from router.edge.state import State
+from router.observe.metrics import only_models
 from router.server import build_app, prepare
-from router.settings import Settings
-from router.state import State
 
 KEYS = {  # name -> (key, scope in the key file; "" for --api-key)
     "admin": ("sk-admin-0a1b2c", ""),

@@ -11,8 +11,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from router import server
+from router.host.systemd import Notifier
 from router.server import RouterServer
-from router.systemd import Notifier
 
 HANG_GUARD_S = 10.0
 

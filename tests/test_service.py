@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support import alive, wait_until, write_presets
 
-from router.process import free_port
+from router.children.process import free_port
 
 pytestmark = pytest.mark.real
 

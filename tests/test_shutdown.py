@@ -2,7 +2,7 @@
 error envelope, and nothing hangs.
 
 * In process: ``forward.proxy`` under uvicorn in front of a scripted child, with a
-  ``state.Shutdown`` the test ends itself (no signals, no waiting for a grace period).
+  ``shutdown.Shutdown`` the test ends itself (no signals, no waiting for a grace period).
 * Through ``llama-router serve`` with fake children: requests waiting for a model load.
 * Through ``llama-router serve`` with the real llama-server: a stream running and a request
   queued in the child for a slot when the grace period ends.
@@ -31,9 +31,9 @@ from support import (
     write_presets,
 )
 
-from router.state import Shutdown
-from router.upstream import ChildConnections
-from router.wait import NOTHING_ELSE, Ends, raise_if_ended, start_watchers
+from router.core.wait import NOTHING_ELSE, Ends, raise_if_ended, start_watchers
+from router.http.shutdown import Shutdown
+from router.http.upstream import ChildConnections
 
 TIMEOUT = 10.0  # a hang guard, never a measurement
 GRACE_S = 1.0

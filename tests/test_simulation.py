@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from simulation import Config, Simulation, describe, run_schedule
 
-from router.lifecycle import NobodyWaits
+from router.core.lifecycle import NobodyWaits
 
 SCHEDULES = int(os.environ.get("LLAMA_ROUTER_SIM_SCHEDULES", "2000"))
 FIRST_SEED = int(os.environ.get("LLAMA_ROUTER_SIM_SEED", "0"))

@@ -49,7 +49,7 @@ from slotstate import (
     read_header,
 )
 
-from router.tinymodel import write_tiny_model
+from router.llama.tinymodel import write_tiny_model
 
 pytestmark = pytest.mark.real
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from router import smollm2
+from router.llama import smollm2
 
 
 @pytest.mark.process
 def test_module_prints_the_installed_gguf() -> None:
     found = smollm2.find_smollm2()
     assert found is not None, f"SmolLM2 is not installed: {smollm2.INSTALL_HINT}"
-    result = subprocess.run([sys.executable, "-m", "router.smollm2"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "router.llama.smollm2"], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{found}\n"

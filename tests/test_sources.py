@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from router.flags import FlagTable
-from router.presets import Origin, PresetsInvalid
-from router.sources import Catalogue, build_catalogue, safe_id, scan_models_dir
+from router.config.presets import Origin, PresetsInvalid
+from router.config.sources import Catalogue, build_catalogue, safe_id, scan_models_dir
+from router.llama.flags import FlagTable
 
 
 def touch(path: Path) -> Path:

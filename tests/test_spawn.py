@@ -17,9 +17,9 @@ import psutil
 import pytest
 from support import alive, wait_until
 
-from router import spawn
+from router.children import spawn
+from router.children.process import ChildProcess
 from router.logs import LogRing
-from router.process import ChildProcess
 
 pytestmark = pytest.mark.process
 
@@ -101,7 +101,7 @@ def test_a_binary_that_cannot_run(tmp_path: Path, path: str) -> None:
 
 HOLDER = """
 import asyncio, os, sys
-from router import spawn
+from router.children import spawn
 if sys.argv[1] == "preexec_fn":
     spawn.death_wrapper = lambda: None
 async def main():

@@ -19,7 +19,7 @@ import pytest
 from support import fake_binary, start_router, write_presets
 
 from router import client as commands
-from router.sse import MAX_EVENT_BYTES, Event, EventReader, EventTooLarge, frame, respond
+from router.http.sse import MAX_EVENT_BYTES, Event, EventReader, EventTooLarge, frame, respond
 
 
 def parse(stream: bytes) -> list[str]:

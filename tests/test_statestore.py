@@ -1,4 +1,4 @@
-"""The router's directory of saved slot states (router/statestore.py), on tmp_path: files are
+"""The router's directory of saved slot states (router/warm/statestore.py), on tmp_path: files are
 written the way llama-server writes them (``--slot-save-path DIR`` plus the filename sent in
 ``POST /slots/{id}?action=save``), the child's answers are made up; no process starts."""
 
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router import statestore
-from router.flags import FlagTable
-from router.statestore import (
+from router.llama.flags import FlagTable
+from router.warm import statestore
+from router.warm.statestore import (
     KV_ARGS,
     MAX_SLOT,
     MODEL_ID_MAX_BYTES,
@@ -412,7 +412,7 @@ def test_a_damaged_state_is_never_returned_and_is_removed(
     good = kept(save(store, fp, slot=1, data=b"g" * 100))
     bad = kept(save(store, fp, slot=0, data=bytes(range(100))))
     DAMAGE[damage](bad)
-    with caplog.at_level(logging.WARNING, logger="router.statestore"):
+    with caplog.at_level(logging.WARNING, logger="router.warm.statestore"):
         if restart:
             store = StateStore(root, 1 << 20, clock=clock)
         assert store.states(MODEL, fp) == [good]
@@ -729,7 +729,7 @@ def test_the_public_records_are_plain(store: StateStore, fp: str) -> None:
 def test_one_router_per_state_directory(tmp_path: Path) -> None:
     """``claim_root``: a second claim on the same directory is refused while the first is
     held (another router), and the same directory is free again once it is released."""
-    from router.statestore import claim_root
+    from router.warm.statestore import claim_root
 
     first = claim_root(tmp_path / "states")
     try:

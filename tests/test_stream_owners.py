@@ -10,9 +10,9 @@ import httpx
 import pytest
 from support import start_router, write_presets
 
-from router.backend import Backend
-from router.keys import key_hash
-from router.resumable import ConversationOwners, ConversationTaken
+from router.children.backend import Backend
+from router.edge.keys import key_hash
+from router.edge.resumable import ConversationOwners, ConversationTaken
 
 A, B = key_hash(b"key-a"), key_hash(b"key-b")
 CHILD = object()  # stands for a Backend: the table only keeps it

@@ -10,7 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from router.tinymodel import (  # noqa: E402
+from router.llama.tinymodel import (  # noqa: E402
     CHAT_TEMPLATE,
     IM_END,
     IM_START,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router import upstream
 from router.errors import UpstreamError
-from router.upstream import BrokenBody, Cancel, ChildConnections
+from router.http import upstream
+from router.http.upstream import BrokenBody, Cancel, ChildConnections
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 TIMEOUT = 5.0

@@ -18,9 +18,9 @@ from simulation import Simulation
 from test_simulation import scenario_config
 
 from router import clock
+from router.core.supervisor import Supervisor
+from router.core.wait import Ends
 from router.errors import ClientGone, ShuttingDown, WaitBudgetExceeded
-from router.supervisor import Supervisor
-from router.wait import Ends
 
 LOAD_TIMEOUT_S = 30.0  # the scenario's; a child that never becomes healthy takes this long
 

@@ -1,4 +1,4 @@
-"""Warm swaps in process (``router/warm.py``): saves and restores against a stand-in child
+"""Warm swaps in process (``router/warm/swaps.py``): saves and restores against a stand-in child
 (an ``httpx.MockTransport`` that writes and reads slot files as llama-server does), the bounds
 that end a save or a restore that hangs, and the router's refusal of a client's slot files.
 The real llama-server: tests/test_warm_real.py; a save that hangs in the whole scheduling core:
@@ -21,20 +21,20 @@ import pytest
 from starlette.applications import Starlette
 from support import fake_binary, start_router, write_presets
 
-from router import warm
-from router.backend import Backend
+from router.children.backend import Backend
+from router.config.presets import ModelPreset
+from router.config.settings import Settings
+from router.config.sources import build_catalogue
+from router.core.runtime import new_replica
+from router.edge.state import State
 from router.errors import Unavailable
 from router.events import EventBus
-from router.flags import FlagTable
-from router.presets import ModelPreset
-from router.runtime import Replica
+from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
-from router.settings import Settings
-from router.sources import build_catalogue
-from router.state import State
-from router.statestore import LOCK_NAME, StateStore, model_dir_name
-from router.warm import MIN_TOKENS, Io, WarmSwaps, worth_saving
-from router.weights import weight_files
+from router.warm import swaps as warm
+from router.warm.statestore import LOCK_NAME, StateStore, model_dir_name
+from router.warm.swaps import MIN_TOKENS, Io, SlotHolder, WarmSwaps, worth_saving
+from router.warm.weights import weight_files
 
 GUARD_S = 30.0  # a hang guard, never a measurement
 
@@ -82,9 +82,9 @@ class StandIn:
                                          "n_read": path.stat().st_size})
 
 
-def child(name: str) -> Replica:
-    """A replica whose child is the stand-in ``name``."""
-    return Replica(cast(Backend, SimpleNamespace(base_url=f"http://{name}")))
+def child(name: str, recent: tuple[int, ...] = ()) -> SlotHolder:
+    """A replica whose child is the stand-in ``name``, with the prefix keys it served."""
+    return SlotHolder(cast(Backend, SimpleNamespace(base_url=f"http://{name}")), recent)
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
     swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
     assert await swaps_.save(model, [child("a")]) == 2  # slot 1 holds too few tokens
     assert sorted(s.slot for s in store.states("m", directory.name)) == [0, 2]
-    assert await swaps_.restore(model, [child("a")]) == 2
+    assert (await swaps_.restore(model, [child("a")])).count == 2
     assert sorted(slot for slot, _ in stand_in.restored) == [0, 2]
     assert not list(directory.glob("tmp-*"))
 
@@ -184,19 +184,18 @@ async def test_a_restored_replica_learns_the_prefixes_it_served(tmp_path: Path) 
     assert routed.prefix_routing
     stand_ins = {"a": StandIn(tmp_path, [MIN_TOKENS]), "b": StandIn(tmp_path, [MIN_TOKENS])}
     swaps_, _, _ = swaps_for(tmp_path, routed, stand_ins)
-    old = [child("a"), child("b")]
-    old[0].prefixes.record([11, 12, 13])
-    old[1].prefixes.record([21, 22])
+    old = [child("a", (11, 12, 13)), child("b", (21, 22))]
     assert await swaps_.save(routed, old) == 2
-    new = [child("a"), child("b")]
-    assert await swaps_.restore(routed, new) == 2
+    restored = await swaps_.restore(routed, [child("a"), child("b")])
+    assert restored.count == 2
+    new = [new_replica(c.child, keys) for c, keys in zip(old, restored.learned, strict=True)]
     assert new[0].prefixes.longest([11, 12, 13]) == 3 and new[0].prefixes.longest([21]) == 0
     assert new[1].prefixes.longest([21, 22]) == 2
     # Without prefix routing nothing is kept: the states carry no keys.
     least = ModelPreset("m", routed.args, replicas=2, replica_routing="least-busy")
     assert await swaps_.save(least, old) == 2
-    fresh = [child("a"), child("b")]
-    assert await swaps_.restore(least, fresh) == 2 and len(fresh[0].prefixes) == 0
+    fresh = await swaps_.restore(least, [child("a"), child("b")])
+    assert fresh.count == 2 and fresh.learned == ((), ())
 
 
 async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
@@ -208,10 +207,13 @@ async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
     swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in}, events)
     assert await swaps_.save(model, [child("a")]) == 1
+    assert swaps_.counts["m"].saved == 1 and "m" in swaps_.io
     swaps_.forget("m")
     assert store.usage() == {} and not directory.parent.exists()
     assert [(e["event"], e["data"]["count"]) for e in heard] == [("slot_states", 1),
                                                                  ("slot_states", 0)]
+    # Nothing of it is left behind for a model added again under the same id.
+    assert "m" not in swaps_.counts and "m" not in swaps_.io
 
 
 async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset) -> None:
@@ -219,12 +221,12 @@ async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset
                  "b": StandIn(tmp_path, [MIN_TOKENS * 2, 0])}
     swaps_, _, _ = swaps_for(tmp_path, model, stand_ins)
     assert await swaps_.save(model, [child("a"), child("b")]) == 3
-    assert await swaps_.restore(model, [child("a"), child("b")]) == 3
+    assert (await swaps_.restore(model, [child("a"), child("b")])).count == 3
     assert sorted(s for s, _ in stand_ins["a"].restored) == [0, 1]
     assert [s for s, _ in stand_ins["b"].restored] == [0]
     # One replica now: the second one's state has nowhere to go, and is not forced anywhere.
     stand_ins["a"].restored.clear()
-    assert await swaps_.restore(model, [child("a")]) == 2
+    assert (await swaps_.restore(model, [child("a")])).count == 2
 
 
 async def test_a_save_that_hangs_is_cut_by_its_bound_and_leaves_no_file(
@@ -246,10 +248,10 @@ async def test_a_restore_that_hangs_or_is_refused_serves_without_it(
     assert await swaps_.save(model, [child("a")]) == 1
     stand_in.hang = "restore"
     async with asyncio.timeout(GUARD_S):
-        assert await swaps_.restore(model, [child("a")]) == 0
+        assert (await swaps_.restore(model, [child("a")])).count == 0
     assert store.usage() == {"m": (1, MIN_TOKENS * 8)}  # kept: the child never answered
     stand_in.hang, stand_in.refuse_restore = None, True
-    assert await swaps_.restore(model, [child("a")]) == 0
+    assert (await swaps_.restore(model, [child("a")])).count == 0
     assert store.usage() == {}  # refused: discarded, never offered again
 
 
@@ -279,7 +281,7 @@ async def test_a_load_waits_for_the_state_its_last_stop_is_keeping(
     async with asyncio.timeout(GUARD_S):
         states = await restorable
     assert [s.n_saved for s in states] == [MIN_TOKENS]
-    assert await swaps_.restore(model, [child("a")], restorable) == 1
+    assert (await swaps_.restore(model, [child("a")], restorable)).count == 1
 
 
 async def test_the_routers_stop_waits_for_every_commit(
@@ -309,7 +311,7 @@ async def test_a_commit_that_stalls_holds_neither_a_load_nor_the_routers_stop(
     release = held_commits(store, monkeypatch)
     swaps_.keep_soon(model, await swaps_.write(model, [child("a")]))
     async with asyncio.timeout(GUARD_S):
-        assert await swaps_.restore(model, [child("a")]) == 0
+        assert (await swaps_.restore(model, [child("a")])).count == 0
         await swaps_.settle()  # the router's stop: bounded
     assert swaps_.counts["m"].slow_restores == 1 and not stand_in.restored
     release.set()
@@ -342,7 +344,7 @@ async def test_a_state_directory_that_cannot_be_read_means_a_cold_load(
 
     monkeypatch.setattr(store, "states", unreadable)
     assert await swaps_.restorable(model) == []
-    assert await swaps_.restore(model, [child("a")]) == 0 and not stand_in.restored
+    assert (await swaps_.restore(model, [child("a")])).count == 0 and not stand_in.restored
 
 
 async def test_a_save_whose_answer_does_not_match_its_file_is_not_kept(
@@ -372,7 +374,7 @@ async def test_models_without_warm_swaps(tmp_path: Path, preset: ModelPreset) ->
     swaps_, _ = swaps(tmp_path, {})
     assert swaps_.slot_dir(preset) is None
     assert await swaps_.save(preset, [child("a")]) == 0
-    assert await swaps_.restore(preset, [child("a")]) == 0
+    assert (await swaps_.restore(preset, [child("a")])).count == 0
 
 
 async def test_a_model_with_warm_swaps_turned_off_keeps_nothing(
@@ -386,7 +388,7 @@ async def test_a_model_with_warm_swaps_turned_off_keeps_nothing(
     assert not WarmSwaps.covers(off) and swaps_.slot_dir(off) is None
     assert store.usage() == {} and not (store.root / model_dir_name("m")).exists()
     assert await swaps_.save(off, [child("a")]) == 0 and store.usage() == {}
-    assert await swaps_.restore(off, [child("a")]) == 0 and not stand_in.restored
+    assert (await swaps_.restore(off, [child("a")])).count == 0 and not stand_in.restored
     assert [r.url.path for r in stand_in.requests].count("/slots") == 1  # the save while on
 
 

@@ -1,4 +1,4 @@
-"""Warm swaps against the real llama-server (``router/warm.py``): with ``--state-dir``, a
+"""Warm swaps against the real llama-server (``router/warm/swaps.py``): with ``--state-dir``, a
 model evicted by a swap (``--models-max 1``) has its slots saved before its child stops, and
 restored into its next child before it is ``loaded``, so that the same prompt then comes from
 the prompt cache (``timings.cache_n``); without it, the same turn starts cold. A state file

@@ -30,10 +30,11 @@ import httpx
 import pytest
 from support import fake_binary, start_router
 
-from router import cli, install
+from router import cli
 from router.errors import NotFound
-from router.install import InstallError, find_webui, installed_webui_path
-from router.webui import MissingWebUI, WebUI
+from router.llama import install
+from router.llama.install import InstallError, find_webui, installed_webui_path
+from router.llama.webui import MissingWebUI, WebUI
 
 KEY = "webui-test-key"
 JS = "_app/immutable/bundle.AbC123.js"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from support import start_router, wait_until, write_presets
 
-from router.install import find_webui
+from router.llama.install import find_webui
 
 pytestmark = pytest.mark.real
 

@@ -6,6 +6,8 @@ keys (``DASHBOARD_PATHS`` are exempt in ``ApiKeyMiddleware``): they hold no data
 asks for the key and sends it as ``Authorization: Bearer`` on every API call it makes.
 ``/dashboard`` redirects to ``/dashboard/`` (relative, so a path prefix added by a reverse proxy
 is kept); every other path under ``/dashboard/`` is not the router's and gets the 404 envelope.
+
+It owns its static files. It may import ``foundation`` only (the 404 envelope).
 """
 
 from __future__ import annotations

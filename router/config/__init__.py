@@ -1,0 +1,9 @@
+"""What the operator declares: process settings from flags and environment (``settings``),
+API key files (``keyfile``), CORS origins (``origins``), listen addresses (``listen``), INI
+presets in llama.cpp's format (``presets``), where models come from (``sources``, merged into
+one catalogue), Hugging Face downloads (``downloads``), and what a new catalogue changes
+(``reconfig``).
+
+It owns the configuration as frozen values; nothing here runs a model. It may import
+``foundation``, ``llama`` and ``host``.
+"""

@@ -1,0 +1,143 @@
+"""What each model is expected to use and measurably uses, in host RAM and on each GPU.
+
+* Estimates come from the GGUF header (``memory.estimate_for_args``), read in a thread once
+  per configuration of a model (``forget`` after the model file or arguments change), and are
+  split between host RAM and GPUs by ``gpus.placement``.
+* Measurements are sampled, not taken per request: ``run()`` refreshes every child's resident
+  memory (psutil, its whole process tree) every ``RSS_SAMPLE_S`` and per-process GPU memory
+  (nvidia-smi) every ``GPU_SAMPLE_S``, in a worker thread, off the event loop. Readers
+  (``/models``, ``/metrics``, admission) get the cached figures; a child not sampled yet is
+  measured once on first read, so a fresh child is never counted as using nothing.
+* What a model holds against a budget is the larger of its estimate and its measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections.abc import Callable, Iterable
+
+from ..host.gpus import GpuDevice, placement, usage_by_pid
+from ..host.memory import RAM, estimate_for_args, measure_rss
+from .runtime import ModelRuntime
+
+log = logging.getLogger("router.accounting")
+
+RSS_SAMPLE_S = 1.0
+GPU_SAMPLE_S = 2.0
+
+
+# Errors of the moment, not of the file: a header that could not be read for one of these is
+# read again next time instead of leaving the model without an estimate for good.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
+                              errno.EINTR})
+
+
+def _transient(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _measure_all(pids: list[int]) -> dict[int, int | None]:
+    return {pid: measure_rss(pid) for pid in pids}
+
+
+class Accounting:
+    def __init__(self, gpus: list[GpuDevice]) -> None:
+        self.gpus = gpus
+        self._estimated: set[str] = set()
+        self._retry: dict[str, ModelRuntime] = {}  # estimates to try again (``run``)
+        self._rss: dict[int, int | None] = {}  # per child pid, refreshed by run()
+        self._gpu_usage: dict[int, dict[str, int]] = {}  # per child pid, refreshed by run()
+
+    # ----------------------------------------------------------------- estimates
+
+    async def estimate(self, runtime: ModelRuntime) -> int:
+        """Bytes the model is expected to need in host RAM while loaded (all replicas); 0 if
+        unknown. Also sets its per-GPU estimate, layer count and default prompt cache."""
+        if runtime.id not in self._estimated and runtime.preset.model_path is not None:
+            self._estimated.add(runtime.id)
+            try:
+                one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
+                                              runtime.preset.args)
+                runtime.n_layer = one.n_layer
+                where = placement(one, runtime.preset.args, self.gpus)
+                replicas = runtime.preset.replicas
+                runtime.estimate = where.pop(RAM) * replicas
+                runtime.estimate_devices = {pool: n * replicas for pool, n in where.items()}
+                if "cache-ram" not in runtime.preset.args:
+                    runtime.cache_ram_mib = one.default_cache_ram_mib
+                if one.prompt_cache_unbounded:
+                    log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
+                                "estimate leaves it out; only the measured size counts",
+                                extra={"model": runtime.id})
+            except (OSError, ValueError) as exc:
+                if _transient(exc):  # e.g. out of file descriptors: not the file's fault
+                    self._estimated.discard(runtime.id)
+                    self._retry[runtime.id] = runtime
+                    log.warning("cannot read the model's header now (%s); the estimate is "
+                                "tried again in a moment", exc, extra={"model": runtime.id})
+                else:
+                    log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
+        return runtime.estimate
+
+    def forget(self, runtime: ModelRuntime) -> None:
+        """The model's file or arguments changed: its estimates are unknown until it is
+        estimated again, before its next load."""
+        self._estimated.discard(runtime.id)
+        runtime.estimate = 0
+        runtime.estimate_devices = {}
+        runtime.cache_ram_mib = None
+        runtime.n_layer = None
+
+    # ----------------------------------------------------------------- measurements
+
+    def measured(self, runtime: ModelRuntime) -> int | None:
+        """Resident memory of the model's serving children (at most ``RSS_SAMPLE_S`` old)."""
+        known = [s for s in (self._child_rss(r.child.pid) for r in runtime.replicas
+                             if r.child.pid is not None) if s is not None]
+        return sum(known) if known else None
+
+    def _child_rss(self, pid: int) -> int | None:
+        if pid not in self._rss:
+            self._rss[pid] = measure_rss(pid)
+        return self._rss[pid]
+
+    def measured_devices(self, runtime: ModelRuntime) -> dict[str, int]:
+        """GPU memory its children use per device (nvidia-smi, at most a few seconds old)."""
+        total: dict[str, int] = {}
+        for replica in runtime.replicas:
+            for pool, used in self._gpu_usage.get(replica.child.pid or -1, {}).items():
+                total[pool] = total.get(pool, 0) + used
+        return total
+
+    def memory_held(self, runtime: ModelRuntime) -> int:
+        """What a model holding processes counts against the RAM budget."""
+        return max(runtime.estimate, self.measured(runtime) or 0)
+
+    def devices_held(self, runtime: ModelRuntime) -> dict[str, int]:
+        """Per GPU, the larger of its estimate and its measured use."""
+        measured = self.measured_devices(runtime)
+        pools = runtime.estimate_devices.keys() | measured.keys()
+        return {p: max(runtime.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
+
+    async def run(self, models: Callable[[], Iterable[ModelRuntime]]) -> None:
+        """Sample the children of ``models()`` until cancelled (see the module docstring)."""
+        gpu_due = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            for model_id in list(self._retry):  # a header that could not be read just now
+                await self.estimate(self._retry.pop(model_id))
+            pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
+            if pids:
+                self._rss = await asyncio.to_thread(_measure_all, pids)
+                if self.gpus and loop.time() >= gpu_due:
+                    self._gpu_usage = await asyncio.to_thread(usage_by_pid, self.gpus)
+                    gpu_due = loop.time() + GPU_SAMPLE_S
+            else:
+                self._rss = {}
+            await asyncio.sleep(RSS_SAMPLE_S)

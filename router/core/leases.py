@@ -1,0 +1,116 @@
+"""The hot path's bookkeeping: a request holds one replica of a serving model while it runs.
+
+``Leases.take`` picks a replica (the one with the most free slots, or by the request's prompt
+prefix when it has one: ``ModelRuntime.route``) and counts the request in flight,
+without awaiting anything, so nothing can stop the model between "it serves" and "it is in
+use". ``Lease.release`` gives it back exactly once, however the request ended. The parts
+below that act on what leases change are told directly, never through the supervisor above:
+the CPU gate hears of a model's first request in flight and its last one done (``gate``:
+``CpuGate.busy``, ``CpuGate.idle``), the lifecycle of that last one (``apply``:
+``Executor.apply(runtime, Idle())``), and the executor of the last request of a replica that
+has left its model (a crash, a replacement: ``on_replica_done``). A routing decision by
+prefix is counted by ``on_routed`` (the metrics), when set.
+
+A request routed by prefix also holds a ``pace.Ticket`` in its replica's backlog (its expected
+work); when its response has ended, the child's ``timings`` in its last chunks (as the request's
+context kept them) teach the replica's ``Pace`` (``Lease.learn``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from .. import clock
+from ..children.backend import Backend
+from ..http.tail import ResponseTail
+from .affinity import Prefix
+from .lifecycle import Event, Idle
+from .pace import Ticket
+from .runtime import ModelRuntime, Replica
+
+RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
+Apply = Callable[[ModelRuntime, Event], object]  # ``Executor.apply``
+
+
+class Gate(Protocol):
+    """What takes turns among busy models (``cpugate.CpuGate``)."""
+
+    def busy(self, model: str) -> None: ...
+
+    def idle(self, model: str) -> None: ...
+
+
+class Lease:
+    """A request's hold on one replica; ``release()`` exactly once when the response ends."""
+
+    __slots__ = ("_leases", "_released", "replica", "runtime", "ticket")
+
+    def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica,
+                 ticket: Ticket | None = None) -> None:
+        self._leases = leases
+        self.runtime = runtime
+        self.replica = replica
+        self.ticket = ticket
+        self._released = False
+
+    @property
+    def child(self) -> Backend:
+        return self.replica.child
+
+    def learn(self, tail: ResponseTail) -> None:
+        """For a request routed by prefix, teach its replica's ``Pace`` from the child's
+        ``timings`` at the end of its response; call before ``release``."""
+        if self.ticket is not None and not self._released:
+            timings = tail.timings
+            if timings is not None:
+                self.replica.pace.learn(timings, self.ticket.chars,
+                                        self.ticket.cached_chars)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._leases.release(self.runtime, self.replica, self.ticket)
+
+
+class Leases:
+    def __init__(self, *, gate: Gate, apply: Apply,
+                 on_replica_done: Callable[[Replica], None]) -> None:
+        self._gate = gate
+        self._apply = apply
+        self._on_replica_done = on_replica_done
+        self.on_routed: RoutedCallback | None = None
+
+    def take(self, runtime: ModelRuntime, replica: Replica | None = None,
+             prefix: Prefix | None = None) -> Lease:
+        """Hold ``replica`` of a serving model for one request; default: by the prompt's
+        ``prefix`` (``affinity``, ``pace``) when given, else the least busy."""
+        ticket = None
+        now = clock.now()
+        if replica is None:
+            if prefix is None:
+                replica = runtime.pick_replica()
+            else:
+                replica, decision, work, cached = runtime.route(prefix, now)
+                ticket = replica.backlog.add(work, prefix.chars, cached, now, runtime.slots)
+                if self.on_routed is not None:
+                    self.on_routed(runtime.preset.id, decision)
+        replica.in_flight += 1
+        runtime.in_flight += 1
+        runtime.used_at = now
+        if runtime.in_flight == 1:
+            self._gate.busy(runtime.id)
+        return Lease(self, runtime, replica, ticket)
+
+    def release(self, runtime: ModelRuntime, replica: Replica,
+                ticket: Ticket | None = None) -> None:
+        replica.in_flight -= 1
+        runtime.in_flight -= 1
+        runtime.used_at = now = clock.now()
+        if ticket is not None:
+            replica.backlog.remove(ticket, now, runtime.slots)
+        if replica.in_flight == 0 and replica not in runtime.replicas:
+            self._on_replica_done(replica)
+        if runtime.in_flight == 0:
+            self._gate.idle(runtime.id)
+            self._apply(runtime, Idle())

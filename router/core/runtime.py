@@ -1,0 +1,247 @@
+"""Run state of each model: its lifecycle state, replicas (children), counters.
+
+One record per model, each field with one writer (declared in ``docs/architecture.toml``):
+``state`` (the status, the children by phase, the pending load, the failure, the download's
+progress) changes only through ``lifecycle.transition`` (``Executor.apply``), which also owns
+the tasks and the preset; the leases own the request counters (``in_flight``, ``used_at``),
+the wait its ``waiting`` count (``wait``), admission ``queued_since``, accounting the
+estimates, the loader ``last_load_s``. Everything else reads.
+A model has ``replicas`` children (1 unless its
+preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
+a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
+where their first token is expected soonest, counting the prompt it has cached (``pace``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..children.backend import Backend
+from ..config.presets import ModelPreset
+from ..logs import LogRing
+from .affinity import Decision, Prefix, PrefixTable, choose_among
+from .lifecycle import Failure as Failure  # its home; re-exported for the record's readers
+from .lifecycle import ModelState, Status
+from .pace import Backlog, Option, Pace, by_cost
+from .scheduler import ModelSnapshot
+
+DEFAULT_SLOTS = 4  # llama-server's -np auto
+# HTTP threads each child gets unless its preset sets threads-http: llama-server's own
+# default (slots + 4) leaves a router multiplexing many clients short.
+MIN_HTTP_THREADS = 16
+# Of those, kept free of proxied connections: health polls, metrics scrapes, info fetches.
+RESERVED_HTTP_THREADS = 2
+
+
+@dataclass(eq=False)
+class Replica:
+    child: Backend
+    in_flight: int = 0
+    # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
+    # as its KV cache does.
+    prefixes: PrefixTable = field(default_factory=PrefixTable)
+    # How fast its child computes prompts and replies (learned from its responses' timings),
+    # and the expected work of the prefix-routed requests it holds (``pace``).
+    pace: Pace = field(default_factory=Pace)
+    backlog: Backlog = field(default_factory=Backlog)
+
+
+def new_replica(child: Backend, learned: Sequence[int] = ()) -> Replica:
+    """A replica of a child that starts serving: its prefix table holds ``learned``, the
+    keys of the states restored into it (``warm``), or nothing, as its KV cache does."""
+    replica = Replica(child)
+    if learned:
+        replica.prefixes.record(learned)
+    return replica
+
+
+def slots(args: Mapping[str, str]) -> int:
+    """A child's generation slots (``parallel``)."""
+    raw: str = args.get("parallel", "")
+    return int(raw) if raw.lstrip("-").isdigit() and int(raw) > 0 else DEFAULT_SLOTS
+
+
+def http_threads(args: Mapping[str, str]) -> int:
+    """A child's HTTP threads: ``threads-http`` from its preset, else the router's choice."""
+    raw: str = args.get("threads-http", "")
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return max(slots(args) + 4, MIN_HTTP_THREADS)
+
+
+@dataclass
+class ModelRuntime:
+    """Mutable run state of one model."""
+
+    preset: ModelPreset
+    logs: LogRing
+    estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
+    estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
+    cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
+    n_layer: int | None = None  # from the GGUF header, once estimated
+    state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
+    in_flight: int = 0
+    waiting: int = 0  # requests waiting for this model to become ready
+    used_at: float = 0.0  # clock time a request last took or released it (``leases``)
+    # The tasks that carry out its lifecycle's effects, each created by the executor: its
+    # download (with the flag its worker thread reads), its one load (``StartLoad``), a stop
+    # (``StopChildren``), crashed replicas' replacement.
+    download_task: asyncio.Task[None] | None = None
+    download_cancel: threading.Event = field(default_factory=threading.Event)
+    load_task: asyncio.Task[None] | None = None
+    stop_task: asyncio.Task[None] | None = None
+    replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
+    queued_since: float | None = None  # monotonic, while waiting for admission
+    last_load_s: float | None = None  # how long its last successful load took
+
+    def __repr__(self) -> str:
+        pids = [r.child.pid for r in self.replicas]
+        return (f"<Model {self.preset.id} {self.status.value} pids={pids} "
+                f"in_flight={self.in_flight} waiting={self.waiting}>")
+
+    @property
+    def id(self) -> str:
+        return self.preset.id
+
+    @property
+    def last_used(self) -> float:
+        """Clock time it was last used: a request's, or its load's (``clock``)."""
+        loaded_at = self.state.loaded_at
+        return self.used_at if loaded_at is None else max(self.used_at, loaded_at)
+
+    @property
+    def failure(self) -> Failure | None:
+        """The last failure counted (kept for messages)."""
+        return self.state.failure
+
+    @property
+    def download(self) -> Mapping[str, Any] | None:
+        """While downloading: bytes so far per file, ``{file: {"done", "total"}}``."""
+        return self.state.download
+
+    @property
+    def status(self) -> Status:
+        return self.state.status
+
+    @property
+    def progress(self) -> Mapping[str, Any] | None:
+        """Load progress while loading, in llama.cpp's shape {stages, current, value}: the
+        least advanced of the children being started (their own reports, see ``process``)."""
+        return self.state.progress
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """Its serving replicas (none while stopping: the stop holds them)."""
+        return self.state.replicas
+
+    @property
+    def starting(self) -> tuple[Backend, ...]:
+        """Children started for a load or a replacement, not serving yet."""
+        return self.state.starting
+
+    @property
+    def info(self) -> Mapping[str, Any] | None:
+        """The child's own ``/v1/models`` entry, while loaded."""
+        return self.state.info
+
+    @property
+    def loaded_at(self) -> float | None:
+        """Clock time (``clock``) it became loaded."""
+        return self.state.loaded_at
+
+    @property
+    def load_on_demand(self) -> bool:
+        """Its pending load was started by requests (cancelled once none waits)."""
+        return self.state.load_on_demand
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    @property
+    def failed(self) -> bool:
+        return self.state.failed
+
+    @property
+    def crash_loop(self) -> bool:
+        return self.state.crash_loop
+
+    @property
+    def removed(self) -> bool:
+        return self.state.removed
+
+    @property
+    def child(self) -> Backend | None:
+        """The first replica's child (the only one unless ``replicas`` > 1), or the first
+        child still starting."""
+        if self.replicas:
+            return self.replicas[0].child
+        return self.starting[0] if self.starting else None
+
+    def children(self) -> list[Backend]:
+        """Every process it holds: serving replicas, children starting or stopping."""
+        state = self.state
+        return ([r.child for r in state.replicas] + list(state.starting)
+                + [r.child for r in state.stopping])
+
+    @property
+    def slots(self) -> int:
+        return slots(self.preset.args)
+
+    @property
+    def max_connections(self) -> int:
+        """Proxied connections to one child at most: one per HTTP thread, less a reserve; to
+        a remote upstream, its ``upstream-connections`` when set."""
+        if self.preset.upstream_connections is not None:
+            return self.preset.upstream_connections
+        return max(1, http_threads(self.preset.args) - RESERVED_HTTP_THREADS)
+
+    @property
+    def serving(self) -> bool:
+        state = self.state
+        return state.status is Status.LOADED and not state.draining and bool(self.replicas)
+
+    def snapshot(self, memory: int, devices: dict[str, int] | None = None) -> ModelSnapshot:
+        return ModelSnapshot(self.id, self.status, self.in_flight, self.last_used, memory,
+                             self.draining, self.waiting, devices or {})
+
+    def pick_replica(self) -> Replica:
+        """The replica with the most free slots (ties: the first)."""
+        return max(self.replicas, key=lambda r: self.slots - r.in_flight)
+
+    def route(self, prefix: Prefix, now: float) -> tuple[Replica, Decision, float, int]:
+        """The replica for a request with prompt ``prefix``, which then remembers its keys; the
+        decision, the request's expected work there in seconds (``pace.by_cost``; until a
+        child has shown its speed, by load: ``affinity.choose``, and 0), and the characters of
+        its prompt that replica's table holds."""
+        replicas = self.replicas
+        size = self.slots
+        keys = prefix.keys
+        matches = [r.prefixes.longest(keys) for r in replicas]
+        choice = by_cost([Option(match, r.in_flight, size,
+                                 r.backlog.wait(now, r.in_flight, size), r.pace)
+                          for match, r in zip(matches, replicas, strict=True)], prefix)
+        if choice is None:
+            index, decision = choose_among([(r.in_flight, size) for r in replicas], matches)
+            work = 0.0
+        else:
+            index, decision, work = choice.index, choice.decision, choice.work_s
+        replica = replicas[index]
+        replica.prefixes.record(keys)
+        return replica, decision, work, prefix.sizes[matches[index] - 1] if matches[index] else 0
+
+
+def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]:
+    """Models that compute on shared cores and have requests in flight: their children with
+    more than one thread (``cpugate``)."""
+    members: dict[str, list[Backend]] = {}
+    for model in models:
+        if model.in_flight and model.status is Status.LOADED:
+            wide = [r.child for r in model.replicas if r.child.cpu and r.child.cpu.wide]
+            if wide:
+                members[model.id] = wide
+    return members

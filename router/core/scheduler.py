@@ -1,0 +1,161 @@
+"""Pure planning: who may start, who must be evicted or drained. No I/O, no clocks, no asyncio.
+
+The supervisor takes a snapshot of every model, asks ``plan_admission`` what to do for the
+model at the head of its admission queue, carries the plan out, and asks again whenever
+something changes. Keeping the decision a pure function of a snapshot makes every policy
+exhaustively unit-testable.
+
+Policy:
+
+* Capacity is several limits at once: ``models_max`` models holding a process (<= 0: no
+  limit), ``memory_budget`` bytes of host RAM (None: no limit), and ``device_budgets`` bytes per
+  GPU (``{"gpu0": ..., ...}``; a device without a budget is not checked). A model holds capacity
+  while loading, loaded or stopping (a stopping child keeps its memory until it has exited).
+* Only idle loaded models (nothing in flight, nobody queued for them) are evicted, least
+  recently used first, and only as many as needed once the stopping ones are gone; a model is
+  evicted only if it frees something still short (a model slot, or bytes in a pool that is
+  over budget), so a model on another GPU is left alone. Loading
+  models and models with requests in flight or queued are never evicted.
+* Anti-thrash with a fairness bound: while every candidate is busy, the waiting model waits.
+  Requests to loaded models keep being served meanwhile. Once the head of the queue has waited
+  ``fairness_s``, the least recently used busy model is *drained*: it takes no new requests,
+  finishes what it has, and is then evicted like any idle model.
+* A model that can never fit (its estimate alone exceeds a budget) is refused at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..host.memory import RAM as RAM  # its home; re-exported for the planner's readers
+from .lifecycle import Status as Status  # its home; re-exported for older imports
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    id: str
+    status: Status
+    in_flight: int = 0
+    last_used: float = 0.0
+    memory: int = 0  # host RAM it holds (or is expected to hold) while it has processes
+    draining: bool = False
+    waiting: int = 0  # requests queued for it (e.g. woken by its load, not yet served)
+    devices: Mapping[str, int] = field(default_factory=dict)  # GPU bytes per device pool
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.waiting > 0
+
+    def pools(self) -> dict[str, int]:
+        return {RAM: self.memory, **self.devices}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """``admit``: start the target now. ``evict``: stop these idle models first. ``drain``: stop
+    giving these busy models new requests. ``refuse``: the target can never fit (a reason)."""
+
+    admit: bool
+    evict: tuple[str, ...] = ()
+    drain: tuple[str, ...] = ()
+    refuse: str | None = None
+
+
+def plan_admission(models: Sequence[ModelSnapshot], target: str, models_max: int, *,
+                   target_memory: int = 0, memory_budget: int | None = None,
+                   target_devices: Mapping[str, int] | None = None,
+                   device_budgets: Mapping[str, int] | None = None,
+                   waited_s: float = 0.0, fairness_s: float | None = None) -> Admission:
+    """Decide whether ``target`` may start now, and what must make room for it."""
+    budgets: dict[str, int] = dict(device_budgets or {})
+    if memory_budget is not None:
+        budgets[RAM] = memory_budget
+    need = {RAM: target_memory, **(target_devices or {})}
+    reason = _never_fits(need, budgets)
+    if reason is not None:
+        return Admission(admit=False, refuse=reason)
+    others = [m for m in models if m.id != target and m.status.holds_process]
+    shortfall = _Shortfall.of(others, need, budgets, models_max)
+    if not shortfall.short():
+        return Admission(admit=True)
+
+    # Stopping models free their capacity without further action.
+    for m in others:
+        if m.status is Status.STOPPING:
+            shortfall.free(m)
+    evict = _evict_idle(others, shortfall)
+    if not shortfall.short():
+        return Admission(admit=False, evict=evict)
+    drain: tuple[str, ...] = ()
+    if fairness_s is not None and waited_s >= fairness_s:
+        drain = _drain_one_busy(others, shortfall)
+    return Admission(admit=False, evict=evict, drain=drain)
+
+
+def _never_fits(need: Mapping[str, int], budgets: Mapping[str, int]) -> str | None:
+    """Why the target's estimate alone exceeds a budget, None when it does not."""
+    for pool, budget in budgets.items():
+        if need.get(pool, 0) > budget:
+            what = "memory budget" if pool == RAM else f"memory budget of {pool}"
+            return f"needs an estimated {need[pool]} bytes but the {what} is {budget} bytes"
+    return None
+
+
+@dataclass
+class _Shortfall:
+    """What the target still lacks: model slots over ``models_max``, and bytes over budget in
+    each pool it is checked against."""
+
+    count_over: int
+    over: dict[str, int]
+
+    @classmethod
+    def of(cls, others: Sequence[ModelSnapshot], need: Mapping[str, int],
+           budgets: Mapping[str, int], models_max: int) -> _Shortfall:
+        count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
+        # Host RAM always counts; a GPU only if the target needs room on it (a device that is
+        # over its budget for other reasons is not this load's business).
+        over = {pool: sum(m.pools().get(pool, 0) for m in others) + need.get(pool, 0) - budget
+                for pool, budget in budgets.items() if pool == RAM or need.get(pool, 0) > 0}
+        return cls(count_over, over)
+
+    def short(self) -> bool:
+        return self.count_over > 0 or any(v > 0 for v in self.over.values())
+
+    def helps(self, m: ModelSnapshot) -> bool:
+        """Stopping ``m`` frees something still short."""
+        return self.count_over > 0 or any(self.over[p] > 0 and held > 0
+                                          for p, held in m.pools().items() if p in self.over)
+
+    def free(self, m: ModelSnapshot) -> None:
+        self.count_over -= 1
+        for pool, held in m.pools().items():
+            if pool in self.over:
+                self.over[pool] -= held
+
+
+def _evict_idle(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+    """Idle loaded models to stop, least recently used first, each freeing something still
+    short, until nothing is short or none is left; ``shortfall`` counts them as freed."""
+    idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy),
+                  key=lambda m: (m.last_used, m.id))
+    evict: list[str] = []
+    for m in idle:
+        if not shortfall.short():
+            break
+        if shortfall.helps(m):
+            evict.append(m.id)
+            shortfall.free(m)
+    return tuple(evict)
+
+
+def _drain_one_busy(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+    """The fairness bound: the least recently used busy model that would help, unless one
+    that would is draining already."""
+    busy = sorted((m for m in others if m.status is Status.LOADED and m.busy
+                   and shortfall.helps(m)),
+                  key=lambda m: (m.last_used, m.id))
+    if busy and not any(m.draining for m in busy):
+        return (busy[0].id,)
+    return ()

@@ -1,0 +1,252 @@
+"""The hot path: every request the router does not answer itself goes to the child serving
+its model (JSON body ``model``, multipart ``model`` field, or ``?model=``), so every
+llama-server endpoint, including ones newer than this router, passes through. A GET or HEAD
+without a model that is ``/`` or a file of llama.cpp's web UI (``webui.py``) gets that file
+instead of the 404 it would get otherwise; any other GET or HEAD without a model gets the
+404, except the child's own GET endpoints (``paths.CHILD_GET_PATHS``), which go to the
+default model (``defaults``) like every other request without a model, or get the 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from starlette.datastructures import QueryParams
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..core.affinity import Prefix, request_prefix
+from ..core.wait import Ends
+from ..errors import (
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    RouterError,
+    send_error,
+    send_unexpected,
+)
+from ..http.paths import (
+    ADMIN_PROXIED_PREFIXES,
+    API_ROOTS,
+    CHILD_GET_PATHS,
+    METHODS,
+)
+from ..http.proxy import (
+    ResponseAborted,
+    direct_body,
+    for_remote,
+    relay,
+    upstream_headers,
+    wait_disconnect,
+)
+from ..http.requests import WAIT_BUDGET_HEADER, RequestContext, context
+from ..llama.webui import StaticUI
+from .keys import Forbidden
+from .nodes import serve_across_nodes
+from .route import decide
+from .state import State
+
+if TYPE_CHECKING:
+    from ..config.presets import ModelPreset
+    from ..core.leases import Lease
+    from ..core.view import ModelView
+
+log = logging.getLogger("router.forward")
+
+
+def _autoload(params: QueryParams, default: bool) -> bool:
+    value = params.get("autoload")
+    if value is None or value == "":
+        return default
+    return value.lower() in ("1", "true")
+
+
+def _budget(request: RequestContext) -> float | None:
+    raw = request.headers.get(WAIT_BUDGET_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a number of seconds, "
+                         f"got {raw.decode('latin-1')!r}") from None
+    if not value > 0 or value == float("inf"):  # also refuses nan
+        raise BadRequest(f"{WAIT_BUDGET_HEADER.decode()} must be a positive, finite number of "
+                         "seconds")
+    return value
+
+
+class ProxyMiddleware:
+    """Send every path the router does not answer itself to ``proxy`` before any routing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not context(scope).local:
+            await proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
+    """Every request the router does not answer itself goes to the child serving its model.
+
+    Plain ASGI, no Starlette request object: this is the hot path. The model comes from the
+    JSON body's ``model``, a multipart ``model`` field, or ``?model=``. A response whose
+    body broke midway (``ResponseAborted``, already logged) is past answering: returning
+    without completing it makes the ASGI server close the client's connection, so the
+    truncation shows (uvicorn logs one line for it, no traceback).
+    """
+    try:
+        await _forward(scope, receive, send)
+    except ResponseAborted:
+        return
+    except RouterError as exc:
+        await send_error(send, exc)
+    except Exception as exc:
+        await send_unexpected(send, scope, exc)
+
+
+async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
+    """A proxied request, step by step: read it, name its model (or answer a web UI page),
+    decide its route once (``route.decide``: the model, the nodes holding it, the
+    conversation's claim), let the peers holding the model serve it, else wait for a lease on
+    one of its replicas here and relay to that child."""
+    state: State = scope["app"].state.router
+    request = _admit(state, scope)
+    body = await request.read(receive, state.supervisor.settings.max_body_bytes)
+    model = request.model or await _default_or_page(state, scope, send, request)
+    if model is None:
+        return  # a page of the web UI was the answer
+    route = decide(state, request, model, request.conv_id if body else None)
+    if route.holders and await serve_across_nodes(state, scope, request, receive, send, route,
+                                                  request.target()):
+        return
+    runtime = route.local
+    assert runtime is not None  # the nodes leave a request to this router only if it has it
+    lease = _lease_now(state, request, runtime) or \
+        await _wait_for_lease(state, receive, request, runtime)
+    try:
+        if route.conversation is not None:  # a resumable stream: the child that keeps it
+            route.conversation.served_by(lease.child)
+        await _relay(state, scope, receive, send, request, runtime, lease, body)
+    finally:
+        lease.learn(request.tail())
+        lease.release()
+
+
+def _admit(state: State, scope: Scope) -> RequestContext:
+    """The request's context, unless it is refused: while the router stops, for a method
+    llama-server has no route for, or a target that is no path."""
+    shutdown = state.shutdown
+    if shutdown.closing.is_set():  # stopping: start nothing new (the connection closes)
+        raise shutdown.refusal()
+    method: str = scope["method"]
+    if method not in METHODS:
+        raise MethodNotAllowed(f"method {method} is not allowed")
+    if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
+        raise BadRequest("the request target must be an absolute path such as /v1/models")
+    request = context(scope)
+    if state.supervisor.settings.state_dir is not None and _names_slot_files(request):
+        raise Forbidden("the children's slot files are the router's own with --state-dir "
+                        "(warm swaps): POST /slots/{id}?action=save or restore is refused; "
+                        "erase is allowed")
+    return request
+
+
+def _names_slot_files(request: RequestContext) -> bool:
+    """A ``/slots/{id}`` request asking a child to write or read a slot file (any ``action``
+    value that could mean save or restore, however often the query repeats it)."""
+    return request.path.startswith(ADMIN_PROXIED_PREFIXES) and any(
+        value.strip().lower() in ("save", "restore")
+        for value in request.params.getlist("action"))
+
+
+async def _default_or_page(state: State, scope: Scope, send: Send, request: RequestContext
+                           ) -> str | None:
+    """For a request naming no model: a web UI page (answered here: None), or the default
+    model (else a 400 naming what is missing)."""
+    method = request.method
+    webui: StaticUI | None = scope["app"].state.webui
+    if webui is not None and method in ("GET", "HEAD") and await webui.answer(
+            scope, send, fallback=scope["path"].split("/")[1] not in API_ROOTS):
+        return None
+    if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
+        raise NotFound("File Not Found")
+    return request.default_to(state.default.for_request(state.supervisor))
+
+
+def _lease_now(state: State, request: RequestContext, runtime: ModelView) -> Lease | None:
+    """A lease on a replica of a model that serves, taken at once (the hot path: no task, no
+    await); None when the model does not serve. Its options are checked either way."""
+    if not runtime.serving:
+        return None
+    _budget(request)  # checked as for any request
+    return state.supervisor.lease_now(runtime.id, _prefix(request, runtime))
+
+
+async def _wait_for_lease(state: State, receive: Receive, request: RequestContext,
+                          runtime: ModelView) -> Lease:
+    """The whole wait for a model that does not serve (``wait``), ended by its budget, the
+    client leaving or the shutdown."""
+    sup = state.supervisor
+    autoload = _autoload(request.params, sup.settings.models_autoload)
+    budget = _budget(request)  # the model's own wait budget caps it (``wait``)
+    shutdown = state.shutdown
+    waited = time.perf_counter()
+    try:
+        lease = await sup.acquire(runtime.id, autoload=autoload, budget=budget,
+                                  prefix=_prefix(request, runtime),
+                                  ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
+                                            shutdown.error))
+    finally:  # for the activity record, also when the wait failed
+        request.queue_s = queued = time.perf_counter() - waited
+    state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    return lease
+
+
+def _prefix(request: RequestContext, runtime: ModelView) -> Prefix | None:
+    """The prompt's prefix, for a model routed by it among its replicas (``affinity``)."""
+    if request.parsed is None or not runtime.preset.prefix_routing:
+        return None
+    prefix = request_prefix(request.parsed)
+    return prefix if prefix.keys else None
+
+
+def _relay(state: State, scope: Scope, receive: Receive, send: Send,
+           request: RequestContext, runtime: ModelView, lease: Lease, body: bytes
+           ) -> Coroutine[Any, Any, None]:
+    """Send the request to the leased replica's child (a remote upstream gets its key and
+    maybe its own model name) and its answer back as the child writes it."""
+    headers = upstream_headers(scope["headers"], request)
+    preset = runtime.preset
+    target = request.target()
+    if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
+        headers, body, target = _for_remote(request, preset, headers, body, target)
+    return relay(lease.child.connections, request.method, target, headers, body,
+                 receive=receive, send=send, shutdown=state.shutdown,
+                 direct=direct_body(scope))
+
+
+def _for_remote(request: RequestContext, preset: ModelPreset,
+                headers: list[tuple[bytes, bytes]], body: bytes, target: bytes
+                ) -> tuple[list[tuple[bytes, bytes]], bytes, bytes]:
+    """The request as the remote upstream of ``preset`` gets it (``proxy.for_remote``). The
+    model it names there is the one the router decided: ``upstream-model`` when set, and for
+    a request the default model took, the default's own name (its ``upstream-model``, else
+    its id), written where it named one or would (the JSON body's ``model``, the multipart
+    field, ``?model=``), never the name the client gave: the upstream must not decide again
+    what the key's scope was checked against."""
+    name = preset.upstream_model or (preset.id if request.defaulted else None)
+    headers, body = for_remote(headers, body, request.json_scan() if name else None,
+                               preset.upstream_key, name,
+                               request.headers.get(b"content-type", b""),
+                               add=request.defaulted)
+    if name is not None and ("model" in request.params or (request.defaulted and not body)):
+        target = request.target(name)
+    return headers, body, target
+
+

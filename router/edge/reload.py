@@ -1,0 +1,179 @@
+"""Live configuration: re-read presets and models directories and apply the difference.
+
+Triggers: a change to a watched file (watchfiles, debounced; the parent directories are
+watched so editors' rename-on-save and Kubernetes/docker symlink swaps are seen), SIGHUP,
+``POST /models/reload`` and ``GET /models?reload=1``. Reloads are serialised. An invalid
+configuration is rejected whole: the last good one stays in effect and the error (every
+``file:line`` problem) is logged, sent on ``/models/sse`` and shown by ``GET /props`` until a
+valid configuration replaces it. A configuration that defines no model while the running one
+defines some (an emptied or truncated preset file, one left with only ``[*]`` or comments, an
+emptied models directory) is rejected the same way, unless the reload is explicitly asked to
+``allow_empty`` (``POST /models/reload {"allow_empty": true}``): a half-written file must never
+stop every model. Router settings (flags and environment) are not re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import watchfiles
+
+from ..config.presets import PresetsInvalid
+from ..config.settings import Settings
+from ..config.sources import Catalogue, build_catalogue
+from ..core.supervisor import Supervisor
+from ..events import EventBus
+from ..llama.flags import FlagTable, Option
+from . import defaults
+
+log = logging.getLogger("router.reload")
+
+DEBOUNCE_MS = 150
+# How often the watcher's thread wakes to look at what changed (and whether to stop): each
+# wake takes the GIL from the event loop, so this is what an idle router spends on watching
+# (20 wakes a second at watchfiles' default of 50 ms cost ~1.5 ms of CPU a second). A change
+# is applied within about two steps of the last write to it.
+WATCH_STEP_MS = 500
+NOT_RELOADED = ("router settings (command-line flags and LLAMA_ROUTER_* environment) are "
+                "read only at start; restart the router to change them")
+
+
+def configured_models(catalogue: Catalogue) -> int:
+    """How many models the preset files and models directories define. Models found only in
+    the Hugging Face cache do not count: they are not configuration, and they stay listed
+    whatever the files say."""
+    return sum(1 for model in catalogue.models.values() if model.source != "cache")
+
+
+class Reloader:
+    def __init__(self, settings: Settings, table: FlagTable, overrides: list[tuple[Option, str]],
+                 supervisor: Supervisor, events: EventBus,
+                 notify: Callable[..., None] = lambda *fields: None) -> None:
+        self.settings = settings
+        self.table = table
+        self.overrides = overrides
+        self.supervisor = supervisor
+        self.events = events
+        self.notify = notify
+        self.error: list[str] | None = None  # problems of the last rejected configuration
+        self._lock = asyncio.Lock()
+        self._fingerprint = self._read_fingerprint()
+
+    def _sources(self) -> list[Path]:
+        return [p.expanduser().absolute() for p in [*self.settings.presets,
+                                                    *self.settings.models_dir]]
+
+    def _read_fingerprint(self) -> str:
+        """A hash of every preset file's bytes and every models-dir listing."""
+        digest = hashlib.sha256()
+        for path in self._sources():
+            digest.update(os.fsencode(path))  # bytes: a name need not be UTF-8
+            try:
+                if path.is_dir():
+                    for entry in sorted(path.rglob("*.gguf")):
+                        digest.update(os.fsencode(entry))
+                else:
+                    digest.update(path.read_bytes())
+            except OSError as exc:
+                digest.update(repr(exc).encode())
+        return digest.hexdigest()
+
+    async def reload(self, trigger: str, *, force: bool = True,
+                     allow_empty: bool = False) -> dict[str, Any]:
+        """Re-read everything and apply the difference; the outcome as a dict.
+
+        ``force``: re-read even if no watched file changed. ``allow_empty``: accept a
+        configuration with no models although the running one has some (otherwise rejected).
+        """
+        async with self._lock:
+            fingerprint = self._read_fingerprint()
+            if not force and fingerprint == self._fingerprint:
+                return {"success": True, "unchanged": True}
+            self._fingerprint = fingerprint
+            self.notify("RELOADING=1")
+            try:
+                return await self._apply(trigger, allow_empty=allow_empty)
+            finally:
+                self.notify("READY=1")
+
+    async def _apply(self, trigger: str, *, allow_empty: bool) -> dict[str, Any]:
+        try:  # file reads and the HF cache scan stay off the event loop
+            catalogue = await asyncio.to_thread(build_catalogue, self.settings.presets,
+                                                self.settings.models_dir, self.table,
+                                                self.overrides)
+        except PresetsInvalid as exc:
+            return self._reject([str(p) for p in exc.problems], trigger)
+        emptied = None if allow_empty else self._emptied(catalogue)
+        if emptied is not None:
+            return self._reject([emptied], trigger)
+        if (no_default := defaults.check(self.settings.default_model, catalogue)) is not None:
+            return self._reject([f"{no_default}; keeping the previous configuration"],
+                                trigger)
+        self.error = None
+        for warning in catalogue.warnings:
+            log.warning("%s", warning)
+        diff = self.supervisor.reconfigure(catalogue)
+        log.info("configuration reloaded (%s): added %s, removed %s, changed %s", trigger,
+                 diff["added"] or "none", diff["removed"] or "none", diff["changed"] or "none",
+                 extra={"event": "reloaded"})
+        self.events.publish("*", "models_reload", {**diff, "trigger": trigger})
+        return {"success": True, **diff, "not_reloaded": NOT_RELOADED}
+
+    def _reject(self, problems: list[str], trigger: str) -> dict[str, Any]:
+        """Keep the running configuration: record, log and publish why the new one is not
+        applied (shown by ``GET /props`` as ``config_error`` until a reload succeeds)."""
+        self.error = problems
+        for problem in problems:
+            log.error("reload rejected: %s", problem, extra={"event": "reload_failed"})
+        self.events.publish("*", "models_reload_failed", {"errors": problems,
+                                                          "trigger": trigger})
+        return {"success": False, "errors": problems}
+
+    def _emptied(self, catalogue: Catalogue) -> str | None:
+        """Why ``catalogue`` may not replace the running one without ``allow_empty``: it
+        configures no model while the running one configures some; None if it may."""
+        before = configured_models(self.supervisor.catalogue)
+        if configured_models(catalogue) or not before:
+            return None
+        where = ", ".join(str(p) for p in self._sources())
+        plural = "" if before == 1 else "s"
+        return (f"{where}: no models defined; keeping the previous configuration ({before} "
+                f"model{plural}); to remove every model, reload with allow_empty "
+                '(POST /models/reload {"allow_empty": true})')
+
+    async def watch(self) -> None:
+        """Reload when a watched file changes (content, not just mtime): the directories
+        holding preset files (not recursively) and the models directories (recursively)."""
+        logging.getLogger("watchfiles").setLevel(logging.WARNING)
+        files = {p for p in self._sources() if not p.is_dir()}
+        dirs = {p for p in self._sources() if p.is_dir()}
+        watchers = []
+        if files:
+            names = {str(p) for p in files}
+
+            def preset_files_only(change: watchfiles.Change, path: str) -> bool:
+                # The file itself (edits, rename-on-save), or a Kubernetes/docker ConfigMap
+                # swap of the hidden ``..data`` symlink next to it.
+                return path in names or Path(path).name.startswith("..")
+
+            watchers.append(self._watch({p.parent for p in files}, recursive=False,
+                                        only=preset_files_only))
+        if dirs:
+            watchers.append(self._watch(dirs, recursive=True, only=None))
+        await asyncio.gather(*watchers)
+
+    async def _watch(self, paths: set[Path], *, recursive: bool,
+                     only: Callable[[watchfiles.Change, str], bool] | None) -> None:
+        async for _ in watchfiles.awatch(*paths, watch_filter=only, debounce=DEBOUNCE_MS,
+                                         step=WATCH_STEP_MS,
+                                         recursive=recursive):
+            try:
+                await self.reload("file change", force=False)
+            except Exception:  # a reload must never kill the watcher
+                log.exception("reload failed")

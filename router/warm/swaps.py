@@ -1,0 +1,507 @@
+"""Warm swaps: a model's slots are saved before its children stop and restored into its next
+children, so that a conversation's next turn comes from the prompt cache after an eviction,
+an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
+
+* A child of a model with warm swaps starts with ``--slot-save-path`` set to the store's
+  directory of its model and configuration (``slot_dir``; the fingerprint of its weight
+  files' content (``weights``: computed before the load, once per file version, within a
+  bound), the arguments that shape its KV cache and the
+  llama-server build), so a state is never restored into another configuration or other
+  weights; the states of another fingerprint are dropped (counted as refused) when it
+  loads. A preset that sets ``slot-save-path`` itself, a remote upstream, or a model without
+  a model file gets none, nor does a preset with ``warm-swaps = false`` (its states saved
+  before are removed when it is applied, by a reload or at the router's start, and what a
+  stop under way writes is not kept).
+* ``save`` (the executor, before it stops the children for an eviction, an unload, the idle
+  TTL or the router's shutdown): every slot worth it (``GET /slots``; ``worth_saving``) is
+  written (``POST /slots/{id}?action=save``) under a name the store makes, then committed
+  (checked against the child's answer and checksummed) in the background while the children
+  stop (``keep_soon``): the model's next load and the router's own stop wait for it.
+* **Decided by cost** (``worth_saving``): a slot is saved when computing its tokens again
+  would take longer than saving and restoring them: its child's prompt speed (its
+  ``llamacpp:prompt_tokens_seconds``, read once per save) against the model's measured bytes
+  per token and milliseconds per byte of earlier saves and restores (the children's
+  ``timings.save_ms`` and ``restore_ms``). Until both are known, every slot of at least
+  ``MIN_TOKENS`` tokens is saved; below that, none. All of a stop's saves together get
+  ``SAVE_BOUND_S``: a save that takes longer is abandoned, its temp file removed, and the
+  stop goes on; a save never holds a swap longer than that.
+* ``restore`` (the loader, once every new child is healthy and before the model is
+  ``loaded``): the model's verified states (``restorable``, checked while the children
+  start), newest first, one per slot, each into the slot it was saved from, within
+  ``RESTORE_BOUND_S`` in all. A state the child refuses is discarded
+  with a warning; it is never served again.
+* A model removed from the configuration takes its saved states with it (``forget``).
+* Prefix routing learns what a restore put in a replica: a state saved from a replica of a
+  model routed by prefix (``replica-routing = prefix``, ``affinity``) keeps the replica's
+  ``PREFIX_KEYS`` most recent prefix keys (``SlotHolder.recent``), and the restore hands them
+  back for the replica it went into (``Restored.learned``), which starts with them, so that a
+  restored conversation's next turn goes where its cache is.
+* A state's slot number covers its replica: ``replica * n_slots + slot``, so that the
+  replicas of a model never overwrite each other's states.
+
+The children are asked through the router's client for its children; nothing here runs
+without a bound, and nothing it does is answered to a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+from ..children.backend import Backend
+from ..config.presets import ModelPreset
+from ..events import EventBus
+from ..host.memory import kv_bytes_per_token
+from .digests import CACHE_NAME, Digests
+from .slots import ChildSlots
+from .statestore import Commit, PendingSave, SavedState, StateStore
+from .weights import Fingerprints, covers
+
+log = logging.getLogger("router.warm")
+
+MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
+SAVE_BOUND_S = 10.0  # all the saves of one stop together
+RESTORE_BOUND_S = 10.0  # all the restores of one load together, with waiting for its states
+COMMIT_BOUND_S = 30.0  # the router's stop waits for the commits under way
+PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
+
+
+@dataclass
+class Io:
+    """What a model's saves and restores cost, as measured (``None``: not yet)."""
+
+    bytes_per_token: float | None = None
+    save_ms_per_byte: float | None = None
+    restore_ms_per_byte: float | None = None
+
+    def cost_ms(self, tokens: int) -> float | None:
+        """The milliseconds to save and restore ``tokens``, or None while unknown."""
+        if self.bytes_per_token is None or self.save_ms_per_byte is None:
+            return None
+        per_byte = self.save_ms_per_byte + (self.restore_ms_per_byte or 0.0)
+        return tokens * self.bytes_per_token * per_byte
+
+
+def worth_saving(tokens: int, prompt_tps: float | None, io: Io) -> bool:
+    """Whether a slot of ``tokens`` is worth saving: at least ``MIN_TOKENS``, and computing
+    it again (at ``prompt_tps`` tokens a second) would take longer than saving and restoring
+    it (``io``); when either is unknown, the threshold alone decides."""
+    if tokens < MIN_TOKENS:
+        return False
+    cost = io.cost_ms(tokens)
+    if cost is None or not prompt_tps or prompt_tps <= 0:
+        return True
+    return tokens / prompt_tps * 1000.0 > cost
+
+
+@dataclass
+class Counts:
+    """What warm swaps did for one model since the router started (``/metrics``)."""
+
+    saved: int = 0  # states kept
+    saved_bytes: int = 0
+    restored: int = 0  # states a new child took
+    restored_tokens: int = 0
+    refused: int = 0  # states discarded: not kept at commit, refused on restore, or made
+    # with other weights or settings (dropped when the model loads)
+    slow_saves: int = 0  # stops whose saves were cut by SAVE_BOUND_S
+    slow_restores: int = 0  # loads whose restores were cut by RESTORE_BOUND_S
+
+
+class Written(NamedTuple):
+    """A slot file a child wrote: the save, the child's answer, the prefix keys to keep."""
+
+    save: PendingSave
+    answer: dict[str, Any]
+    keys: list[int] | None
+
+
+class Commits:
+    """The commits under way in the background, one chain per model: each starts after the
+    model's one before it; ``settle`` waits for them and never cancels one."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, asyncio.Task[int]] = {}
+
+    def start(self, model_id: str, commit: Callable[[], Awaitable[int]]) -> None:
+        earlier = self._last.get(model_id)
+
+        async def in_turn() -> int:
+            if earlier is not None:
+                await asyncio.wait([earlier])
+            return await commit()
+
+        task = asyncio.create_task(in_turn(), name=f"keep:{model_id}")
+        self._last[model_id] = task
+        task.add_done_callback(lambda done: self._ended(model_id, done))
+
+    def after(self, model_id: str, then: Callable[[], None]) -> bool:
+        """Call ``then`` once the model's commits have ended; False (not called) if none is
+        under way."""
+        last = self._last.get(model_id)
+        if last is None:
+            return False
+        last.add_done_callback(lambda _: then())
+        return True
+
+    async def settle(self, model_id: str | None = None, timeout: float | None = None
+                     ) -> bool:
+        """Wait for the commits under way (of ``model_id``, or all), ``timeout`` seconds at
+        most: whether they all ended."""
+        try:
+            async with asyncio.timeout(timeout):  # asyncio.wait never cancels what it waits on
+                while busy := [task for name, task in self._last.items()
+                               if model_id is None or name == model_id]:
+                    await asyncio.wait(busy)
+        except TimeoutError:
+            return False
+        return True
+
+    def _ended(self, model_id: str, task: asyncio.Task[int]) -> None:
+        if self._last.get(model_id) is task:
+            del self._last[model_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("keeping the slot states failed", exc_info=task.exception(),
+                      extra={"model": model_id})
+
+
+async def most_tokens(preset: ModelPreset, io: Io, budget: int) -> int | None:
+    """The most tokens a state of the model can hold within ``budget`` bytes, from its bytes
+    per token (measured by earlier saves, ``io``, else the KV cache's from the GGUF header,
+    ``memory.kv_bytes_per_token``); None when neither is known."""
+    per_token = io.bytes_per_token
+    if per_token is None and preset.model_path is not None:
+        with contextlib.suppress(OSError, ValueError):
+            per_token = await asyncio.to_thread(kv_bytes_per_token, preset.model_path,
+                                                preset.args)
+    return int(budget // per_token) if per_token else None
+
+
+@dataclass(frozen=True)
+class SlotHolder:
+    """One replica as warm swaps see it: its child, and the prefix keys of the prompts its
+    slots served lately (most recent last; empty where the model is not routed by prefix)."""
+
+    child: Backend
+    recent: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore put back: how many states, and for each replica (in order) the prefix
+    keys saved with the states it took, for the replica to start with."""
+
+    count: int
+    learned: tuple[tuple[int, ...], ...]
+
+
+class WarmSwaps:
+    def __init__(self, store: StateStore, build: str, client: httpx.AsyncClient,
+                 events: EventBus | None = None, digests: Digests | None = None) -> None:
+        """``events``: where a model's saved states are announced when they change
+        (``slot_states``, on ``/models/sse``); ``digests``: the model files' content
+        (default: kept in the store's directory)."""
+        self.store = store
+        self._child = ChildSlots(client)  # the children's slot endpoints
+        self._events = events
+        self.prints = Fingerprints(store, build, digests if digests is not None
+                                   else Digests(store.root / CACHE_NAME))
+        self._off: set[str] = set()  # models whose preset now says ``warm-swaps = false``
+        self.counts: dict[str, Counts] = {}
+        self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
+        self._keeping = Commits()  # per model: its commit under way
+
+    def _counts(self, model_id: str) -> Counts:
+        return self.counts.setdefault(model_id, Counts())
+
+    def usage(self, model_id: str) -> tuple[int, int]:
+        """The model's saved states now: how many, and their bytes."""
+        return self.store.usage().get(model_id, (0, 0))
+
+    def _announce(self, model_id: str) -> None:
+        if self._events is not None:
+            count, size = self.usage(model_id)
+            self._events.publish(model_id, "slot_states", {"count": count, "bytes": size})
+
+    # ----------------------------------------------------------------- configuration
+
+    covers = staticmethod(covers)
+
+    def fingerprint_of(self, preset: ModelPreset) -> str | None:
+        """The fingerprint of the preset's configuration (``weights.Fingerprints``); None when
+        it gets no warm swaps, or not yet. A preset with warm swaps turned off has what its
+        model saved removed, and what a stop under way writes is not kept (``keep``)."""
+        if not preset.warm_swaps:
+            self._off.add(preset.id)
+            self.forget(preset.id)
+            return None
+        self._off.discard(preset.id)
+        return self.prints.of(preset)
+
+    async def prepare(self, preset: ModelPreset) -> None:
+        """Before a load: its weights' content (``weights.Fingerprints.prepare``)."""
+        if self.fingerprint_of(preset) is None:
+            await self.prints.prepare(preset)
+
+    def drop_turned_off(self, presets: Iterable[ModelPreset]) -> None:
+        """Remove what the models with ``warm-swaps = false`` saved while it was on (at the
+        router's start; later, ``fingerprint_of`` does it when such a model loads or stops)."""
+        for preset in presets:
+            if not preset.warm_swaps:
+                self.fingerprint_of(preset)
+
+    def slot_dir(self, preset: ModelPreset) -> Path | None:
+        """The ``--slot-save-path`` of the preset's children, or None."""
+        found = self.fingerprint_of(preset)
+        return None if found is None else self.store.directory(preset.id, found)
+
+    def forget(self, model_id: str) -> None:
+        """Remove every saved state of a model whose preset is gone (it no longer runs), and
+        its counters, its costs and its fingerprint: a model added again under the same id
+        starts from nothing (but ``warm-swaps = false``, which its next preset says again).
+        What a commit under way keeps goes too, once it is kept."""
+        if self._keeping.after(model_id, lambda: self.forget(model_id)):
+            return
+        self.prints.forget(model_id)
+        self.counts.pop(model_id, None)
+        self.io.pop(model_id, None)
+        try:
+            removed = self.store.remove_model(model_id)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot remove the saved slot states: %s", exc,
+                        extra={"model": model_id})
+            return
+        if removed:
+            log.info("removed %d saved slot states with the model", removed,
+                     extra={"event": "state_removed", "model": model_id})
+            self._announce(model_id)
+
+    # ----------------------------------------------------------------- saving
+
+    def keep_soon(self, preset: ModelPreset, written: Sequence[Written]) -> None:
+        """``keep`` in the background (after the model's earlier commit, if one is under way):
+        the stop that wrote them need not wait, and the model's next load does
+        (``restorable``), as does the router's own stop (``settle``)."""
+        self._keeping.start(preset.id, lambda: self.keep(preset, written))
+
+    async def settle(self, model_id: str | None = None) -> None:
+        """Until the commits under way (of ``model_id``, or all) have ended; the router's stop
+        (all of them) waits ``COMMIT_BOUND_S`` at most, then leaves them (a stalled disk: their
+        temp files are removed at the next start)."""
+        if model_id is not None:
+            await self._keeping.settle(model_id)
+        elif not await self._keeping.settle(timeout=COMMIT_BOUND_S):
+            log.warning("keeping the saved slot states took over %g s; stopping without them",
+                        COMMIT_BOUND_S, extra={"event": "state_save_slow"})
+
+    async def save(self, preset: ModelPreset, replicas: Sequence[SlotHolder]) -> int:
+        """Save the worthwhile slots of the model's ``replicas`` (in order): ``write`` then
+        ``keep``; how many were kept."""
+        return await self.keep(preset, await self.write(preset, replicas))
+
+    async def write(self, preset: ModelPreset, replicas: Sequence[SlotHolder]
+                    ) -> list[Written]:
+        """Have the children write their worthwhile slots, within ``SAVE_BOUND_S``: what they
+        wrote, for ``keep``. A save cut off or failed is abandoned (its file removed). The
+        children are done with the files once this returns: ``keep`` (checksums, renames) may
+        run while they stop."""
+        found = self.fingerprint_of(preset)
+        if found is None or not replicas:
+            return []
+        written: list[Written] = []
+        pending: list[PendingSave] = []
+        try:
+            async with asyncio.timeout(SAVE_BOUND_S):
+                for index, replica in enumerate(replicas):
+                    keys = list(replica.recent[-PREFIX_KEYS:]) if preset.prefix_routing \
+                        else None
+                    await self._save_child(preset, found, index, replica.child, keys,
+                                           pending, written)
+        except TimeoutError:
+            self._counts(preset.id).slow_saves += 1
+            log.warning("saving slot states took over %g s; stopping without the rest",
+                        SAVE_BOUND_S, extra={"event": "state_save_slow", "model": preset.id})
+        finally:
+            for left in pending:  # cut off, or failed: its temp file goes
+                await asyncio.to_thread(self.store.abandon, left)
+        return written
+
+    async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
+        """Commit what the children wrote (checked against their answers, checksummed,
+        renamed; ``statestore``); how many were kept. Never raises but a cancel: it runs
+        beside the children's stop."""
+        model_id = preset.id
+        if model_id in self._off:  # turned off since the stop began: its files go
+            for save, _, _ in written:
+                await asyncio.to_thread(self.store.abandon, save)
+            return 0
+        io = self.io.setdefault(model_id, Io())
+        counts = self._counts(model_id)
+        kept: list[SavedState] = []
+        try:
+            for save, answer, keys in written:
+                try:
+                    commit = await asyncio.to_thread(self.store.commit, save, answer, keys)
+                except (OSError, ValueError) as exc:  # never the stop's failure
+                    await asyncio.to_thread(self.store.abandon, save)
+                    commit = Commit(None, f"cannot keep it ({exc})")
+                if commit.state is not None:
+                    kept.append(commit.state)
+                    counts.saved += 1
+                    counts.saved_bytes += commit.state.n_written
+                    _learn(io, commit.state.n_saved, commit.state.n_written,
+                           _timing(answer, "save_ms"), "save")
+                elif commit.problem:
+                    counts.refused += 1
+                    log.warning("slot %d not saved: %s", save.slot, commit.problem,
+                                extra={"model": model_id})
+        finally:
+            if self.fingerprint_of(preset) is not None:
+                self._announce(model_id)
+        if kept:
+            log.info("saved %d slot states (%d tokens, %d bytes)", len(kept),
+                     sum(s.n_saved for s in kept), sum(s.n_written for s in kept),
+                     extra={"event": "state_saved", "model": model_id})
+        return len(kept)
+
+    async def _save_child(self, preset: ModelPreset, found: str, index: int, child: Backend,
+                          keys: list[int] | None, pending: list[PendingSave],
+                          written: list[Written]) -> None:
+        """Have ``child`` write its worthwhile slots; a slot of more tokens than the whole
+        budget holds (``most_tokens``) is never asked for: its file could never be kept."""
+        model_id = preset.id
+        slots = await self._child.slots(child)
+        io = self.io.setdefault(model_id, Io())
+        speed = await self._child.prompt_speed(child) if io.cost_ms(1) is not None else None
+        most: int | None = -1  # not asked yet
+        for slot in slots:
+            tokens = slot.get("n_prompt_tokens")
+            if not isinstance(tokens, int) or isinstance(tokens, bool) \
+                    or not worth_saving(tokens, speed, io):
+                continue
+            if most == -1:
+                most = await most_tokens(preset, io, self.store.budget_bytes)
+            if most is not None and tokens > most:  # never written, never refused later
+                self._counts(model_id).refused += 1
+                log.info("slot %s not saved: %d tokens, over the whole state budget",
+                         slot.get("id"), tokens,
+                         extra={"event": "state_over_budget", "model": model_id})
+                continue
+            number = index * len(slots) + int(slot["id"])
+            save = await asyncio.to_thread(self.store.begin_save, model_id, found, number)
+            pending.append(save)
+            answer = await self._child.action(child, int(slot["id"]), "save", save.filename)
+            if answer is None:
+                continue  # abandoned with the others
+            pending.remove(save)
+            written.append(Written(save, answer, keys or None))
+
+    # ----------------------------------------------------------------- restoring
+
+    async def restorable(self, preset: ModelPreset) -> list[SavedState]:
+        """The model's states a new child may take, each verified (read and checksummed)
+        now: the loader asks while the children start, so that this costs the load nothing.
+        Never raises but a cancel: a state directory that cannot be read means a cold load."""
+        found = self.fingerprint_of(preset)
+        if found is None:
+            return []
+        await self.settle(preset.id)  # a state its last stop is keeping is among them
+        try:
+            stale = await asyncio.to_thread(self.store.drop_stale, preset.id, found)
+            self._counts(preset.id).refused += stale  # made with other weights or settings
+            return await asyncio.to_thread(self.store.states, preset.id, found)
+        except (OSError, ValueError) as exc:  # the load goes on, cold
+            log.warning("cannot read the saved slot states: %s", exc, extra={"model": preset.id})
+            return []
+
+    async def restore(self, preset: ModelPreset, replicas: Sequence[SlotHolder],
+                      restorable: Awaitable[list[SavedState]] | None = None) -> Restored:
+        """Restore the model's states (``restorable``, started earlier; None: asked now) into
+        its new ``replicas`` (in order, not serving yet) within ``RESTORE_BOUND_S``, waiting
+        for them included (a commit or a check that stalls never holds the load longer); how
+        many were restored, and the prefix keys each replica learned."""
+        learned: list[tuple[int, ...]] = [() for _ in replicas]
+        if self.fingerprint_of(preset) is None or not replicas:
+            return Restored(0, tuple(learned))
+        restored = 0
+        states: list[SavedState] = []
+        try:
+            async with asyncio.timeout(RESTORE_BOUND_S):
+                states = await (restorable or self.restorable(preset))
+                n_slots = len(await self._child.slots(replicas[0].child)) if states else 0
+                for state in states:
+                    index, slot = divmod(state.slot, n_slots) if n_slots else (0, state.slot)
+                    if index >= len(replicas):
+                        continue  # fewer replicas now
+                    if await self._restore_one(preset.id, replicas[index].child, slot, state):
+                        restored += 1
+                        learned[index] += _prefix_keys(state.prefix)
+        except TimeoutError:
+            self._counts(preset.id).slow_restores += 1
+            log.warning("restoring slot states took over %g s; serving without the rest",
+                        RESTORE_BOUND_S, extra={"event": "state_restore_slow",
+                                                "model": preset.id})
+        if states:
+            self._announce(preset.id)
+        if restored:
+            log.info("restored %d slot states", restored,
+                     extra={"event": "state_restored", "model": preset.id})
+        return Restored(restored, tuple(learned))
+
+    async def _restore_one(self, model_id: str, child: Backend, slot: int,
+                           state: SavedState) -> bool:
+        answer = await self._child.action(child, slot, "restore", state.filename)
+        counts = self._counts(model_id)
+        if answer is None or answer.get("n_restored") != state.n_saved:
+            log.warning("slot state %s refused by the child: discarded", state.filename,
+                        extra={"event": "state_refused", "model": model_id})
+            await asyncio.to_thread(self.store.discard, state)
+            counts.refused += 1
+            return False
+        await asyncio.to_thread(self.store.touch, state)
+        _learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
+               _timing(answer, "restore_ms"), "restore")
+        counts.restored += 1
+        counts.restored_tokens += state.n_saved
+        return True
+
+    # ----------------------------------------------------------------- the child's API
+
+
+def _prefix_keys(keys: Any) -> tuple[int, ...]:
+    """The prefix keys saved with a state (JSON ints), at most ``PREFIX_KEYS``; none where
+    they are not that."""
+    if isinstance(keys, list) and all(isinstance(k, int) and not isinstance(k, bool)
+                                      for k in keys):
+        return tuple(keys[-PREFIX_KEYS:])
+    return ()
+
+
+def _timing(answer: dict[str, Any], key: str) -> float | None:
+    timings = answer.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        and value >= 0 else None
+
+
+def _learn(io: Io, tokens: int, size: int, ms: float | None, step: str) -> None:
+    """Fold one save's or restore's measure into ``io`` (the latest counts most)."""
+    if tokens <= 0 or size <= 0:
+        return
+    io.bytes_per_token = _blend(io.bytes_per_token, size / tokens)
+    if ms is not None:
+        if step == "save":
+            io.save_ms_per_byte = _blend(io.save_ms_per_byte, ms / size)
+        else:
+            io.restore_ms_per_byte = _blend(io.restore_ms_per_byte, ms / size)
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else 0.5 * old + 0.5 * new
