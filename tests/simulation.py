@@ -60,7 +60,7 @@ from router.config.settings import Settings
 from router.config.sources import Catalogue
 from router.core.leases import Lease
 from router.core.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
-from router.core.runtime import ModelRuntime
+from router.core.runtime import Estimated, ModelRuntime
 from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
 from router.core.wait import Ends
@@ -381,8 +381,8 @@ class Simulation:
                               cast(httpx.AsyncClient, None), self.events, cores=[],
                               spawner=FakeSpawner(self), warm=self.warm))
         for runtime in sup.models.values():  # what the GGUF header would say
-            runtime.estimate = MEMORY_UNIT * c.sizes[runtime.id] * c.replicas[runtime.id]
-            sup.accounting._estimated.add(runtime.id)  # no header to read: a fake file
+            sup.executor.apply(runtime, Estimated(  # no header to read: a fake file
+                MEMORY_UNIT * c.sizes[runtime.id] * c.replicas[runtime.id]))
         self._watch(sup)
         return sup
 
@@ -619,8 +619,7 @@ class Simulation:
         self.log(f"reconfigure {model} ctx-size {context}")
         sup.reconfigure(Catalogue(presets))
         runtime = sup.models[model]
-        runtime.estimate = MEMORY_UNIT * self.cfg.sizes[model] * old.replicas
-        sup.accounting._estimated.add(model)
+        sup.executor.apply(runtime, Estimated(MEMORY_UNIT * self.cfg.sizes[model] * old.replicas))
 
     def freeze(self, model: str) -> None:
         runtime = self.sup.models.get(model)

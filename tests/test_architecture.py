@@ -396,7 +396,9 @@ def test_the_record_checks_find_what_is_planted() -> None:
                  "def f(conn):\n    conn._state = 1",
                  "from ..peers.peerstate import transition"):
         assert record_violations(_planted(wait, line)), line
-    assert not record_violations(_planted(wait, "def f(runtime):\n    runtime.waiting += 1"))
+    assert record_violations(_planted(wait, "def f(runtime):\n    runtime.waiting += 1"))
+    leases = "router/core/leases.py"  # the hot path's counters: the declared exception
+    assert not record_violations(_planted(leases, "def f(runtime):\n    runtime.in_flight += 1"))
     owner = "router/peers/peer.py"
     tree = sources()
     planted = dict(tree)

@@ -1,8 +1,9 @@
 """What each model is expected to use and measurably uses, in host RAM and on each GPU.
 
 * Estimates come from the GGUF header (``memory.estimate_for_args``), read in a thread once
-  per configuration of a model (``forget`` after the model file or arguments change), and are
-  split between host RAM and GPUs by ``gpus.placement``.
+  per configuration of a model (again after ``runtime.Unestimated``: its file or arguments
+  changed), split between host RAM and GPUs by ``gpus.placement``, and handed to the
+  record's owner as ``runtime.Estimated``.
 * Measurements are sampled, not taken per request: ``run()`` refreshes every child's resident
   memory (psutil, its whole process tree) every ``RSS_SAMPLE_S`` and per-process GPU memory
   (nvidia-smi) every ``GPU_SAMPLE_S``, in a worker thread, off the event loop. Readers
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from ..host.gpus import GpuDevice, placement, usage_by_pid
 from ..host.memory import RAM, estimate_for_args, measure_rss
-from .runtime import ModelRuntime
+from .runtime import Estimated, ModelRuntime
 
 log = logging.getLogger("router.accounting")
 
@@ -49,50 +50,36 @@ def _measure_all(pids: list[int]) -> dict[int, int | None]:
 class Accounting:
     def __init__(self, gpus: list[GpuDevice]) -> None:
         self.gpus = gpus
-        self._estimated: set[str] = set()
-        self._retry: dict[str, ModelRuntime] = {}  # estimates to try again (``run``)
         self._rss: dict[int, int | None] = {}  # per child pid, refreshed by run()
         self._gpu_usage: dict[int, dict[str, int]] = {}  # per child pid, refreshed by run()
 
     # ----------------------------------------------------------------- estimates
 
-    async def estimate(self, runtime: ModelRuntime) -> int:
-        """Bytes the model is expected to need in host RAM while loaded (all replicas); 0 if
-        unknown. Also sets its per-GPU estimate, layer count and default prompt cache."""
-        if runtime.id not in self._estimated and runtime.preset.model_path is not None:
-            self._estimated.add(runtime.id)
-            try:
-                one = await asyncio.to_thread(estimate_for_args, runtime.preset.model_path,
-                                              runtime.preset.args)
-                runtime.n_layer = one.n_layer
-                where = placement(one, runtime.preset.args, self.gpus)
-                replicas = runtime.preset.replicas
-                runtime.estimate = where.pop(RAM) * replicas
-                runtime.estimate_devices = {pool: n * replicas for pool, n in where.items()}
-                if "cache-ram" not in runtime.preset.args:
-                    runtime.cache_ram_mib = one.default_cache_ram_mib
-                if one.prompt_cache_unbounded:
-                    log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
-                                "estimate leaves it out; only the measured size counts",
-                                extra={"model": runtime.id})
-            except (OSError, ValueError) as exc:
-                if _transient(exc):  # e.g. out of file descriptors: not the file's fault
-                    self._estimated.discard(runtime.id)
-                    self._retry[runtime.id] = runtime
-                    log.warning("cannot read the model's header now (%s); the estimate is "
-                                "tried again in a moment", exc, extra={"model": runtime.id})
-                else:
-                    log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
-        return runtime.estimate
-
-    def forget(self, runtime: ModelRuntime) -> None:
-        """The model's file or arguments changed: its estimates are unknown until it is
-        estimated again, before its next load."""
-        self._estimated.discard(runtime.id)
-        runtime.estimate = 0
-        runtime.estimate_devices = {}
-        runtime.cache_ram_mib = None
-        runtime.n_layer = None
+    async def estimate(self, runtime: ModelRuntime) -> Estimated | None:
+        """What the model's GGUF header says it needs (``runtime.Estimated``), for its owner to
+        record; None when that is known already (read once per configuration: ``Unestimated``
+        after its file or arguments change) or its file is not here yet."""
+        preset = runtime.preset
+        if runtime.estimated or preset.model_path is None:
+            return None
+        try:
+            one = await asyncio.to_thread(estimate_for_args, preset.model_path, preset.args)
+        except (OSError, ValueError) as exc:
+            if _transient(exc):  # e.g. out of file descriptors: not the file's fault
+                log.warning("cannot read the model's header now (%s); the estimate is "
+                            "tried again in a moment", exc, extra={"model": runtime.id})
+                return Estimated(again=True)
+            log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
+            return Estimated()
+        where = placement(one, preset.args, self.gpus)
+        if one.prompt_cache_unbounded:
+            log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
+                        "estimate leaves it out; only the measured size counts",
+                        extra={"model": runtime.id})
+        return Estimated(where.pop(RAM) * preset.replicas,
+                         {pool: n * preset.replicas for pool, n in where.items()},
+                         None if "cache-ram" in preset.args else one.default_cache_ram_mib,
+                         one.n_layer)
 
     # ----------------------------------------------------------------- measurements
 
@@ -125,13 +112,18 @@ class Accounting:
         pools = runtime.estimate_devices.keys() | measured.keys()
         return {p: max(runtime.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
 
-    async def run(self, models: Callable[[], Iterable[ModelRuntime]]) -> None:
-        """Sample the children of ``models()`` until cancelled (see the module docstring)."""
+    async def run(self, models: Callable[[], Iterable[ModelRuntime]],
+                  record: Callable[[ModelRuntime, Estimated], None]) -> None:
+        """Sample the children of ``models()`` until cancelled (see the module docstring);
+        read again the headers that could not be read just now, each estimate given to
+        ``record`` (the record's owner)."""
         gpu_due = 0.0
         loop = asyncio.get_running_loop()
         while True:
-            for model_id in list(self._retry):  # a header that could not be read just now
-                await self.estimate(self._retry.pop(model_id))
+            for runtime in [m for m in models() if m.estimate_due]:
+                estimated = await self.estimate(runtime)
+                if estimated is not None:
+                    record(runtime, estimated)
             pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
             if pids:
                 self._rss = await asyncio.to_thread(_measure_all, pids)

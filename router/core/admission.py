@@ -23,7 +23,7 @@ from ..errors import LoadFailed
 from ..host.memory import format_size
 from .accounting import Accounting
 from .lifecycle import Event, Queued
-from .runtime import ModelRuntime
+from .runtime import Fact, ModelRuntime, QueueJoined, QueueLeft
 from .scheduler import plan_admission
 
 log = logging.getLogger("router.admission")
@@ -34,7 +34,7 @@ REPLAN_S = 1.0  # plan again at least this often while queued at the head
 
 class Admission:
     def __init__(self, settings: Settings, accounting: Accounting,
-                 apply: Callable[[ModelRuntime, Event], None],
+                 apply: Callable[[ModelRuntime, Event | Fact], None],
                  changes: Changes, *, memory_budget: int | None, gpu_budgets: dict[str, int],
                  models: Callable[[], Iterable[ModelRuntime]],
                  evict: Callable[[str], None], drain: Callable[[str, str], None],
@@ -43,7 +43,7 @@ class Admission:
         self.memory_budget = memory_budget
         self.gpu_budgets = gpu_budgets
         self._accounting = accounting
-        self._apply = apply  # the lifecycle's: tells a model it queued (``Queued``)
+        self._apply = apply  # the record's owner's: its estimate, its place in the queue
         self._changes = changes
         self._models = models
         self._evict = evict  # stop this idle model to make room
@@ -71,8 +71,11 @@ class Admission:
     async def admit(self, runtime: ModelRuntime) -> None:
         """Queue, and return once the planner admits the model; raises LoadFailed when it can
         never fit. Cancelling it leaves the queue."""
-        target_memory = await self._accounting.estimate(runtime)
-        runtime.queued_since = clock.now()
+        estimated = await self._accounting.estimate(runtime)
+        if estimated is not None:
+            self._apply(runtime, estimated)
+        target_memory, since = runtime.estimate, clock.now()
+        self._apply(runtime, QueueJoined(since))
         self.queue.append(runtime)
         self._apply(runtime, Queued(len(self.queue) - 1, self.expected_wait_s(runtime)))
         self._changes.notify()
@@ -80,14 +83,14 @@ class Admission:
             while True:
                 timeout: float | None = None  # not at the head: until the next change
                 if self.queue[0] is runtime:
-                    wake_in = self._plan(runtime, target_memory, runtime.queued_since)
+                    wake_in = self._plan(runtime, target_memory, since)
                     if wake_in is None:
                         return
                     timeout = wake_in or None
                 await self._changes.wait(timeout)
         finally:
             self.queue.remove(runtime)
-            runtime.queued_since = None
+            self._apply(runtime, QueueLeft())
             # Admitted or gone (its requests left, an unload): a drain made for it is no
             # longer needed; the next head drains again if it needs the room.
             for model in self._models():

@@ -64,7 +64,19 @@ from .lifecycle import (
     Stopped,
     transition,
 )
-from .runtime import ModelRuntime, Replica
+from .runtime import (
+    FACTS,
+    Estimated,
+    Fact,
+    LoadTimed,
+    ModelRuntime,
+    QueueJoined,
+    QueueLeft,
+    Replica,
+    Unestimated,
+    WaitBegan,
+    WaitEnded,
+)
 from .spawner import Spawner
 
 log = logging.getLogger("router.supervisor")
@@ -105,10 +117,13 @@ class Executor:
 
     # ----------------------------------------------------------------- events in
 
-    def apply(self, runtime: ModelRuntime, event: Event) -> None:
+    def apply(self, runtime: ModelRuntime, event: Event | Fact) -> None:
         """Move the model through ``event`` and start its effects (an event that cannot happen
-        now raises InvalidTransition)."""
-        self.command(runtime, event)
+        now raises InvalidTransition); or record a ``runtime.Fact``."""
+        if isinstance(event, FACTS):
+            note(runtime, event)
+        else:
+            self.command(runtime, event)
 
     def command(self, runtime: ModelRuntime, event: Event) -> Refuse | None:
         """``apply`` for a command (``LoadWanted``, ``Unload``): its ``Refuse`` if the
@@ -366,3 +381,28 @@ def _task(coro: Any, name: str) -> asyncio.Task[Any]:
 def consume_exception(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def note(runtime: ModelRuntime, fact: Fact) -> None:
+    """Record ``fact`` in the model's record: the owner's one way to change what its
+    lifecycle does not."""
+    match fact:
+        case Estimated():
+            runtime.estimate, runtime.n_layer = fact.estimate, fact.n_layer
+            runtime.estimate_devices = dict(fact.devices)
+            runtime.cache_ram_mib = fact.cache_ram_mib
+            runtime.estimated, runtime.estimate_due = not fact.again, fact.again
+        case Unestimated():
+            runtime.estimate, runtime.estimate_devices = 0, {}
+            runtime.cache_ram_mib = runtime.n_layer = None
+            runtime.estimated = runtime.estimate_due = False
+        case QueueJoined(at):
+            runtime.queued_since = at
+        case QueueLeft():
+            runtime.queued_since = None
+        case LoadTimed(seconds):
+            runtime.last_load_s = seconds
+        case WaitBegan():
+            runtime.waiting += 1
+        case WaitEnded():
+            runtime.waiting -= 1

@@ -39,7 +39,7 @@ from .lifecycle import (
     SpawnFailed,
     Status,
 )
-from .runtime import ModelRuntime, new_replica
+from .runtime import LoadTimed, ModelRuntime, Unestimated, new_replica
 from .spawner import Spawner
 
 log = logging.getLogger("router.supervisor")
@@ -142,7 +142,7 @@ class Loader:
                 restorable.cancel()
         loaded_at = clock.now()
         duration = round(loaded_at - started, 4)
-        runtime.last_load_s = duration
+        self._executor.apply(runtime, LoadTimed(duration))
         info = {**own_info, "id": runtime.id} if own_info else None
         children.clear()  # they serve now: the model's stop owns them
         self._executor.apply(runtime, Ready(
@@ -204,7 +204,7 @@ class Loader:
             if resolution.mmproj is not None:
                 args["mmproj"] = str(paths[-1])
             self._executor.set_preset(runtime, replace(preset, args=MappingProxyType(args)))
-        self._accounting.forget(runtime)
+        self._executor.apply(runtime, Unestimated())
         log.info("downloaded %s", resolution.id, extra={"event": "downloaded",
                                                        "model": runtime.id})
         self._executor.apply(runtime, Downloaded())

@@ -16,7 +16,7 @@ from ..logs import LogRing
 from .accounting import Accounting
 from .executor import Executor
 from .lifecycle import Forgotten, Listed, Reset, Retire
-from .runtime import ModelRuntime
+from .runtime import ModelRuntime, Unestimated
 from .wait import ModelWait
 
 
@@ -79,7 +79,7 @@ class ModelSet:
         for model_id in change.restart:
             runtime = records[model_id]
             self._executor.set_preset(runtime, catalogue.models[model_id])
-            self._accounting.forget(runtime)
+            self._executor.apply(runtime, Unestimated())
             self._executor.apply(runtime, Reset())
             self._executor.apply(runtime, Retire("reconfigured", removed=False,
                                                  idle=runtime.in_flight == 0))

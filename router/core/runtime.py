@@ -1,11 +1,13 @@
 """Run state of each model: its lifecycle state, replicas (children), counters.
 
-One record per model, each field with one writer (declared in ``docs/architecture.toml``):
-``state`` (the status, the children by phase, the pending load, the failure, the download's
-progress) changes only through ``lifecycle.transition`` (``Executor.apply``), which also owns
-the tasks and the preset; the leases own the request counters (``in_flight``, ``used_at``),
-the wait its ``waiting`` count (``wait``), admission ``queued_since``, accounting the
-estimates, the loader ``last_load_s``. Everything else reads.
+One record per model, with one owner, the executor (``Executor.apply``; declared in
+``docs/architecture.toml``). ``state`` (the status, the children by phase, the pending load,
+the failure, the download's progress) changes only through ``lifecycle.transition``; the
+other fields through the facts below, which the module that learns one sends to the owner
+(its estimates from ``accounting``, its place in the queue from ``admission``, its load time
+from ``loader``, its waiting requests from ``wait``). The one declared exception is the hot
+path's counters, the leases' own: ``in_flight`` and ``used_at`` here, and a replica's
+``in_flight``, ``prefixes``, ``pace`` and ``backlog``. Everything else reads.
 A model has ``replicas`` children (1 unless its
 preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
 a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
@@ -36,6 +38,64 @@ MIN_HTTP_THREADS = 16
 # Of those, kept free of proxied connections: health polls, metrics scrapes, info fetches.
 RESERVED_HTTP_THREADS = 2
 
+
+# --------------------------------------------------------------------------- facts
+# What changes a model's record besides its lifecycle; applied by its owner (``Executor.apply``).
+
+
+@dataclass(frozen=True, slots=True)
+class Estimated:
+    """What its GGUF header says it needs while loaded, all replicas (``Accounting.estimate``):
+    bytes of host RAM, bytes per GPU pool, the router's ``--cache-ram`` for it (None: the
+    preset sets its own) and its layers. ``again``: none now, for a passing cause (out of file
+    descriptors); ``Accounting.run`` reads it again."""
+
+    estimate: int = 0
+    devices: Mapping[str, int] = field(default_factory=dict)
+    cache_ram_mib: int | None = None
+    n_layer: int | None = None
+    again: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Unestimated:
+    """Its file or arguments changed: its estimates are unknown until read again."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueJoined:
+    """Its load joined the admission queue at clock time ``at``."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLeft:
+    """Its load left the admission queue: admitted, or given up."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTimed:
+    """Its load succeeded, in ``seconds``."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitBegan:
+    """A request began waiting for it to serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitEnded:
+    """A request stopped waiting for it (served, refused or gone)."""
+
+
+Fact = Estimated | Unestimated | QueueJoined | QueueLeft | LoadTimed | WaitBegan | WaitEnded
+FACTS = (Estimated, Unestimated, QueueJoined, QueueLeft, LoadTimed, WaitBegan, WaitEnded)
+
+
+# --------------------------------------------------------------------------- the record
 
 @dataclass(eq=False)
 class Replica:
@@ -97,6 +157,8 @@ class ModelRuntime:
     replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
     queued_since: float | None = None  # monotonic, while waiting for admission
     last_load_s: float | None = None  # how long its last successful load took
+    estimated: bool = False  # its header was read (or found unreadable for good)
+    estimate_due: bool = False  # reading it failed for a passing cause: read again soon
 
     def __repr__(self) -> str:
         pids = [r.child.pid for r in self.replicas]

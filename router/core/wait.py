@@ -43,7 +43,7 @@ from .affinity import Prefix
 from .executor import Executor
 from .leases import Lease, Leases
 from .lifecycle import ALREADY_RUNNING, CLOSING, CRASH_LOOP, LoadWanted, NobodyWaits, Refuse, Status
-from .runtime import ModelRuntime
+from .runtime import ModelRuntime, WaitBegan, WaitEnded
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class ModelWait:
                             headers={"Retry-After": "1"})
         own = runtime.preset.wait_budget or self._settings.wait_budget
         seconds = min(budget, own) if budget else own
-        runtime.waiting += 1
+        self._executor.apply(runtime, WaitBegan())
         watchers = start_watchers(ends)
         try:
             await self._until_serving(runtime, clock.now() + seconds, seconds, watchers, ends)
@@ -105,7 +105,7 @@ class ModelWait:
         finally:
             for watcher in watchers:
                 watcher.cancel()
-            runtime.waiting -= 1
+            self._executor.apply(runtime, WaitEnded())
             if runtime.waiting == 0:
                 self._executor.apply(runtime, NobodyWaits())
 

@@ -183,7 +183,8 @@ class Background:
         self._tasks = [
             asyncio.create_task(reap_idle(models, self._settings.idle_timeout,
                                           self._executor.stop), name="idle-reaper"),
-            asyncio.create_task(self._accounting.run(models), name="accounting"),
+            asyncio.create_task(self._accounting.run(models, self._executor.apply),
+                                name="accounting"),
             asyncio.create_task(self._liveness.run(models), name="liveness")]
         if self._cpu_sharing:
             self._cpu_gate.start()
