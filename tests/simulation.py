@@ -59,7 +59,7 @@ from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
 from router.core.leases import Lease
-from router.core.lifecycle import Event, InvalidTransition, Refuse, Status, Stop
+from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
 from router.core.runtime import Estimated, ModelRuntime
 from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
@@ -293,11 +293,11 @@ class FakeSpawner(Spawner):
         return None
 
     async def spawn_ready(self, runtime: ModelRuntime, children: list[Any], timeout: float,
-                          started: float, cpu: Any) -> None:
+                          started: float, cpu: Any, report: Any) -> None:
         rng = self.sim.rng
         child = FakeChild(self.sim, runtime.id)
         children.append(child)
-        self.on_started(runtime, child)
+        report(runtime, ChildStarted(child))
         left = timeout - (clock.now() - started)
         roll = rng.random()
         delay = rng.choice((0.1, 0.3, 1.0, 3.0))

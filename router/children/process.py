@@ -59,7 +59,8 @@ EXIT_COMMAND = b"cmd_router_to_child:exit\n"
 ROUTER_PORT_ENV = "LLAMA_SERVER_ROUTER_PORT"
 # Called with (state, payload) for each state line a child writes: "loading", "ready",
 # "sleeping" or "downloading". Must be quick and must not raise.
-StateCallback = Callable[[str, dict[str, Any]], None]
+# Told each state line of a child: the child, its state and the line's payload.
+StateCallback = Callable[["ChildProcess", str, dict[str, Any]], None]
 _BIND_FAILURE_MARKERS = ("couldn't bind", "address already in use", "failed to bind")
 # A ready child's output is read at most this often (``_read_output``), this much at a time.
 OUTPUT_BATCH_S = 0.05
@@ -306,7 +307,7 @@ class ChildProcess:
             self._ready.set()
         if self.on_state is not None:
             try:
-                self.on_state(state, payload)
+                self.on_state(self, state, payload)
             except Exception:
                 log.exception("state callback failed", extra={"model": self.model_id})
 

@@ -24,7 +24,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from .. import clock
 from ..changes import Changes
@@ -35,6 +35,7 @@ from ..config.settings import Settings
 from ..errors import LoadFailed, ModelUnloaded
 from ..events import EventBus
 from ..warm.swaps import PREFIX_KEYS, SlotHolder, WarmSwaps
+from .admission import Admission
 from .lifecycle import (
     DRAINED,
     SHUTDOWN,
@@ -48,6 +49,7 @@ from .lifecycle import (
     Failure,
     FailureCounted,
     Forget,
+    Forgotten,
     KillReplica,
     LoadEnded,
     Publish,
@@ -64,6 +66,7 @@ from .lifecycle import (
     Stopped,
     transition,
 )
+from .modelset import ModelSet
 from .runtime import (
     FACTS,
     Estimated,
@@ -84,7 +87,6 @@ log = logging.getLogger("router.supervisor")
 FAILURE_LOG_LINES = 20
 BACKOFF_CAP_S = 30.0
 
-ModelCallback = Callable[[ModelRuntime], None]
 
 
 # The stops whose model comes back as it was: its slots are saved first (warm swaps). The
@@ -97,23 +99,32 @@ def backoff_s(failures_in_row: int) -> float:
     return 0.0 if failures_in_row <= 1 else min(2.0 ** (failures_in_row - 2), BACKOFF_CAP_S)
 
 
+class Loads(Protocol):
+    """What runs a model's load and its download (``loader.Loader``), each as the task the
+    executor starts for it, reporting back through ``Executor.apply``."""
+
+    admission: Admission
+
+    async def load(self, runtime: ModelRuntime) -> None: ...
+
+    async def fetch_files(self, runtime: ModelRuntime, cancel: threading.Event) -> None: ...
+
+
 class Executor:
     def __init__(self, settings: Settings, spawner: Spawner, events: EventBus, changes: Changes,
-                 *, load: Callable[[ModelRuntime], Coroutine[Any, Any, None]],
-                 forget: ModelCallback,
-                 download: Callable[[ModelRuntime, threading.Event],
-                                    Coroutine[Any, Any, None]] | None = None,
+                 model_set: ModelSet, *, loading: Callable[[Executor], Loads],
                  warm: WarmSwaps | None = None) -> None:
+        """``loading`` makes what runs loads and downloads (``loader.Loader``, with its
+        admission) for this executor, which starts those tasks and hears their events."""
         self.settings = settings
         self._warm = warm  # saves the slots before a stop that keeps them (``warm``)
         self._spawner = spawner
         self._events = events
         self._changes = changes
-        self._load = load  # a model's load (``Loader.load``), run as its load task
-        self._forget = forget  # drop a removed model
-        self._download = download  # a model's download (``Loader.fetch_files``), as a task
+        self._model_set = model_set  # drops a removed model's record (``Forget``)
         # Cancelled tasks still stopping what they started (a replacement child).
         self._ending: set[asyncio.Task[Any]] = set()
+        self.loads = loading(self)  # made last: it may call back into this executor
 
     # ----------------------------------------------------------------- events in
 
@@ -150,6 +161,14 @@ class Executor:
             self.apply(runtime, Stop(reason))
         return runtime.stop_task
 
+    def forget(self, runtime: ModelRuntime) -> None:
+        """Drop a removed model once nothing of it runs (``Forget``; a model removed while
+        not running): its record, and its saved states, in one step."""
+        if self._model_set.drop(runtime):
+            self.apply(runtime, Forgotten())
+        if self._warm is not None and runtime.id not in self._model_set.records:
+            self._warm.forget(runtime.id)  # its saved states go with its preset
+
     def set_preset(self, runtime: ModelRuntime, preset: ModelPreset) -> None:
         """The model's preset from now on (a reconfiguration; a download that resolved its
         files). One that turns warm swaps off removes the model's saved states at once, also
@@ -162,9 +181,8 @@ class Executor:
         """The model's download task, started unless one runs (shared by the load and by
         ``POST /models``)."""
         if runtime.download_task is None or runtime.download_task.done():
-            assert self._download is not None
             runtime.download_cancel = cancel = threading.Event()
-            runtime.download_task = _task(self._download(runtime, cancel),
+            runtime.download_task = _task(self.loads.fetch_files(runtime, cancel),
                                           f"download:{runtime.id}")
         return runtime.download_task
 
@@ -224,12 +242,12 @@ class Executor:
             case CancelDownload():
                 self.cancel_download(runtime)
             case StartLoad():
-                task = _task(self._load(runtime), f"load:{runtime.id}")
+                task = _task(self.loads.load(runtime), f"load:{runtime.id}")
                 runtime.load_task = task
                 # Also when cancelled before it ran a step (its body then never runs).
                 task.add_done_callback(lambda _: self.apply(runtime, LoadEnded()))
             case Forget():
-                self._forget(runtime)
+                self.forget(runtime)
             case FailureCounted(crash_loop):
                 if crash_loop:
                     log.error("failed %d times in a row; not restarting until POST /models/load",
@@ -294,7 +312,8 @@ class Executor:
         children: list[Backend] = []  # its cores count as held while it starts (``starting``)
         [share] = self._spawner.cpu_shares(runtime, 1)
         try:
-            await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share)
+            await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share,
+                                            self.apply)
         except BaseException as exc:
             # Cancelled meanwhile (the model is stopping): the cancel goes on after the stop.
             await to_the_end(self.stop_started(runtime, children))

@@ -55,7 +55,7 @@ class Loader:
         self._warm = warm  # restores the saved slots before the model serves (``warm``)
         self._executor = executor
         self._spawner = spawner
-        self._admission = admission
+        self.admission = admission  # the queue each load waits its turn in
         self._accounting = accounting
         self._changes = changes
 
@@ -86,7 +86,7 @@ class Loader:
                      runtime.state.failures_in_row, extra={"model": runtime.id})
             await asyncio.sleep(delay)
         if not remote:  # a remote upstream holds no local memory, cores or model slot
-            await self._admission.admit(runtime)
+            await self.admission.admit(runtime)
         self._executor.apply(runtime, Admitted())
         children: list[Backend] = []  # this load's, until they serve (``starting``)
         try:
@@ -123,7 +123,8 @@ class Loader:
             if self._warm is not None else None
         try:
             results = await asyncio.gather(
-                *(self._spawner.spawn_ready(runtime, children, timeout, started, share)
+                *(self._spawner.spawn_ready(runtime, children, timeout, started, share,
+                                            self._executor.apply)
                   for share in self._spawner.cpu_shares(runtime, preset.replicas)),
                 return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]

@@ -7,7 +7,7 @@
   core; nothing when CPU sharing is off or the preset places its children itself.
 * ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
   waited for until healthy. While it loads, its own progress reports (child mode, see
-  ``process``) go to ``on_progress`` (the lifecycle's ``LoadProgress``, published as
+  ``process``) are reported as the lifecycle's ``LoadProgress`` (published as
   llama.cpp's router does: ``status_change`` with ``progress``), the least advanced of the
   model's children being started.
 * A model with ``upstream`` (``remote``) gets a ``RemoteUpstream`` instead of a child: no
@@ -44,7 +44,7 @@ from ..host.cpus import CpuShare, all_layers_offloaded, places_itself, plan_shar
 from ..host.gpus import GpuDevice, devices_used
 from ..llama.flags import FlagTable
 from .accounting import TRANSIENT_ERRNOS
-from .lifecycle import Status
+from .lifecycle import ChildGone, ChildStarted, Event, LoadProgress, Status
 from .runtime import ModelRuntime, http_threads
 
 log = logging.getLogger("router.spawner")
@@ -53,12 +53,16 @@ PORT_RETRIES = 3
 START_RETRY_S = 0.25
 INFO_TIMEOUT_S = 5.0
 
+# Where a spawn reports what happens to the model's children (``Executor.apply``).
+Report = Callable[[ModelRuntime, Event], object]
+
 
 class Spawner:
     def __init__(self, binary: Path, table: FlagTable, client: httpx.AsyncClient,
                  events: EventBus, *, router_port: int, cores: list[int],
                  gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]],
-                 upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S) -> None:
+                 upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S,
+                 slot_dir: Callable[[ModelPreset], Path | None] | None = None) -> None:
         self.binary = binary
         self.upstream_timeout = upstream_timeout  # each pool's response-head deadline
         self.table = table
@@ -69,14 +73,8 @@ class Spawner:
         self._router_port = router_port
         self._models = models
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
-        # Told each model's overall load progress (the supervisor: a ``LoadProgress`` event).
-        self.on_progress: Callable[[ModelRuntime, dict[str, Any]], None] | None = None
-        # Told each child that gets a process (``ChildStarted``) and each one dropped before
-        # its caller took it over (``ChildGone``): the model's ``starting`` phase.
-        self.on_started: Callable[[ModelRuntime, Backend], None] = _nothing
-        self.on_gone: Callable[[ModelRuntime, Backend], None] = _nothing
         # The ``--slot-save-path`` of a preset's children, when it has warm swaps (``warm``).
-        self.slot_dir: Callable[[ModelPreset], Path | None] | None = None
+        self.slot_dir = slot_dir
         # Per model, the last load progress each of its children being started reported
         # (``load_progress``).
         self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
@@ -141,13 +139,16 @@ class Spawner:
     # ----------------------------------------------------------------- spawning
 
     async def spawn_ready(self, runtime: ModelRuntime, children: list[Backend],
-                          timeout: float, started: float, cpu: CpuShare | None) -> None:
+                          timeout: float, started: float, cpu: CpuShare | None,
+                          report: Report) -> None:
         """Spawn one child into ``children`` (retrying a taken port) and wait until it is
         healthy; raises ``ChildError`` (the caller stops what ``children`` holds and reports
-        each as gone). Each child with a process is reported to ``on_started``."""
+        each as gone). ``report`` (the record's owner) is told each child that gets a process
+        (``ChildStarted``), each one dropped before the caller took it over (``ChildGone``)
+        and the model's overall load progress (``LoadProgress``)."""
         for attempt in range(PORT_RETRIES):
             child = await self._start(runtime, children, cpu,
-                                      timeout - (clock.now() - started))
+                                      timeout - (clock.now() - started), report)
             try:
                 await child.wait_ready(timeout - (clock.now() - started), timeout)
                 return
@@ -155,12 +156,12 @@ class Spawner:
                 if not exc.port_in_use or attempt == PORT_RETRIES - 1:
                     raise
                 children.remove(child)
-                self.on_gone(runtime, child)
+                report(runtime, ChildGone(child))
                 log.warning("port %d was taken; retrying", child.port,
                             extra={"model": runtime.id})
 
     async def _start(self, runtime: ModelRuntime, children: list[Backend],
-                     cpu: CpuShare | None, within: float) -> Backend:
+                     cpu: CpuShare | None, within: float, report: Report) -> Backend:
         """Start a child on a free port into ``children``. A failure for a reason of the
         moment (out of file descriptors or memory: a flood of clients) is retried every
         ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
@@ -172,7 +173,7 @@ class Spawner:
                                         max_connections=runtime.max_connections,
                                         head_timeout_s=self.upstream_timeout)
                 children.append(remote)
-                self.on_started(runtime, remote)
+                report(runtime, ChildStarted(remote))
                 await remote.start()
                 return remote
             try:
@@ -182,26 +183,27 @@ class Spawner:
                 if slot_dir is not None:
                     argv += ["--slot-save-path", str(slot_dir)]
                 env = {**child_environment(), **spin_environment()} if self.cores else None
+                on_state = functools.partial(self._child_state, runtime, report)
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,
                                      head_timeout_s=self.upstream_timeout,
-                                     cpu=cpu, router_port=self._router_port)
-                child.on_state = functools.partial(self._child_state, runtime, child)
+                                     cpu=cpu, router_port=self._router_port,
+                                     on_state=on_state)
                 children.append(child)  # from now on the caller stops it if anything fails
-                self.on_started(runtime, child)
+                report(runtime, ChildStarted(child))
                 await child.start()
             except OSError as exc:
                 if exc.errno not in TRANSIENT_ERRNOS or clock.now() >= deadline:
                     raise
                 if children and children[-1].pid is None:
-                    self.on_gone(runtime, children.pop())  # never started: nothing to stop
+                    report(runtime, ChildGone(children.pop()))  # never started: nothing to stop
                 log.warning("cannot start llama-server now (%s); retrying", exc.strerror,
                             extra={"model": runtime.id})
                 await asyncio.sleep(START_RETRY_S)
                 continue
             return child
 
-    def _child_state(self, runtime: ModelRuntime, child: Backend, state: str,
+    def _child_state(self, runtime: ModelRuntime, report: Report, child: Backend, state: str,
                      payload: dict[str, Any]) -> None:
         """A state line from a child: load progress is published while the model loads."""
         if state != "loading" or runtime.status is not Status.LOADING:
@@ -217,8 +219,7 @@ class Spawner:
         overall = min(reports, key=progress_rank, default=progress)
         if len(reports) < len(runtime.starting) > 1:
             overall = {**overall, "value": 0.0}  # a replica has not reported yet
-        if self.on_progress is not None:
-            self.on_progress(runtime, overall)
+        report(runtime, LoadProgress(overall))
 
     async def model_info(self, child: Backend) -> dict[str, Any] | None:
         """The child's own ``/v1/models`` entry: from its ``ready`` report, else asked."""
@@ -233,6 +234,3 @@ class Spawner:
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
 
-
-def _nothing(runtime: ModelRuntime, child: Backend) -> None:
-    pass

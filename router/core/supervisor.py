@@ -62,7 +62,6 @@ class Supervisor:
         self.spawner = core.spawner
         self.executor = core.executor
         self.admission = core.admission
-        self.loader = core.loader
         self.liveness = core.liveness
         self.leases = core.leases
         self.wait = core.wait
@@ -169,15 +168,15 @@ class Supervisor:
 
     def add_model(self, preset: ModelPreset) -> ModelRuntime:
         """Add a model at run time (``POST /models``)."""
-        return self.model_set.add(preset)
+        return self.core.model_changes.add(preset)
 
     def remove_model(self, model_id: str) -> None:
         """Forget a model that is not running (``DELETE /models``)."""
-        self.model_set.remove(model_id)
+        self.core.model_changes.remove(model_id)
 
     def reconfigure(self, catalogue: Catalogue) -> dict[str, list[str]]:
-        """Apply a new catalogue as a diff, without dropping a request (``ModelSet``)."""
-        return self.model_set.reconfigure(catalogue)
+        """Apply a new catalogue as a diff, without dropping a request (``modelchanges``)."""
+        return self.core.model_changes.reconfigure(catalogue)
 
     # ----------------------------------------------------------------- stopping
 

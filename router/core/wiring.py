@@ -43,9 +43,10 @@ from .cpugate import CpuGate
 from .executor import Executor
 from .idle import reap_idle
 from .leases import Leases
-from .lifecycle import ChildGone, ChildStarted, Drain, LoadProgress, Undrain
+from .lifecycle import Drain, Undrain
 from .liveness import Liveness
 from .loader import Loader
+from .modelchanges import ModelChanges
 from .modelset import ModelSet
 from .runtime import ModelRuntime, cpu_turn_members
 from .spawner import Spawner
@@ -63,13 +64,13 @@ class Core:
     cores: list[int]  # shared among CPU children (``cpus``); empty when CPU sharing is off
     gpus: list[GpuDevice]
     model_set: ModelSet
+    model_changes: ModelChanges
     changes: Changes
     cpu_gate: CpuGate
     accounting: Accounting
     spawner: Spawner
     executor: Executor
     admission: Admission
-    loader: Loader
     liveness: Liveness
     leases: Leases
     wait: ModelWait
@@ -94,49 +95,38 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
     cpu_gate = CpuGate(lambda: cpu_turn_members(models.values()))
     accounting = Accounting(devices)
     changes = Changes()
-    spawner = spawner or Spawner(binary, table, client, events, router_port=settings.port,
-                                 cores=shared, gpus=devices, models=models.values,
-                                 upstream_timeout=settings.upstream_timeout)
     if warm is None and states is not None:
         warm = WarmSwaps(states, build, client, events)
     if warm is not None:
-        spawner.slot_dir = warm.slot_dir
         warm.drop_turned_off(runtime.preset for runtime in models.values())
-    parts: dict[str, Loader] = {}  # the loader, made after the executor that starts its loads
+    spawner = spawner or Spawner(binary, table, client, events, router_port=settings.port,
+                                 cores=shared, gpus=devices, models=models.values,
+                                 upstream_timeout=settings.upstream_timeout,
+                                 slot_dir=warm.slot_dir if warm is not None else None)
 
-    async def load(runtime: ModelRuntime) -> None:
-        await parts["loader"].load(runtime)
+    def loading(executor: Executor) -> Loader:  # the executor's loads, with their admission
+        evict, drain, undrain = _room_makers(models, executor)
+        admission = Admission(settings, accounting, executor.apply, changes,
+                              memory_budget=settings.memory_budget_bytes(),
+                              gpu_budgets=dict(gpu_budgets or {}), models=models.values,
+                              evict=evict, drain=drain, undrain=undrain)
+        return Loader(settings, executor, spawner, admission, accounting, changes, warm=warm)
 
-    def forget(runtime: ModelRuntime) -> None:
-        model_set.forget(runtime)
-        if warm is not None and runtime.id not in model_set.records:
-            warm.forget(runtime.id)  # its saved states go with its preset
-
-    executor = Executor(settings, spawner, events, changes, load=load, warm=warm,
-                        forget=forget,
-                        download=lambda r, cancel: parts["loader"].fetch_files(r, cancel))
-    spawner.on_progress = lambda runtime, progress: executor.apply(runtime,
-                                                                   LoadProgress(progress))
-    spawner.on_started = lambda runtime, child: executor.apply(runtime, ChildStarted(child))
-    spawner.on_gone = lambda runtime, child: executor.apply(runtime, ChildGone(child))
-    evict, drain, undrain = _room_makers(models, executor)
-    admission = Admission(settings, accounting, executor.apply, changes,
-                          memory_budget=settings.memory_budget_bytes(),
-                          gpu_budgets=dict(gpu_budgets or {}), models=models.values,
-                          evict=evict, drain=drain, undrain=undrain)
-    parts["loader"] = loader = Loader(settings, executor, spawner, admission, accounting,
-                                      changes, warm=warm)
+    executor = Executor(settings, spawner, events, changes, model_set, loading=loading,
+                        warm=warm)
     liveness = Liveness(interval=settings.liveness_interval, timeout=settings.liveness_timeout,
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
     leases = Leases(gate=cpu_gate, apply=executor.apply,
                     on_replica_done=executor.close_pool_later)
+    admission = executor.loads.admission
     wait = ModelWait(settings, executor, admission, leases, models.values)
-    model_set.wire(executor, accounting, wait, changes)
+    model_changes = ModelChanges(model_set, executor, wait, changes)
     background = Background(settings, models, executor, accounting, liveness, cpu_gate,
                             cpu_sharing=bool(shared))
-    return Core(settings, events, shared, devices, model_set, changes, cpu_gate, accounting,
-                spawner, executor, admission, loader, liveness, leases, wait, background, warm)
+    return Core(settings, events, shared, devices, model_set, model_changes, changes, cpu_gate,
+                accounting, spawner, executor, admission, liveness, leases, wait, background,
+                warm)
 
 
 def _room_makers(models: dict[str, ModelRuntime], executor: Executor) -> tuple[
