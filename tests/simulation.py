@@ -293,11 +293,11 @@ class FakeSpawner(Spawner):
         return None
 
     async def spawn_ready(self, runtime: ModelRuntime, children: list[Any], timeout: float,
-                          started: float, cpu: Any, report: Any) -> None:
+                          started: float, cpu: Any, reports: Any) -> None:
         rng = self.sim.rng
         child = FakeChild(self.sim, runtime.id)
         children.append(child)
-        report(runtime, ChildStarted(child))
+        reports.report(runtime, ChildStarted(child))
         left = timeout - (clock.now() - started)
         roll = rng.random()
         delay = rng.choice((0.1, 0.3, 1.0, 3.0))

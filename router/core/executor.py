@@ -80,7 +80,7 @@ from .runtime import (
     WaitBegan,
     WaitEnded,
 )
-from .spawner import Spawner
+from .spawner import Spawner, SpawnReports
 
 log = logging.getLogger("router.supervisor")
 
@@ -313,7 +313,7 @@ class Executor:
         [share] = self._spawner.cpu_shares(runtime, 1)
         try:
             await self._spawner.spawn_ready(runtime, children, timeout, clock.now(), share,
-                                            self.apply)
+                                            SpawnReports(self.apply))
         except BaseException as exc:
             # Cancelled meanwhile (the model is stopping): the cancel goes on after the stop.
             await to_the_end(self.stop_started(runtime, children))

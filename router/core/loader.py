@@ -40,7 +40,7 @@ from .lifecycle import (
     Status,
 )
 from .runtime import LoadTimed, ModelRuntime, Unestimated, new_replica
-from .spawner import Spawner
+from .spawner import Spawner, SpawnReports
 
 log = logging.getLogger("router.supervisor")
 
@@ -121,10 +121,10 @@ class Loader:
         # The saved states are verified while the children start; this load owns the check.
         restorable = asyncio.ensure_future(self._warm.restorable(preset)) \
             if self._warm is not None else None
+        reports = SpawnReports(self._executor.apply)  # this load's
         try:
             results = await asyncio.gather(
-                *(self._spawner.spawn_ready(runtime, children, timeout, started, share,
-                                            self._executor.apply)
+                *(self._spawner.spawn_ready(runtime, children, timeout, started, share, reports)
                   for share in self._spawner.cpu_shares(runtime, preset.replicas)),
                 return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]

@@ -57,6 +57,15 @@ INFO_TIMEOUT_S = 5.0
 Report = Callable[[ModelRuntime, Event], object]
 
 
+class SpawnReports:
+    """Where the spawns of one load (or one replacement) report, and the last load progress
+    each of its children reported (``load_progress``): it lives as long as that load."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self.progress: dict[Backend, dict[str, Any]] = {}
+
+
 class Spawner:
     def __init__(self, binary: Path, table: FlagTable, client: httpx.AsyncClient,
                  events: EventBus, *, router_port: int, cores: list[int],
@@ -75,9 +84,6 @@ class Spawner:
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
         # The ``--slot-save-path`` of a preset's children, when it has warm swaps (``warm``).
         self.slot_dir = slot_dir
-        # Per model, the last load progress each of its children being started reported
-        # (``load_progress``).
-        self._progress: dict[str, dict[Backend, dict[str, Any]]] = {}
 
     # ----------------------------------------------------------------- argv
 
@@ -140,15 +146,15 @@ class Spawner:
 
     async def spawn_ready(self, runtime: ModelRuntime, children: list[Backend],
                           timeout: float, started: float, cpu: CpuShare | None,
-                          report: Report) -> None:
+                          reports: SpawnReports) -> None:
         """Spawn one child into ``children`` (retrying a taken port) and wait until it is
         healthy; raises ``ChildError`` (the caller stops what ``children`` holds and reports
-        each as gone). ``report`` (the record's owner) is told each child that gets a process
+        each as gone). ``reports`` (the record's owner) is told each child that gets a process
         (``ChildStarted``), each one dropped before the caller took it over (``ChildGone``)
         and the model's overall load progress (``LoadProgress``)."""
         for attempt in range(PORT_RETRIES):
             child = await self._start(runtime, children, cpu,
-                                      timeout - (clock.now() - started), report)
+                                      timeout - (clock.now() - started), reports)
             try:
                 await child.wait_ready(timeout - (clock.now() - started), timeout)
                 return
@@ -156,12 +162,12 @@ class Spawner:
                 if not exc.port_in_use or attempt == PORT_RETRIES - 1:
                     raise
                 children.remove(child)
-                report(runtime, ChildGone(child))
+                reports.report(runtime, ChildGone(child))
                 log.warning("port %d was taken; retrying", child.port,
                             extra={"model": runtime.id})
 
     async def _start(self, runtime: ModelRuntime, children: list[Backend],
-                     cpu: CpuShare | None, within: float, report: Report) -> Backend:
+                     cpu: CpuShare | None, within: float, reports: SpawnReports) -> Backend:
         """Start a child on a free port into ``children``. A failure for a reason of the
         moment (out of file descriptors or memory: a flood of clients) is retried every
         ``START_RETRY_S`` while the load's time lasts, not reported as the model's failure."""
@@ -173,7 +179,7 @@ class Spawner:
                                         max_connections=runtime.max_connections,
                                         head_timeout_s=self.upstream_timeout)
                 children.append(remote)
-                report(runtime, ChildStarted(remote))
+                reports.report(runtime, ChildStarted(remote))
                 await remote.start()
                 return remote
             try:
@@ -183,43 +189,43 @@ class Spawner:
                 if slot_dir is not None:
                     argv += ["--slot-save-path", str(slot_dir)]
                 env = {**child_environment(), **spin_environment()} if self.cores else None
-                on_state = functools.partial(self._child_state, runtime, report)
+                on_state = functools.partial(self._child_state, runtime, reports)
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,
                                      head_timeout_s=self.upstream_timeout,
                                      cpu=cpu, router_port=self._router_port,
                                      on_state=on_state)
                 children.append(child)  # from now on the caller stops it if anything fails
-                report(runtime, ChildStarted(child))
+                reports.report(runtime, ChildStarted(child))
                 await child.start()
             except OSError as exc:
                 if exc.errno not in TRANSIENT_ERRNOS or clock.now() >= deadline:
                     raise
                 if children and children[-1].pid is None:
-                    report(runtime, ChildGone(children.pop()))  # never started: nothing to stop
+                    reports.report(runtime, ChildGone(children.pop()))  # never started
                 log.warning("cannot start llama-server now (%s); retrying", exc.strerror,
                             extra={"model": runtime.id})
                 await asyncio.sleep(START_RETRY_S)
                 continue
             return child
 
-    def _child_state(self, runtime: ModelRuntime, report: Report, child: Backend, state: str,
-                     payload: dict[str, Any]) -> None:
+    def _child_state(self, runtime: ModelRuntime, reports: SpawnReports, child: Backend,
+                     state: str, payload: dict[str, Any]) -> None:
         """A state line from a child: load progress is published while the model loads."""
         if state != "loading" or runtime.status is not Status.LOADING:
             return
-        known = self._progress.setdefault(runtime.id, {})
+        known = reports.progress
         progress = load_progress(known.get(child), payload)
         if progress is None:
             return
         for started in [c for c in known if c not in runtime.starting]:  # loaded or gone
             del known[started]
         known[child] = progress
-        reports = [known[c] for c in runtime.starting if c in known]
-        overall = min(reports, key=progress_rank, default=progress)
-        if len(reports) < len(runtime.starting) > 1:
+        heard = [known[c] for c in runtime.starting if c in known]
+        overall = min(heard, key=progress_rank, default=progress)
+        if len(heard) < len(runtime.starting) > 1:
             overall = {**overall, "value": 0.0}  # a replica has not reported yet
-        report(runtime, LoadProgress(overall))
+        reports.report(runtime, LoadProgress(overall))
 
     async def model_info(self, child: Backend) -> dict[str, Any] | None:
         """The child's own ``/v1/models`` entry: from its ``ready`` report, else asked."""
