@@ -7,7 +7,7 @@ Each of its tests starts a llama-server itself (``utils.ServerProcess``) from
 would download its models from Hugging Face. This runner:
 
 1. unpacks the suite into a work directory and makes its models locally: every preset's model
-   is one tiny random-weight GGUF (``router.tinymodel``), so the suite needs no network; tests
+   is one tiny random-weight GGUF (``router.llama.tinymodel``), so the suite needs no network; tests
    that check the words of a real model's answer fail both ways alike;
 2. runs the chosen test files twice, with the suite's own Python (``--python``: a separate venv
    with its ``requirements.txt``):

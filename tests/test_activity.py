@@ -111,7 +111,7 @@ def test_generated_tokens_reads_only_the_tail() -> None:
 # --------------------------------------------------------------------------- the middleware
 
 class Clock:
-    """``time`` for ``router.middleware``: perf_counter advances only when a test says so."""
+    """``time`` for ``router.edge.middleware``: perf_counter advances only when a test says so."""
 
     def __init__(self) -> None:
         self.now = 100.0

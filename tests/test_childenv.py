@@ -1,4 +1,4 @@
-"""What a child's environment keeps and loses (``router.childenv``); the same with a real
+"""What a child's environment keeps and loses (``router.children.childenv``); the same with a real
 llama-server child is in ``test_childenv_real.py``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Children's environment with the real llama-server (``router.childenv``): a router on a
+"""Children's environment with the real llama-server (``router.children.childenv``): a router on a
 Vertex AI prediction container (``AIP_MODE=PREDICTION``, ``AIP_HTTP_PORT`` = the router's own
 port) still serves from its children, and options set in the router's environment
 (``LLAMA_ARG_*``) do not reach them: presets decide."""

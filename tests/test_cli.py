@@ -52,7 +52,8 @@ WITHOUT_TINY_EXTRA = "import sys; sys.modules['gguf'] = sys.modules['numpy'] = N
 def test_the_router_imports_neither_numpy_nor_gguf() -> None:
     """gguf and numpy are the `tiny` extra (tiny-model only): serving, the CLI and the GGUF
     header reader must work without them."""
-    code = ("import sys, router.cli, router.server, router.app, router.ggufmeta, router.memory; "
+    code = ("import sys, router.cli, router.server, router.edge.app, router.llama.ggufmeta, "
+            "router.host.memory; "
             "print(sorted({'numpy', 'gguf'} & {m.split('.')[0] for m in sys.modules}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=True)
@@ -66,7 +67,7 @@ def test_serving_loads_no_installer_and_no_cli_of_httpx() -> None:
     """What serving never uses stays out of the router's memory (docs/benchmarks.md, idle
     RSS): the installer's archive and packaging modules, ctypes (only the spawn fallback),
     httpx's command-line client (click's pygments)."""
-    code = ("import sys, router.cli, router.server, router.app; "
+    code = ("import sys, router.cli, router.server, router.edge.app; "
             "loaded = {name for name, module in sys.modules.items() if module is not None}; "
             "print(sorted({'tarfile', 'ctypes', 'pygments', 'httpx._main'} & loaded))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

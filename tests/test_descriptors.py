@@ -1,6 +1,7 @@
-"""Descriptor ownership of a child's pipes and pidfd (``router.spawn``, ``router.process``) on
-both event loops the router runs on (uvloop when serving, asyncio's in most tests): every
-descriptor is closed once, by its one owner, and never while a loop still watches it.
+"""Descriptor ownership of a child's pipes and pidfd (``router.children.spawn``,
+``router.children.process``) on both event loops the router runs on (uvloop when serving,
+asyncio's in most tests): every descriptor is closed once, by its one owner, and never while a
+loop still watches it.
 
 Why it matters: a descriptor closed twice closes whatever reused its number in between
 (another thread's ``/proc`` read, a client's socket), and one closed while a loop watches it

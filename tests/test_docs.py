@@ -19,7 +19,7 @@ In a span:
 2. **Module-qualified names.** A dotted name whose first part is ``router``, ``benchmarks``
    or a module or package of the router by its own name (``proxy.DirectBody`` is
    ``router.http.proxy.DirectBody``, ``http11.BodyWriter.one_write``,
-   ``router.tinymodel.write_tiny_model``, ``benchmarks.multiturn.Settings.saturated``) is
+   ``router.llama.tinymodel.write_tiny_model``, ``benchmarks.multiturn.Settings.saturated``) is
    imported (``router.<module>``, the longest importable prefix) and each further part looked
    up with ``getattr``; on a class, an attribute that only instances have counts too (a
    dataclass field, a ``__slots__`` entry, an annotation, or a ``self.name = …`` in the
@@ -474,7 +474,7 @@ def test_the_checks_catch_what_they_should() -> None:
     assert check_dotted("benchmarks.multiturn.Settings.saturated") is None
     assert check_dotted("RequestContext.sent") is None
     assert check_dotted("router.log") is None  # a file name
-    assert check_dotted("router.supervisor") is None  # a logger's name
+    assert check_dotted("router.core.supervisor") is None  # a logger's name
     assert check_dotted("RequestResponseCycle.send") is None  # uvicorn's: not checked
     assert check_dotted("proxy.no_such_thing") is not None
     assert check_dotted("router.bench") is not None

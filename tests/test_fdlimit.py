@@ -1,4 +1,4 @@
-"""File descriptors (router.fdlimit): the soft limit raised, client connections capped."""
+"""File descriptors (router.host.fdlimit): the soft limit raised, client connections capped."""
 
 from __future__ import annotations
 

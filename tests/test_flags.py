@@ -1,4 +1,4 @@
-"""Unit tests for router.flags: parsing ``llama-server --help`` and the FlagTable."""
+"""Unit tests for router.llama.flags: parsing ``llama-server --help`` and the FlagTable."""
 
 from __future__ import annotations
 

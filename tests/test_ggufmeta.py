@@ -110,7 +110,7 @@ def test_missing_file_is_a_value_error(tmp_path: Path) -> None:
 @pytest.mark.process
 def test_reading_a_header_does_not_import_numpy(tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "tiny.gguf", seed=1)
-    code = ("import sys; from router.memory import read_shape; read_shape(sys.argv[1]); "
+    code = ("import sys; from router.host.memory import read_shape; read_shape(sys.argv[1]); "
             "print('numpy' in sys.modules, 'gguf' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
                             text=True, check=True)

@@ -1,4 +1,4 @@
-"""The HTTP/1.1 protocol (router.http11) on uvicorn's, in process: a real asyncio server on
+"""The HTTP/1.1 protocol (router.http.http11) on uvicorn's, in process: a real asyncio server on
 loopback running the router's protocol class around small ASGI apps, and raw sockets as
 clients. Fast (short deadlines), so every uvicorn version the bounds allow is checked cheaply.
 """

@@ -1,4 +1,4 @@
-"""The idle TTL rule (router.idle.idle_expired), on plain run state."""
+"""The idle TTL rule (router.core.idle.idle_expired), on plain run state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A big JSON body read without building it (``router.jsonscan``): it reads what a parser
+"""A big JSON body read without building it (``router.http.jsonscan``): it reads what a parser
 reads (Hypothesis against ``json.loads``: the model, duplicates, escaped keys, strings full
 of brackets and quotes), refuses what is too deep or holds too many values, renames a model
 keeping every other byte, and, on a body of the largest size the router takes, neither holds

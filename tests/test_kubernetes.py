@@ -15,11 +15,12 @@ No cluster is needed. What is checked:
 - the routers' containers agree with the CLI they run: their args are parsed by
   ``llama-router serve``'s own parser (``router.cli.main``, stopped before it serves) and every
   ``--flag`` must be one that ``serve --help`` lists; every ``LLAMA_ROUTER_*`` variable must be a
-  setting of ``router.settings.Settings``; the Settings built from both must validate. From them:
-  ``--host`` is 0.0.0.0, the container port and every probe's port are ``--port``, every probe is
-  ``GET /health``, terminationGracePeriodSeconds covers preStop + shutdown grace + the drain +
-  the stop timeout, the memory budget stays under the memory limit, the files named exist in
-  the mounted ConfigMap or Secret, and what is written lands on a writable volume;
+  setting of ``router.config.settings.Settings``; the Settings built from both must validate.
+  From them: ``--host`` is 0.0.0.0, the container port and every probe's port are ``--port``,
+  every probe is ``GET /health``, terminationGracePeriodSeconds covers preStop + shutdown
+  grace + the drain + the stop timeout, the memory budget stays under the memory limit, the
+  files named exist in the mounted ConfigMap or Secret, and what is written lands on a
+  writable volume;
 - the tiers are wired together: the node StatefulSet's headless Service, the gateway's
   ``--peer-dns`` naming that Service, its namespace and the node routers' port, the gateway
   Service, the ServiceMonitor and the KEDA trigger;

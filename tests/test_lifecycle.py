@@ -1,4 +1,4 @@
-"""The model lifecycle (router.lifecycle): every status x event pair, and the flag cases."""
+"""The model lifecycle (router.core.lifecycle): every status x event pair, and the flag cases."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Listen addresses (``router.listen``): ``--host`` parsed as llama-server takes it, and every
-address bound or refused by name. The sockets are real, on loopback; no process starts.
+"""Listen addresses (``router.config.listen``): ``--host`` parsed as llama-server takes it, and
+every address bound or refused by name. The sockets are real, on loopback; no process starts.
 (A router on several addresses with real children: ``test_listen_real.py``.)"""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Liveness of serving children (router.liveness): probes in-process, then a frozen real child."""
+"""Liveness of serving children (router.core.liveness): probes in-process, then a frozen real
+child."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for router.memory (no llama-server needed)."""
+"""Unit tests for router.host.memory (no llama-server needed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Choosing a replica by expected cost (``router.pace``): the child's timings read from a
+"""Choosing a replica by expected cost (``router.core.pace``): the child's timings read from a
 response's end, the running estimates, the backlog of expected work, the choice, and a
 simulation of the saturated case with made-up timings (two one-slot replicas, eight
 conversations arriving together): by cost, the follow-up turns start sooner than by the rule

@@ -1,4 +1,4 @@
-"""Unit tests for router.presets: INI parsing and validation against the real flag table."""
+"""Unit tests for router.config.presets: INI parsing and validation against the real flag table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reconfiguration as a pure diff (router.reconfig)."""
+"""Reconfiguration as a pure diff (router.config.reconfig)."""
 
 from __future__ import annotations
 

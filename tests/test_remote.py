@@ -1,4 +1,4 @@
-"""Remote upstreams as models (router.remote): preset keys, the RemoteUpstream against an
+"""Remote upstreams as models (router.children.remote): preset keys, the RemoteUpstream against an
 in-process HTTP server, and end to end with the real llama-server as the remote."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unit tests for router.requests: bounded body reading and finding the ``model``."""
+"""Unit tests for router.http.requests: bounded body reading and finding the ``model``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exhaustive unit tests for router.scheduler.plan_admission (a pure function)."""
+"""Exhaustive unit tests for router.core.scheduler.plan_admission (a pure function)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for router.sources: models-dir scanning and catalogue merging."""
+"""Unit tests for router.config.sources: models-dir scanning and catalogue merging."""
 
 from __future__ import annotations
 

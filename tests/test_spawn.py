@@ -1,4 +1,4 @@
-"""Starting children (``router.spawn``): pipes, exit codes, and death with the router, both
+"""Starting children (``router.children.spawn``): pipes, exit codes, and death with the router, both
 through ``setpriv`` (the fast path) and with a ``preexec_fn`` (where setpriv is missing)."""
 
 from __future__ import annotations

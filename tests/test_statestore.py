@@ -412,7 +412,7 @@ def test_a_damaged_state_is_never_returned_and_is_removed(
     good = kept(save(store, fp, slot=1, data=b"g" * 100))
     bad = kept(save(store, fp, slot=0, data=bytes(range(100))))
     DAMAGE[damage](bad)
-    with caplog.at_level(logging.WARNING, logger="router.warm.statestore"):
+    with caplog.at_level(logging.WARNING, logger="router.statestore"):
         if restart:
             store = StateStore(root, 1 << 20, clock=clock)
         assert store.states(MODEL, fp) == [good]

@@ -44,7 +44,7 @@ def test_an_abstract_socket_address() -> None:
 def test_a_socket_nobody_listens_on_is_logged_not_raised(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     missing = str(tmp_path / "gone")
-    with caplog.at_level(logging.WARNING, logger="router.host.systemd"):
+    with caplog.at_level(logging.WARNING, logger="router.systemd"):
         Notifier({"NOTIFY_SOCKET": missing}).notify("READY=1")
     assert f"cannot notify systemd at {missing}" in caplog.text
 

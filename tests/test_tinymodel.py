@@ -1,4 +1,4 @@
-"""Unit tests for router.tinymodel (no llama-server needed)."""
+"""Unit tests for router.llama.tinymodel (no llama-server needed)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ gguf's writer drops empty arrays) and three control tokens: ``<|endoftext|>`` (b
 
 Usage::
 
-    python -m router.tinymodel OUT.gguf [--seed N] [--name NAME]
+    python -m router.llama.tinymodel OUT.gguf [--seed N] [--name NAME]
 
 Needs gguf and numpy, the optional extra ``tiny`` (``pip install 'llama-router[tiny]'``): only
 ``llama-router tiny-model``, the tests and the benchmark import this module, never the router.
@@ -324,7 +324,7 @@ def ensure_tiny_model(path: str | os.PathLike[str], **kw: Any) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m router.tinymodel",
+        prog="python -m router.llama.tinymodel",
         description="Write a tiny random-weight llama GGUF (for tests and smoke checks).",
     )
     parser.add_argument("out", help="output .gguf path")
