@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from ..config.keyfile import KeyScope
 from ..errors import ModelNotFound, NotFound, Unavailable
 from ..peers import hop
-from ..peers.hop import came_through
 from .resumable import Claim, serves
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ def decide(state: State, request: RequestContext, model: str, conv_id: str | Non
     sup = state.supervisor
     peers = state.peers
     holders: Sequence[Peer] = ()
-    if peers is not None and peers.peers and not came_through(request, peers.instance):
+    if peers is not None and peers.peers and not hop.came_through(request, peers.instance):
         holders = peers.holders(model, request.via)  # one that came back: served here or 409
     local = local_model(sup, request.key_scope, model) if holders else \
         _here(state, request, model)
