@@ -227,6 +227,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
             peers.start()
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
                                      router_log, reloader, peers)
+            app.state.supervisor = supervisor  # the server's own: startup models, a kill
             watcher = asyncio.create_task(reloader.watch(), name="config-watch")
             atexit.register(supervisor.kill_all_now)
             startup = asyncio.create_task(supervisor.load_startup_models())
@@ -278,6 +279,10 @@ class RouterServer(uvicorn.Server):
         state: State | None = getattr(self.router_app.state, "router", None)
         return state
 
+    def _supervisor(self) -> Supervisor | None:
+        supervisor: Supervisor | None = getattr(self.router_app.state, "supervisor", None)
+        return supervisor
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.should_exit:
@@ -298,10 +303,10 @@ class RouterServer(uvicorn.Server):
                     await self._exit_requested.wait()
 
     async def _ready(self) -> None:
-        state = self._state()
+        supervisor = self._supervisor()
         failed: list[str] = []
-        if state is not None:
-            failed = await state.supervisor.wait_startup_models()
+        if supervisor is not None:
+            failed = await supervisor.wait_startup_models()
         status = f"STATUS=serving; startup models failed: {', '.join(failed)}" if failed \
             else "STATUS=serving"
         self.notifier.notify("READY=1", status)
@@ -361,8 +366,8 @@ class RouterServer(uvicorn.Server):
         state = self._state()
         if self.should_exit:  # second signal: no more waiting
             log.warning("second signal: killing children and exiting now")
-            if state is not None:
-                state.supervisor.kill_all_now()
+            if (supervisor := self._supervisor()) is not None:
+                supervisor.kill_all_now()
             self.force_exit = True
             return
         self.notifier.notify("STOPPING=1")

@@ -23,6 +23,8 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
 * every drain ends: a draining model with nothing in flight is stopping, and a drain made for
   a swap is lifted when nobody waits for that swap any more;
 * ``in_flight`` and ``waiting`` equal the requests that really hold a replica or wait;
+* what the rest of the router reads of each model (its published snapshot) is its record as
+  it is now;
 * each model's published status sequence is a path through the lifecycle, and no event is one
   the lifecycle refuses (``InvalidTransition``);
 * every request is answered within its wait budget plus a bound, and at the end no model is
@@ -549,7 +551,7 @@ class Simulation:
 
         try:
             runtime = sup.resolve(r.model)
-            lease = await sup.acquire(r.model, budget=budget,
+            lease = await sup.acquire(sup.find(r.model), budget=budget,
                                       ends=Ends(gone, shutdown.over, shutdown.error))
         except ClientGone:
             return self._end(r, "left")
@@ -594,12 +596,12 @@ class Simulation:
     async def load(self, model: str) -> None:
         self.log(f"load {model}")
         with contextlib.suppress(RouterError):
-            await self.sup.load(model)
+            await self.sup.load(self.sup.find(model))
 
     async def unload(self, model: str) -> None:
         self.log(f"unload {model}")
         with contextlib.suppress(RouterError):
-            await self.sup.unload(model)
+            await self.sup.unload(self.sup.find(model))
 
     def crash(self, model: str) -> None:
         runtime = self.sup.models.get(model)
@@ -651,6 +653,7 @@ class Simulation:
             if m.waiting != waiting:
                 self.violate(f"{m.id}: waiting {m.waiting}, requests waiting {waiting}")
             self._check_status_path(m)
+            self._check_published(m)
             self._check_phases(m)
             self._check_drain(m, now)
             if waiting:
@@ -659,6 +662,17 @@ class Simulation:
 
     def _check_status_path(self, m: ModelRuntime) -> None:
         pass  # checked over the event log at the end (``check_events``)
+
+    def _check_published(self, m: ModelRuntime) -> None:
+        """What the rest of the router reads of the model is its record as it is now: every
+        change was published (``ModelSet.publish``)."""
+        published = self.sup.model_set.published.get(m.id)
+        if self.sup.models.get(m.id) is not m:
+            return  # a removed model's record, being forgotten
+        if published is None or (published.preset, published.state, published.waiting,
+                                 published.estimate, published.counters) != (
+                m.preset, m.state, m.waiting, m.estimate, m.counters):
+            self.violate(f"{m.id}: published {published!r} is not its record {m!r}")
 
     def _check_phases(self, m: ModelRuntime) -> None:
         """The state's children and load task agree with what really runs."""

@@ -354,15 +354,16 @@ class KeySupervisor:
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=self.preset, serving=True)
 
-    def lease_now(self, model: str, prefix: Prefix | None = None) -> None:
+    def lease_now(self, model: SimpleNamespace, prefix: Prefix | None = None) -> None:
         self.keys.append(prefix)
-        raise ModelNotLoaded(model)
+        raise ModelNotLoaded(model.id)
 
 
 async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> Prefix | None:
     sup = KeySupervisor(preset)
     app = SimpleNamespace(state=SimpleNamespace(
-        router=SimpleNamespace(supervisor=sup, shutdown=Shutdown(30.0), peers=None),
+        router=SimpleNamespace(models=sup, default=None, shutdown=Shutdown(30.0),
+                               peers=None),
         webui=None))
     raw = json.dumps({"model": preset.id, **body}).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",

@@ -133,7 +133,11 @@ def import_violations(tree: Sources) -> list[str]:
 def never_violations(tree: Sources) -> list[str]:
     found = []
     for rule in declared().get("never", []):
-        for path in rule["from"]:
+        # A folder ("router/edge/") stands for every file in it.
+        paths = [p for entry in rule["from"]
+                 for p in (sorted(q for q in tree if q.startswith(entry))
+                           if entry.endswith("/") else [entry])]
+        for path in paths:
             for imp in imports_of(path, tree):
                 if imp.target in rule["to"]:
                     found.append(f"{path}:{imp.line}: imports {imp.target}: {rule['why']}")
@@ -243,6 +247,9 @@ def test_the_import_checks_find_what_is_planted() -> None:
     assert import_violations(_planted(up, "from ..host import memory")) == []
     found = never_violations(_planted("router/edge/keys.py", "from ..http.proxy import relay"))
     assert found and "router/edge/keys.py" in found[0]
+    found = never_violations(_planted("router/observe/activity.py", "if TYPE_CHECKING:\n"
+                                      "    from ..core.supervisor import Supervisor"))
+    assert found and "router/observe/activity.py" in found[0]
     # One import back down the other way closes a circle.
     tree = _planted("router/foundation_probe.py", "from .errors import RouterError", {
         **sources(), "router/foundation_probe.py": ""})
@@ -313,7 +320,10 @@ def record_violations(tree: Sources) -> list[str]:
                     base = _base_name(target.value)
                     if target.attr not in fields or owner_of(record, target.attr) == path:
                         continue
-                    if (base in receivers) if receivers else base != "self":
+                    # ``runtime.counters.used_at``: the counters, reached through the record
+                    near = target.value.attr if isinstance(target.value, ast.Attribute) else None
+                    if (base in receivers or near in receivers) if receivers \
+                            else base != "self":
                         found.append(f"{path}:{node.lineno}: {ast.unparse(node)[:70]}: "
                                      f"{name}.{target.attr} is written by "
                                      f"{owner_of(record, target.attr)} alone")
@@ -398,7 +408,12 @@ def test_the_record_checks_find_what_is_planted() -> None:
         assert record_violations(_planted(wait, line)), line
     assert record_violations(_planted(wait, "def f(runtime):\n    runtime.waiting += 1"))
     leases = "router/core/leases.py"  # the hot path's counters: the declared exception
-    assert not record_violations(_planted(leases, "def f(runtime):\n    runtime.in_flight += 1"))
+    assert not record_violations(_planted(leases, "def f(runtime):\n"
+                                                  "    runtime.counters.in_flight += 1"))
+    assert not record_violations(_planted(leases, "def f(counters):\n"
+                                                  "    counters.used_at = 1.0"))
+    assert record_violations(_planted(wait, "def f(runtime):\n    runtime.counters.used_at = 1"))
+    assert record_violations(_planted(wait, "def f(counters):\n    counters.in_flight -= 1"))
     owner = "router/peers/peer.py"
     tree = sources()
     planted = dict(tree)
@@ -411,10 +426,10 @@ def test_the_record_checks_find_what_is_planted() -> None:
 @pytest.fixture
 def watched() -> Iterator[dict[tuple[str, str], set[str]]]:
     """Every write to a model's record after construction: (class, field) -> writer files."""
-    from router.core.runtime import ModelRuntime, Replica
+    from router.core.runtime import Counters, ModelRuntime, Replica
 
     seen: dict[tuple[str, str], set[str]] = defaultdict(set)
-    originals = {cls: cls.__setattr__ for cls in (ModelRuntime, Replica)}
+    originals = {cls: cls.__setattr__ for cls in (ModelRuntime, Replica, Counters)}
 
     def watching(cls: type) -> Any:
         def setattr_(self: Any, name: str, value: Any) -> None:

@@ -24,6 +24,7 @@ from support import start_router, write_presets
 
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
+from router.core.view import ModelView
 from router.edge.cors import CorsPolicy, cross_origin, same_origin
 from router.edge.state import State
 from router.errors import Unavailable
@@ -75,17 +76,17 @@ async def router_app(tmp_path: Path, help_table: FlagTable, cors: str = "*",
     recorded = Recorded()
     async with app.router.lifespan_context(app):
         state: State = app.state.router
-        sup = state.supervisor
+        sup = state.models
 
-        async def acquire(model: str, **kw: Any) -> Any:
-            recorded.acquired.append(model)
+        async def acquire(model: ModelView, **kw: Any) -> Any:
+            recorded.acquired.append(model.id)
             raise Unavailable("recorded, not served")
 
-        async def load(model: str, **kw: Any) -> None:
-            recorded.loaded.append(model)
+        async def load(model: ModelView, **kw: Any) -> None:
+            recorded.loaded.append(model.id)
 
-        async def unload(model: str, **kw: Any) -> None:
-            recorded.unloaded.append(model)
+        async def unload(model: ModelView, **kw: Any) -> None:
+            recorded.unloaded.append(model.id)
 
         async def reload(source: str, **kw: Any) -> dict[str, Any]:
             recorded.reloads += 1

@@ -23,9 +23,12 @@ from support import start_router, wait_until, write_presets
 
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
+from router.core.view import ModelView
 from router.edge.defaults import ONLY_MODEL, SETTING, DefaultModel, NoDefaultModel, check
+from router.edge.route import decide, take
 from router.edge.state import State
 from router.errors import Unavailable
+from router.http.requests import RequestContext
 from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
 
@@ -59,11 +62,11 @@ async def app(tmp_path: Path, help_table: FlagTable, request: pytest.FixtureRequ
     async with app.router.lifespan_context(app):
         state: State = app.state.router
 
-        async def acquire(model: str, **kw: Any) -> Any:
-            acquired.append(state.supervisor.resolve(model).id)
+        async def acquire(model: ModelView, **kw: Any) -> Any:
+            acquired.append(model.id)
             raise Unavailable("recorded, not served")
 
-        state.supervisor.acquire = acquire  # type: ignore[method-assign]
+        state.models.acquire = acquire  # type: ignore[method-assign]
         yield app, acquired
 
 
@@ -144,6 +147,33 @@ async def test_one_model_is_the_default_without_the_setting(app: tuple[Starlette
     assert acquired == ["only", "only"]
     props = (await _send(router, "GET", "/props")).json()["llama_router"]
     assert (props["default_model"], props["default_model_from"]) == ("only", ONLY_MODEL)
+
+
+@pytest.mark.parametrize("app", [(("alpha", "beta"), {"default_model": "beta",
+                                                      "unknown_model_to_default": True})],
+                         indirect=True)
+async def test_the_route_is_decided_without_writing_and_taken_once(
+        app: tuple[Starlette, list[str]]) -> None:
+    """``route.decide`` is pure: it reads the request, the published models and the default,
+    and writes nothing; ``route.take`` then names the default model and the model's id in the
+    request. Its ``local`` is the handle the lease is taken by (no name resolved again)."""
+    router, _ = app
+    state: State = router.state.router
+    raw = b'{"model": "gpt-4o"}'
+    request = RequestContext({"method": "POST", "path": "/v1/chat/completions",
+                              "raw_path": b"/v1/chat/completions", "query_string": b"",
+                              "headers": [(b"content-type", b"application/json"),
+                                          (b"content-length", b"%d" % len(raw))]})
+    request.model = "gpt-4o"
+    before = (request.model, request.named, request.defaulted, request.model_id)
+    route = decide(state.models, state.peers, state.default, request, "gpt-4o")
+    assert (request.model, request.named, request.defaulted, request.model_id) == before
+    assert (route.model_id, route.defaulted_to, route.holders) == ("beta", "beta", ())
+    assert route.local is not None and route.local.id == "beta"
+    taken = take(state, request, route, None)
+    assert (request.model, request.named, request.defaulted, request.model_id) == \
+        ("beta", "gpt-4o", True, "beta")
+    assert taken.local is route.local and taken.conversation is None
 
 
 def test_the_decision(help_table: FlagTable, tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=True)
 
-    def lease_now(self, model: str, prefix: object = None) -> SimpleNamespace:
+    def lease_now(self, model: SimpleNamespace, prefix: object = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None, learn=lambda tail: None)
 
@@ -109,7 +109,8 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
     """``forward.proxy`` served by uvicorn (as the router serves it) in front of ``child``."""
     async with child_server(child) as (port, _):
         pool = ChildConnections("127.0.0.1", port)
-        state = SimpleNamespace(router=SimpleNamespace(supervisor=FakeSupervisor(pool),
+        state = SimpleNamespace(router=SimpleNamespace(models=FakeSupervisor(pool),
+                                                       default=None,
                                                        shutdown=Shutdown(30.0),
                                                        peers=None),
                                 webui=None)
@@ -199,8 +200,8 @@ async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_i
                         (b"content-length", b"%d" % len(body)),
                         (b"x-note", b"a\r\nx-injected: 1")],
             "app": SimpleNamespace(state=SimpleNamespace(
-                router=SimpleNamespace(supervisor=FakeSupervisor(pool), shutdown=Shutdown(30.0),
-                                       peers=None),
+                router=SimpleNamespace(models=FakeSupervisor(pool), default=None,
+                                       shutdown=Shutdown(30.0), peers=None),
                 webui=None))}
         messages: list[dict[str, Any]] = []
 

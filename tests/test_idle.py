@@ -17,7 +17,7 @@ def serving(ttl: float | None = None, **state: object) -> ModelRuntime:
     preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl)
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED, **state))
     runtime.state = replace(runtime.state, replicas=tuple([Replica(object.__new__(ChildProcess))]))
-    runtime.used_at = 100.0
+    runtime.counters.used_at = 100.0
     return runtime
 
 
@@ -35,7 +35,7 @@ def test_zero_means_never() -> None:
 
 def test_only_an_idle_serving_model_expires() -> None:
     busy = serving()
-    busy.in_flight = 1
+    busy.counters.in_flight = 1
     waited_for = serving()
     waited_for.waiting = 1
     draining = serving(draining=True)

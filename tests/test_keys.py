@@ -455,7 +455,7 @@ async def test_an_infer_key_cannot_load_or_unload_even_its_own_model(app: Starle
         assert response.status_code == 403
         assert "needs role=admin" in response.json()["error"]["message"]
     state: State = app.state.router
-    assert state.supervisor.models["chat-a"].status.value == "unloaded"
+    assert state.models.view("chat-a").status.value == "unloaded"
 
 
 @pytest.mark.fake

@@ -33,6 +33,7 @@ from starlette.applications import Starlette
 
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
+from router.core.view import ModelView
 from router.edge.state import State
 from router.errors import NestedTooDeeply, Unavailable
 from router.http import requests
@@ -80,11 +81,11 @@ async def app(tmp_path: Path, help_table: FlagTable
     async with application.router.lifespan_context(application):
         state: State = application.state.router
 
-        async def acquire(model: str, **kw: Any) -> Any:
-            acquired.append(state.supervisor.resolve(model).id)
+        async def acquire(model: ModelView, **kw: Any) -> Any:
+            acquired.append(model.id)
             raise Unavailable("recorded, not served")
 
-        state.supervisor.acquire = acquire  # type: ignore[method-assign]
+        state.models.acquire = acquire  # type: ignore[method-assign]
         yield application, acquired
 
 

@@ -26,6 +26,7 @@ from support import start_router, wait_until
 
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
+from router.core.view import ModelView
 from router.edge.state import State
 from router.errors import Unavailable
 from router.http.paths import CHILD_GET_PATHS, LISTING_PATHS, is_local
@@ -75,15 +76,15 @@ async def router(tmp_path: Path, help_table: FlagTable, request: pytest.FixtureR
     async with app.router.lifespan_context(app):
         state: State = app.state.router
 
-        async def acquire(model: str, **kw: Any) -> Any:
-            recorded.acquired.append(state.supervisor.resolve(model).id)
+        async def acquire(model: ModelView, **kw: Any) -> Any:
+            recorded.acquired.append(model.id)
             raise Unavailable("recorded, not served")
 
         async def reload(source: str, **kw: Any) -> dict[str, Any]:
             recorded.reloads += 1
             return {"success": True}
 
-        state.supervisor.acquire = acquire  # type: ignore[method-assign]
+        state.models.acquire = acquire  # type: ignore[method-assign]
         state.reloader.reload = reload  # type: ignore[method-assign]
         yield app, recorded
 

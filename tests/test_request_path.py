@@ -54,8 +54,8 @@ KEY = "sk-path-5e1f"
 # Top to bottom: on the way down a module may call only modules below every path module on
 # its stack; on the way up, only modules above them.
 LAYERS = ("http11", "middleware", "cors", "keys", "forward", "route", "nodes", "resumable",
-          "supervisor", "wait", "leases", "executor", "lifecycle", "changes", "cpugate",
-          "proxy", "upstream")
+          "supervisor", "wait", "leases", "executor", "lifecycle", "modelset", "changes",
+          "cpugate", "proxy", "upstream")
 # Where the response's way up begins (module, qualified name or its prefix): the ASGI send
 # chain, and the direct body (``proxy.DirectBody``: the child's bytes written by the upstream
 # connection through ``http11``'s writer straight to the client's transport).

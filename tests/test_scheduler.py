@@ -6,14 +6,14 @@ import itertools
 
 import pytest
 
-from router.core.scheduler import Admission, ModelSnapshot, Status, plan_admission
+from router.core.scheduler import Admission, ModelUse, Status, plan_admission
 
 U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
 
 
 def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0.0
-         ) -> ModelSnapshot:
-    return ModelSnapshot(model_id, status, in_flight, last_used)
+         ) -> ModelUse:
+    return ModelUse(model_id, status, in_flight, last_used)
 
 
 def test_status_values_and_holds_process() -> None:
@@ -126,7 +126,7 @@ def test_models_max_one() -> None:
     assert plan_admission([snap("a", LOADING)], "b", 1) == Admission(admit=False)
 
 
-def _reference(models: list[ModelSnapshot], target: str, models_max: int) -> Admission:
+def _reference(models: list[ModelUse], target: str, models_max: int) -> Admission:
     """An independent restatement of the policy, used to check every small snapshot."""
     if models_max <= 0:
         return Admission(True)
@@ -165,8 +165,8 @@ def test_exhaustive_small_snapshots() -> None:
 # --------------------------------------------------------------------------- bytes and fairness
 
 def m(mid: str, status: Status = Status.LOADED, in_flight: int = 0, last_used: float = 0.0,
-      memory: int = 0, draining: bool = False) -> ModelSnapshot:
-    return ModelSnapshot(mid, status, in_flight, last_used, memory, draining)
+      memory: int = 0, draining: bool = False) -> ModelUse:
+    return ModelUse(mid, status, in_flight, last_used, memory, draining)
 
 
 def test_memory_fits_without_eviction() -> None:
@@ -235,8 +235,8 @@ def test_a_drained_model_that_went_idle_is_evicted() -> None:
 
 
 def test_models_with_queued_requests_are_not_evicted() -> None:
-    models = [ModelSnapshot("a", Status.LOADED, 0, 1.0, 0, False, waiting=3),
-              ModelSnapshot("b", Status.LOADED, 0, 2.0)]
+    models = [ModelUse("a", Status.LOADED, 0, 1.0, 0, False, waiting=3),
+              ModelUse("b", Status.LOADED, 0, 2.0)]
     plan = plan_admission(models, "t", 2)
     assert plan == Admission(admit=False, evict=("b",))
 
@@ -250,8 +250,8 @@ def test_loading_models_are_never_drained() -> None:
 # --- GPU devices: one pool each, next to host RAM ------------------------------------------
 
 def gpu(model_id: str, status: Status, devices: dict[str, int], ram: int = 0,
-        last_used: float = 0.0, in_flight: int = 0) -> ModelSnapshot:
-    return ModelSnapshot(model_id, status, in_flight, last_used, memory=ram, devices=devices)
+        last_used: float = 0.0, in_flight: int = 0) -> ModelUse:
+    return ModelUse(model_id, status, in_flight, last_used, memory=ram, devices=devices)
 
 
 def test_a_model_on_another_gpu_is_left_alone() -> None:

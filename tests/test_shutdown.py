@@ -86,16 +86,17 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=model != "loading")
 
-    def lease_now(self, model: str, prefix: object = None) -> SimpleNamespace | None:
-        return None if model == "loading" else self._lease()
+    def lease_now(self, model: SimpleNamespace, prefix: object = None
+                  ) -> SimpleNamespace | None:
+        return None if model.id == "loading" else self._lease()
 
     def _lease(self) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None, learn=lambda tail: None)
 
-    async def acquire(self, model: str, *, autoload: bool, budget: float | None,
+    async def acquire(self, model: SimpleNamespace, *, autoload: bool, budget: float | None,
                       prefix: object = None, ends: Ends = NOTHING_ELSE) -> SimpleNamespace:
-        if model == "loading":  # the load never ends: only what ``ends`` names ends the wait
+        if model.id == "loading":  # the load never ends: only what ``ends`` names ends the wait
             self.waiting += 1
             self.waits.set()
             watchers = start_watchers(ends)
@@ -131,7 +132,8 @@ async def proxy_before(child: Child, shutdown: Shutdown
     async with child_server:
         pool = ChildConnections("127.0.0.1", child_server.sockets[0].getsockname()[1])
         supervisor = FakeSupervisor(pool)
-        state = SimpleNamespace(router=SimpleNamespace(supervisor=supervisor, shutdown=shutdown,
+        state = SimpleNamespace(router=SimpleNamespace(models=supervisor, default=None,
+                                                       shutdown=shutdown,
                                                        peers=None),
                                 webui=None)
         try:

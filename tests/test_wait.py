@@ -18,9 +18,10 @@ from simulation import Simulation
 from test_simulation import scenario_config
 
 from router import clock
+from router.core.lifecycle import Status
 from router.core.supervisor import Supervisor
 from router.core.wait import Ends
-from router.errors import ClientGone, ShuttingDown, WaitBudgetExceeded
+from router.errors import ClientGone, ModelNotFound, ShuttingDown, WaitBudgetExceeded
 
 LOAD_TIMEOUT_S = 30.0  # the scenario's; a child that never becomes healthy takes this long
 
@@ -57,13 +58,43 @@ async def started_waiting(sup: Supervisor, model: str, count: int = 1) -> None:
 
 def test_a_serving_model_gives_a_lease_with_no_task() -> None:
     async def scenario(sup: Supervisor) -> None:
-        lease = await sup.acquire("a")  # loads it
+        lease = await sup.acquire(sup.find("a"))  # loads it
         lease.release()
         tasks = len(asyncio.all_tasks())
         called = []
-        lease = await sup.acquire("a", ends=Ends(lambda: called.append(1) or asyncio.sleep(1)))
+        lease = await sup.acquire(sup.find("a"),
+                                  ends=Ends(lambda: called.append(1) or asyncio.sleep(1)))
         assert len(asyncio.all_tasks()) == tasks and not called  # no watcher made
         lease.release()
+
+    run(scenario, never_healthy=False)
+
+
+def test_a_handle_reads_the_published_snapshot_and_leases_without_a_name() -> None:
+    """``find`` gives a view of the model as its owner last published it: a snapshot that
+    never changes (a new one is published after each change), but for the leases' counters,
+    shared live. The lease is taken by that handle; once the model is gone, the handle gets
+    the 404 and never another model."""
+    async def scenario(sup: Supervisor) -> None:
+        handle = sup.find("a")
+        before = handle.snapshot
+        assert handle.status is Status.UNLOADED and sup.view("a") is not None
+        lease = await sup.acquire(handle)  # loads it: published again at each change
+        now = sup.find("a")
+        assert before.status is Status.UNLOADED and before.state is not now.snapshot.state
+        assert now.status is Status.LOADED and now.serving
+        assert (before.in_flight, now.in_flight) == (1, 1)  # the live counters, shared
+        again = sup.lease_now(handle)  # the old handle still reaches the model's record
+        assert again is not None and now.in_flight == 2
+        again.release()
+        lease.release()
+        await sup.unload(now)
+        sup.remove_model("a")
+        assert sup.view("a") is None and "a" not in sup.model_set.published
+        with pytest.raises(ModelNotFound):
+            sup.lease_now(handle)
+        with pytest.raises(ModelNotFound):
+            await sup.acquire(handle)
 
     run(scenario, never_healthy=False)
 
@@ -71,7 +102,7 @@ def test_a_serving_model_gives_a_lease_with_no_task() -> None:
 def test_a_client_that_leaves_ends_its_wait_at_once() -> None:
     async def scenario(sup: Supervisor) -> None:
         gone = asyncio.Event()
-        wait = asyncio.ensure_future(sup.acquire("a", ends=Ends(event_end(gone))))
+        wait = asyncio.ensure_future(sup.acquire(sup.find("a"), ends=Ends(event_end(gone))))
         await started_waiting(sup, "a")
         left_at = clock.now()
         gone.set()
@@ -88,7 +119,7 @@ def test_the_end_of_the_shutdown_grace_ends_the_wait_with_its_answer() -> None:
         over = asyncio.Event()
         error = ShuttingDown("grace over", headers={"Retry-After": "5"})
         wait = asyncio.ensure_future(sup.acquire(
-            "a", ends=Ends(event_end(asyncio.Event()), over, lambda: error)))
+            sup.find("a"), ends=Ends(event_end(asyncio.Event()), over, lambda: error)))
         await started_waiting(sup, "a")
         over.set()
         with pytest.raises(ShuttingDown) as raised:
@@ -102,7 +133,8 @@ def test_the_budget_ends_the_wait_with_a_503_naming_the_model() -> None:
     async def scenario(sup: Supervisor) -> None:
         started = clock.now()
         with pytest.raises(WaitBudgetExceeded) as raised:
-            await sup.acquire("a", budget=2.5, ends=Ends(event_end(asyncio.Event())))
+            await sup.acquire(sup.find("a"), budget=2.5,
+                              ends=Ends(event_end(asyncio.Event())))
         assert clock.now() - started == pytest.approx(2.5)
         assert "'a'" in raised.value.message and "2.5 s" in raised.value.message
         assert raised.value.headers["Retry-After"] == "5"
@@ -116,7 +148,7 @@ def test_a_client_gone_as_its_model_becomes_ready_takes_no_lease() -> None:
     no lease is left held for nobody."""
     async def scenario(sup: Supervisor) -> None:
         gone = asyncio.Event()
-        wait = asyncio.ensure_future(sup.acquire("a", ends=Ends(event_end(gone))))
+        wait = asyncio.ensure_future(sup.acquire(sup.find("a"), ends=Ends(event_end(gone))))
         await started_waiting(sup, "a")
         load = sup.models["a"].load_task
         assert load is not None
@@ -131,7 +163,8 @@ def test_a_client_gone_as_its_model_becomes_ready_takes_no_lease() -> None:
 def test_many_waiters_share_one_load_and_each_leaves_on_its_own() -> None:
     async def scenario(sup: Supervisor) -> None:
         ends = [asyncio.Event() for _ in range(3)]
-        waits = [asyncio.ensure_future(sup.acquire("a", ends=Ends(event_end(e)))) for e in ends]
+        waits = [asyncio.ensure_future(sup.acquire(sup.find("a"), ends=Ends(event_end(e))))
+                 for e in ends]
         await started_waiting(sup, "a", 3)
         load = sup.models["a"].load_task
         ends[0].set()

@@ -26,6 +26,7 @@ from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
 from router.core.runtime import new_replica
+from router.core.view import ModelView
 from router.edge.state import State
 from router.errors import Unavailable
 from router.events import EventBus
@@ -482,11 +483,11 @@ async def app(tmp_path: Path, help_table: FlagTable) -> AsyncIterator[tuple[Star
     async with application.router.lifespan_context(application):
         state: State = application.state.router
 
-        async def acquire(model: str, **kw: Any) -> Any:
-            acquired.append(model)
+        async def acquire(model: ModelView, **kw: Any) -> Any:
+            acquired.append(model.id)
             raise Unavailable("recorded, not served")
 
-        state.supervisor.acquire = acquire  # type: ignore[method-assign]
+        state.models.acquire = acquire  # type: ignore[method-assign]
         yield application, acquired
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from ..host.gpus import GpuDevice, placement, usage_by_pid
 from ..host.memory import RAM, estimate_for_args, measure_rss
-from .runtime import Estimated, ModelRuntime
+from .runtime import Estimated, ModelRuntime, ModelSnapshot
 
 log = logging.getLogger("router.accounting")
 
@@ -83,9 +83,9 @@ class Accounting:
 
     # ----------------------------------------------------------------- measurements
 
-    def measured(self, runtime: ModelRuntime) -> int | None:
+    def measured(self, model: ModelSnapshot) -> int | None:
         """Resident memory of the model's serving children (at most ``RSS_SAMPLE_S`` old)."""
-        known = [s for s in (self._child_rss(r.child.pid) for r in runtime.replicas
+        known = [s for s in (self._child_rss(r.child.pid) for r in model.replicas
                              if r.child.pid is not None) if s is not None]
         return sum(known) if known else None
 
@@ -94,23 +94,23 @@ class Accounting:
             self._rss[pid] = measure_rss(pid)
         return self._rss[pid]
 
-    def measured_devices(self, runtime: ModelRuntime) -> dict[str, int]:
+    def measured_devices(self, model: ModelSnapshot) -> dict[str, int]:
         """GPU memory its children use per device (nvidia-smi, at most a few seconds old)."""
         total: dict[str, int] = {}
-        for replica in runtime.replicas:
+        for replica in model.replicas:
             for pool, used in self._gpu_usage.get(replica.child.pid or -1, {}).items():
                 total[pool] = total.get(pool, 0) + used
         return total
 
-    def memory_held(self, runtime: ModelRuntime) -> int:
+    def memory_held(self, model: ModelSnapshot) -> int:
         """What a model holding processes counts against the RAM budget."""
-        return max(runtime.estimate, self.measured(runtime) or 0)
+        return max(model.estimate, self.measured(model) or 0)
 
-    def devices_held(self, runtime: ModelRuntime) -> dict[str, int]:
+    def devices_held(self, model: ModelSnapshot) -> dict[str, int]:
         """Per GPU, the larger of its estimate and its measured use."""
-        measured = self.measured_devices(runtime)
-        pools = runtime.estimate_devices.keys() | measured.keys()
-        return {p: max(runtime.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
+        measured = self.measured_devices(model)
+        pools = model.estimate_devices.keys() | measured.keys()
+        return {p: max(model.estimate_devices.get(p, 0), measured.get(p, 0)) for p in pools}
 
     async def run(self, models: Callable[[], Iterable[ModelRuntime]],
                   record: Callable[[ModelRuntime, Estimated], None]) -> None:

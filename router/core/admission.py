@@ -2,17 +2,17 @@
 
 A load queues here once its model is ready to start (downloaded, old child gone, crash
 backoff sat out). Only the head of the queue plans: it asks the pure planner
-(``scheduler.plan_admission``) over a snapshot of every model, with what each holds (the
-larger of estimate and measurement, ``accounting``), and is admitted, or has the idle models
-it names stopped (``evict``) and the busy ones drained (``drain``), or is refused because it
-can never fit. Then it waits for a change and plans again. ``admit`` returns in the loop step
-in which the planner admitted it, so the caller switches the model to loading before anyone
-else plans: two loads cannot both take the last slot.
+(``scheduler.plan_admission``) over every model's published snapshot
+(``runtime.ModelSnapshot``), with what each holds (the larger of estimate and measurement,
+``accounting``), and is admitted, or has the idle models it names stopped (``evict``) and
+the busy ones drained (``drain``), or is refused because it can never fit. Then it waits for
+a change and plans again. ``admit`` returns in the loop step in which the planner admitted
+it, so the caller switches the model to loading before anyone else plans: two loads cannot
+both take the last slot.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
@@ -23,7 +23,7 @@ from ..errors import LoadFailed
 from ..host.memory import format_size
 from .accounting import Accounting
 from .lifecycle import Event, Queued
-from .runtime import Fact, ModelRuntime, QueueJoined, QueueLeft
+from .runtime import Fact, ModelRuntime, ModelSnapshot, QueueJoined, QueueLeft
 from .scheduler import plan_admission
 
 log = logging.getLogger("router.admission")
@@ -36,7 +36,7 @@ class Admission:
     def __init__(self, settings: Settings, accounting: Accounting,
                  apply: Callable[[ModelRuntime, Event | Fact], None],
                  changes: Changes, *, memory_budget: int | None, gpu_budgets: dict[str, int],
-                 models: Callable[[], Iterable[ModelRuntime]],
+                 models: Callable[[], Iterable[ModelSnapshot]],
                  evict: Callable[[str], None], drain: Callable[[str, str], None],
                  undrain: Callable[[str], None]) -> None:
         self.settings = settings
@@ -45,22 +45,20 @@ class Admission:
         self._accounting = accounting
         self._apply = apply  # the record's owner's: its estimate, its place in the queue
         self._changes = changes
-        self._models = models
+        self._models = models  # the published snapshots, read by the planner
         self._evict = evict  # stop this idle model to make room
         self._drain = drain  # (busy model, for whom): take no new requests, stop when idle
         self._undrain = undrain  # serve again: the load it was drained for left the queue
         self.queue: list[ModelRuntime] = []
 
-    def position(self, runtime: ModelRuntime) -> int | None:
-        """Its place in the queue (0: planning now), or None when not queued."""
-        with contextlib.suppress(ValueError):
-            return self.queue.index(runtime)
-        return None
+    def position(self, model_id: str) -> int | None:
+        """The model's place in the queue (0: planning now), or None when not queued."""
+        return next((i for i, r in enumerate(self.queue) if r.id == model_id), None)
 
-    def expected_wait_s(self, runtime: ModelRuntime) -> float | None:
+    def expected_wait_s(self, model_id: str) -> float | None:
         """A rough guess of how long until the model is loaded: the last load time of every
         model queued up to and including it (``NEVER_LOADED_S`` for one never loaded)."""
-        position = self.position(runtime)
+        position = self.position(model_id)
         if position is None:
             return None
         return round(sum(r.last_load_s or NEVER_LOADED_S for r in self.queue[:position + 1]), 3)
@@ -77,7 +75,7 @@ class Admission:
         target_memory, since = runtime.estimate, clock.now()
         self._apply(runtime, QueueJoined(since))
         self.queue.append(runtime)
-        self._apply(runtime, Queued(len(self.queue) - 1, self.expected_wait_s(runtime)))
+        self._apply(runtime, Queued(len(self.queue) - 1, self.expected_wait_s(runtime.id)))
         self._changes.notify()
         try:
             while True:
@@ -104,8 +102,8 @@ class Admission:
         accounting = self._accounting
         waited = clock.now() - since
         plan = plan_admission(
-            [m.snapshot(accounting.memory_held(m), accounting.devices_held(m))
-             if m.status.holds_process else m.snapshot(0) for m in self._models()
+            [m.use(accounting.memory_held(m), accounting.devices_held(m))
+             if m.status.holds_process else m.use(0) for m in self._models()
              if m.preset.upstream is None],  # a remote upstream holds nothing here
             runtime.id, self.settings.models_max, target_memory=target_memory,
             memory_budget=self.memory_budget, target_devices=runtime.estimate_devices,

@@ -121,7 +121,8 @@ class Executor:
         self._spawner = spawner
         self._events = events
         self._changes = changes
-        self._model_set = model_set  # drops a removed model's record (``Forget``)
+        # Publishes each model's snapshot after a change; drops a removed model's record.
+        self._model_set = model_set
         # Cancelled tasks still stopping what they started (a replacement child).
         self._ending: set[asyncio.Task[Any]] = set()
         self.loads = loading(self)  # made last: it may call back into this executor
@@ -133,6 +134,7 @@ class Executor:
         now raises InvalidTransition); or record a ``runtime.Fact``."""
         if isinstance(event, FACTS):
             note(runtime, event)
+            self._model_set.publish(runtime)
         else:
             self.command(runtime, event)
 
@@ -145,6 +147,7 @@ class Executor:
             else sys.maxsize
         runtime.state, effects = transition(runtime.id, runtime.state, event,
                                             crash_loop_limit=limit)
+        self._model_set.publish(runtime)  # before its effects: their events read it
         refused = None
         for effect in effects:
             if isinstance(effect, Refuse):
@@ -174,6 +177,7 @@ class Executor:
         files). One that turns warm swaps off removes the model's saved states at once, also
         those a stop under way is writing."""
         runtime.preset = preset
+        self._model_set.publish(runtime)
         if self._warm is not None and not preset.warm_swaps:
             self._warm.fingerprint_of(preset)
 

@@ -96,21 +96,23 @@ class Leases:
                 if self.on_routed is not None:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
-        runtime.in_flight += 1
-        runtime.used_at = now
-        if runtime.in_flight == 1:
+        counters = runtime.counters
+        counters.in_flight += 1
+        counters.used_at = now
+        if counters.in_flight == 1:
             self._gate.busy(runtime.id)
         return Lease(self, runtime, replica, ticket)
 
     def release(self, runtime: ModelRuntime, replica: Replica,
                 ticket: Ticket | None = None) -> None:
         replica.in_flight -= 1
-        runtime.in_flight -= 1
-        runtime.used_at = now = clock.now()
+        counters = runtime.counters
+        counters.in_flight -= 1
+        counters.used_at = now = clock.now()
         if ticket is not None:
             replica.backlog.remove(ticket, now, runtime.slots)
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._on_replica_done(replica)
-        if runtime.in_flight == 0:
+        if counters.in_flight == 0:
             self._gate.idle(runtime.id)
             self._apply(runtime, Idle())

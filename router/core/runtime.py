@@ -6,12 +6,13 @@ the failure, the download's progress) changes only through ``lifecycle.transitio
 other fields through the facts below, which the module that learns one sends to the owner
 (its estimates from ``accounting``, its place in the queue from ``admission``, its load time
 from ``loader``, its waiting requests from ``wait``). The one declared exception is the hot
-path's counters, the leases' own: ``in_flight`` and ``used_at`` here, and a replica's
-``in_flight``, ``prefixes``, ``pace`` and ``backlog``. Everything else reads.
-A model has ``replicas`` children (1 unless its
-preset says ``replicas = N``); requests go to the replica with the most free slots, or, for
-a model routed by prompt prefix (``replica-routing = prefix``, see ``affinity``), to the one
-where their first token is expected soonest, counting the prompt it has cached (``pace``).
+path's counters, the leases' own: ``counters`` here (requests in flight, last use), and a
+replica's ``in_flight``, ``prefixes``, ``pace`` and ``backlog``. Everything outside the core
+reads the snapshot the owner publishes after each change (``ModelSnapshot``). A model has
+``replicas`` children (1 unless its preset says ``replicas = N``); requests go to the
+replica with the most free slots, or, for a model routed by prompt prefix (``replica-routing
+= prefix``, see ``affinity``), to the one where their first token is expected soonest,
+counting the prompt it has cached (``pace``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from ..children.backend import Backend
@@ -29,7 +31,7 @@ from .affinity import Decision, Prefix, PrefixTable, choose_among
 from .lifecycle import Failure as Failure  # its home; re-exported for the record's readers
 from .lifecycle import ModelState, Status
 from .pace import Backlog, Option, Pace, by_cost
-from .scheduler import ModelSnapshot
+from .scheduler import ModelUse
 
 DEFAULT_SLOTS = 4  # llama-server's -np auto
 # HTTP threads each child gets unless its preset sets threads-http: llama-server's own
@@ -97,6 +99,16 @@ FACTS = (Estimated, Unestimated, QueueJoined, QueueLeft, LoadTimed, WaitBegan, W
 
 # --------------------------------------------------------------------------- the record
 
+@dataclass(eq=False, slots=True)
+class Counters:
+    """A model's hot-path counters, the leases' own (the record's one declared exception):
+    its requests in flight, and the clock time a request last took or released it. Read live
+    through the record and through its published snapshot."""
+
+    in_flight: int = 0
+    used_at: float = 0.0
+
+
 @dataclass(eq=False)
 class Replica:
     child: Backend
@@ -133,47 +145,28 @@ def http_threads(args: Mapping[str, str]) -> int:
     return max(slots(args) + 4, MIN_HTTP_THREADS)
 
 
-@dataclass
-class ModelRuntime:
-    """Mutable run state of one model."""
+class ModelReads:
+    """What a model's record and its published snapshot (``ModelSnapshot``) both answer, read
+    from ``preset``, ``state`` and the leases' ``counters``."""
 
+    __slots__ = ()
     preset: ModelPreset
-    logs: LogRing
-    estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
-    estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
-    cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
-    n_layer: int | None = None  # from the GGUF header, once estimated
-    state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
-    in_flight: int = 0
-    waiting: int = 0  # requests waiting for this model to become ready
-    used_at: float = 0.0  # clock time a request last took or released it (``leases``)
-    # The tasks that carry out its lifecycle's effects, each created by the executor: its
-    # download (with the flag its worker thread reads), its one load (``StartLoad``), a stop
-    # (``StopChildren``), crashed replicas' replacement.
-    download_task: asyncio.Task[None] | None = None
-    download_cancel: threading.Event = field(default_factory=threading.Event)
-    load_task: asyncio.Task[None] | None = None
-    stop_task: asyncio.Task[None] | None = None
-    replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
-    queued_since: float | None = None  # monotonic, while waiting for admission
-    last_load_s: float | None = None  # how long its last successful load took
-    estimated: bool = False  # its header was read (or found unreadable for good)
-    estimate_due: bool = False  # reading it failed for a passing cause: read again soon
-
-    def __repr__(self) -> str:
-        pids = [r.child.pid for r in self.replicas]
-        return (f"<Model {self.preset.id} {self.status.value} pids={pids} "
-                f"in_flight={self.in_flight} waiting={self.waiting}>")
+    state: ModelState
+    counters: Counters
 
     @property
     def id(self) -> str:
         return self.preset.id
 
     @property
+    def in_flight(self) -> int:
+        return self.counters.in_flight
+
+    @property
     def last_used(self) -> float:
         """Clock time it was last used: a request's, or its load's (``clock``)."""
-        loaded_at = self.state.loaded_at
-        return self.used_at if loaded_at is None else max(self.used_at, loaded_at)
+        used_at, loaded_at = self.counters.used_at, self.state.loaded_at
+        return used_at if loaded_at is None else max(used_at, loaded_at)
 
     @property
     def failure(self) -> Failure | None:
@@ -267,9 +260,37 @@ class ModelRuntime:
         state = self.state
         return state.status is Status.LOADED and not state.draining and bool(self.replicas)
 
-    def snapshot(self, memory: int, devices: dict[str, int] | None = None) -> ModelSnapshot:
-        return ModelSnapshot(self.id, self.status, self.in_flight, self.last_used, memory,
-                             self.draining, self.waiting, devices or {})
+
+@dataclass
+class ModelRuntime(ModelReads):
+    """Mutable run state of one model."""
+
+    preset: ModelPreset
+    logs: LogRing
+    estimate: int = 0  # bytes expected while loaded (all replicas), from the GGUF header
+    estimate_devices: dict[str, int] = field(default_factory=dict)  # GPU bytes per pool
+    cache_ram_mib: int | None = None  # the router's --cache-ram for it, once estimated
+    n_layer: int | None = None  # from the GGUF header, once estimated
+    state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
+    waiting: int = 0  # requests waiting for this model to become ready
+    counters: Counters = field(default_factory=Counters)  # the leases' own
+    # The tasks that carry out its lifecycle's effects, each created by the executor: its
+    # download (with the flag its worker thread reads), its one load (``StartLoad``), a stop
+    # (``StopChildren``), crashed replicas' replacement.
+    download_task: asyncio.Task[None] | None = None
+    download_cancel: threading.Event = field(default_factory=threading.Event)
+    load_task: asyncio.Task[None] | None = None
+    stop_task: asyncio.Task[None] | None = None
+    replace_task: asyncio.Task[None] | None = None  # restarting crashed replicas
+    queued_since: float | None = None  # monotonic, while waiting for admission
+    last_load_s: float | None = None  # how long its last successful load took
+    estimated: bool = False  # its header was read (or found unreadable for good)
+    estimate_due: bool = False  # reading it failed for a passing cause: read again soon
+
+    def __repr__(self) -> str:
+        pids = [r.child.pid for r in self.replicas]
+        return (f"<Model {self.preset.id} {self.status.value} pids={pids} "
+                f"in_flight={self.in_flight} waiting={self.waiting}>")
 
     def pick_replica(self) -> Replica:
         """The replica with the most free slots (ties: the first)."""
@@ -307,3 +328,63 @@ def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]
             if wide:
                 members[model.id] = wide
     return members
+
+
+# --------------------------------------------------------------------------- the snapshot
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelSnapshot(ModelReads):
+    """A model as its record's owner last published it: what everything outside the core reads.
+
+    The executor, the record's one owner, publishes a model's ``ModelSnapshot`` after each change
+    it applies (``ModelSet.publish``): its preset, its lifecycle state (itself immutable), the
+    facts it recorded (estimates, waiting requests, place in the queue, last load time). A
+    snapshot never changes; the next change publishes a new one. Two things in it are live by
+    declaration: the leases' hot counters (``counters``: requests in flight, last use; a
+    replica's in flight, prefixes, pace and backlog), which move with every request and are
+    never published, and the child's log ring.
+
+    A snapshot is also the handle a request holds on its model (``route.decide``): the core
+    takes the model's lease by its id, so no model is resolved by name twice.
+    """
+
+    preset: ModelPreset
+    state: ModelState
+    counters: Counters  # live: the leases' own
+    logs: LogRing  # live: its llama-server's recent output
+    waiting: int = 0
+    estimate: int = 0
+    estimate_devices: Mapping[str, int] = field(default_factory=dict)
+    cache_ram_mib: int | None = None
+    last_load_s: float | None = None
+
+    def __repr__(self) -> str:
+        return f"<ModelSnapshot {self.preset.id} {self.state.status.value}>"
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return self.preset.aliases
+
+    @property
+    def loading(self) -> bool:
+        return self.state.status in (Status.LOADING, Status.DOWNLOADING)
+
+    @property
+    def processes(self) -> int:
+        """Local processes it holds (serving and starting); a remote upstream holds none."""
+        if self.preset.upstream is not None:
+            return 0
+        return len(self.state.replicas) + len(self.state.starting)
+
+    def use(self, memory: int, devices: Mapping[str, int] | None = None) -> ModelUse:
+        """What the admission planner reads of it, with the memory it holds."""
+        return ModelUse(self.id, self.status, self.in_flight, self.last_used, memory,
+                        self.draining, self.waiting, devices or {})
+
+
+def snapshot_of(runtime: ModelRuntime) -> ModelSnapshot:
+    """The model's record as it is now, frozen (its live counters and log ring shared)."""
+    return ModelSnapshot(runtime.preset, runtime.state, runtime.counters, runtime.logs,
+                         runtime.waiting, runtime.estimate,
+                         MappingProxyType(dict(runtime.estimate_devices)),
+                         runtime.cache_ram_mib, runtime.last_load_s)

@@ -1,9 +1,9 @@
 """Pure planning: who may start, who must be evicted or drained. No I/O, no clocks, no asyncio.
 
-The supervisor takes a snapshot of every model, asks ``plan_admission`` what to do for the
-model at the head of its admission queue, carries the plan out, and asks again whenever
-something changes. Keeping the decision a pure function of a snapshot makes every policy
-exhaustively unit-testable.
+Admission reads every model's use (``ModelUse``, from its published snapshot), asks
+``plan_admission`` what to do for the model at the head of its admission queue, carries the
+plan out, and asks again whenever something changes. Keeping the decision a pure function of
+a snapshot makes every policy exhaustively unit-testable.
 
 Policy:
 
@@ -33,7 +33,9 @@ from .lifecycle import Status as Status  # its home; re-exported for older impor
 
 
 @dataclass(frozen=True)
-class ModelSnapshot:
+class ModelUse:
+    """A model as the planner sees it: its state, its use, the memory it holds."""
+
     id: str
     status: Status
     in_flight: int = 0
@@ -62,7 +64,7 @@ class Admission:
     refuse: str | None = None
 
 
-def plan_admission(models: Sequence[ModelSnapshot], target: str, models_max: int, *,
+def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
                    target_memory: int = 0, memory_budget: int | None = None,
                    target_devices: Mapping[str, int] | None = None,
                    device_budgets: Mapping[str, int] | None = None,
@@ -111,7 +113,7 @@ class _Shortfall:
     over: dict[str, int]
 
     @classmethod
-    def of(cls, others: Sequence[ModelSnapshot], need: Mapping[str, int],
+    def of(cls, others: Sequence[ModelUse], need: Mapping[str, int],
            budgets: Mapping[str, int], models_max: int) -> _Shortfall:
         count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
         # Host RAM always counts; a GPU only if the target needs room on it (a device that is
@@ -123,19 +125,19 @@ class _Shortfall:
     def short(self) -> bool:
         return self.count_over > 0 or any(v > 0 for v in self.over.values())
 
-    def helps(self, m: ModelSnapshot) -> bool:
+    def helps(self, m: ModelUse) -> bool:
         """Stopping ``m`` frees something still short."""
         return self.count_over > 0 or any(self.over[p] > 0 and held > 0
                                           for p, held in m.pools().items() if p in self.over)
 
-    def free(self, m: ModelSnapshot) -> None:
+    def free(self, m: ModelUse) -> None:
         self.count_over -= 1
         for pool, held in m.pools().items():
             if pool in self.over:
                 self.over[pool] -= held
 
 
-def _evict_idle(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+def _evict_idle(others: Sequence[ModelUse], shortfall: _Shortfall) -> tuple[str, ...]:
     """Idle loaded models to stop, least recently used first, each freeing something still
     short, until nothing is short or none is left; ``shortfall`` counts them as freed."""
     idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy),
@@ -150,7 +152,7 @@ def _evict_idle(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple
     return tuple(evict)
 
 
-def _drain_one_busy(others: Sequence[ModelSnapshot], shortfall: _Shortfall) -> tuple[str, ...]:
+def _drain_one_busy(others: Sequence[ModelUse], shortfall: _Shortfall) -> tuple[str, ...]:
     """The fairness bound: the least recently used busy model that would help, unless one
     that would is draining already."""
     busy = sorted((m for m in others if m.status is Status.LOADED and m.busy

@@ -87,15 +87,15 @@ class Spawner:
 
     # ----------------------------------------------------------------- argv
 
-    def display_argv(self, runtime: ModelRuntime) -> list[str]:
-        """The argv a model would start with (port 0), cached per preset for ``/models``."""
-        preset, cache_ram = runtime.preset, runtime.cache_ram_mib
+    def display_argv(self, preset: ModelPreset, cache_ram: int | None) -> list[str]:
+        """The argv a model would start with (port 0), cached per preset for ``/models``
+        (a cache only: an entry counts for the very preset it was made from)."""
         if preset.upstream is not None:
             return ["upstream", preset.upstream]
-        cached = self._argv_cache.get(runtime.id)
+        cached = self._argv_cache.get(preset.id)
         if cached is None or cached[0] is not preset or cached[1] != cache_ram:
             cached = (preset, cache_ram, self.child_argv(preset, 0, cache_ram))
-            self._argv_cache[runtime.id] = cached
+            self._argv_cache[preset.id] = cached
         return cached[2]
 
     def child_argv(self, preset: ModelPreset, port: int,

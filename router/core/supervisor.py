@@ -77,13 +77,13 @@ class Supervisor:
         return self.models[model_id]
 
     def view(self, model_id: str) -> ModelView | None:
-        """A read-only view of the model with this id (not an alias), or None."""
-        runtime = self.models.get(model_id)
-        return None if runtime is None else ModelView(runtime, self.core)
+        """The model with this id (not an alias) as last published, or None."""
+        snapshot = self.model_set.published.get(model_id)
+        return None if snapshot is None else ModelView(snapshot, self.core)
 
     def views(self) -> list[ModelView]:
-        """A read-only view of every model, in catalogue order."""
-        return [ModelView(runtime, self.core) for runtime in self.models.values()]
+        """Every model as last published, in catalogue order."""
+        return [ModelView(snapshot, self.core) for snapshot in self.model_set.published.values()]
 
     def model_id(self, name: str) -> str | None:
         """The id a name (id or alias) stands for, or None."""
@@ -94,8 +94,18 @@ class Supervisor:
         return self.catalogue.close_matches(name)
 
     def find(self, name: str) -> ModelView:
-        """The model a request names (id or alias); raises ModelNotFound."""
-        return ModelView(self.resolve(name), self.core)
+        """The model a request names (id or alias), as last published: the request's handle
+        on it (``lease_now``, ``acquire``); raises ModelNotFound."""
+        runtime = self.resolve(name)
+        return ModelView(self.model_set.published[runtime.id], self.core)
+
+    def _record(self, model: ModelView) -> ModelRuntime:
+        """The record a handle stands for (by its id: no name is resolved again); ModelNotFound
+        when the model was removed since."""
+        runtime = self.models.get(model.id)
+        if runtime is None:
+            raise ModelNotFound(model.id, [])
+        return runtime
 
     def budgets(self) -> dict[str, Any]:
         """What the scheduler plans against (``/props`` ``llama_router``): bytes, None when
@@ -126,16 +136,17 @@ class Supervisor:
 
     # ----------------------------------------------------------------- requests
 
-    def lease_now(self, name: str, prefix: Prefix | None = None) -> Lease | None:
-        """A lease on a replica of a model that serves, taken at once; None when it does not
-        serve (then ``acquire`` waits for it)."""
-        return self.wait.lease_now(self.resolve(name), prefix)
+    def lease_now(self, model: ModelView, prefix: Prefix | None = None) -> Lease | None:
+        """A lease on a replica of the model (the handle ``find`` gave) when it serves, taken
+        at once; None when it does not serve (then ``acquire`` waits for it)."""
+        return self.wait.lease_now(self._record(model), prefix)
 
-    async def acquire(self, name: str, *, autoload: bool = True, budget: float | None = None,
-                      prefix: Prefix | None = None, ends: Ends = NOTHING_ELSE) -> Lease:
-        """A lease on a serving replica of the model a request names (``wait``: loading it if
-        allowed, within the wait budget, while ``ends`` lets it wait)."""
-        return await self.wait.acquire(self.resolve(name), autoload=autoload, budget=budget,
+    async def acquire(self, model: ModelView, *, autoload: bool = True,
+                      budget: float | None = None, prefix: Prefix | None = None,
+                      ends: Ends = NOTHING_ELSE) -> Lease:
+        """A lease on a serving replica of the model (the handle ``find`` gave; ``wait``:
+        loading it if allowed, within the wait budget, while ``ends`` lets it wait)."""
+        return await self.wait.acquire(self._record(model), autoload=autoload, budget=budget,
                                        prefix=prefix, ends=ends)
 
     def lease_child(self, model: str, child: Backend) -> Lease | None:
@@ -149,16 +160,15 @@ class Supervisor:
 
     # ----------------------------------------------------------------- loading
 
-    async def load(self, name: str) -> ModelRuntime:
-        """Start loading a model and return at once (``POST /models/load``); BadRequest if
-        it is not unloaded. An explicit load also clears a crash loop."""
-        runtime = self.resolve(name)
-        self.wait.load_task(runtime, on_demand=False, explicit=True)
-        return runtime
+    async def load(self, model: ModelView) -> None:
+        """Start loading the model (the handle ``find`` gave) and return at once (``POST
+        /models/load``); BadRequest if it is not unloaded. An explicit load also clears a
+        crash loop."""
+        self.wait.load_task(self._record(model), on_demand=False, explicit=True)
 
-    def start_download(self, runtime: ModelRuntime) -> asyncio.Task[None]:
+    def start_download(self, model: ModelView) -> asyncio.Task[None]:
         """Download an hf-repo model into the HF cache (``POST /models``)."""
-        return self.executor.start_download(runtime)
+        return self.executor.start_download(self._record(model))
 
     # ----------------------------------------------------------------- the catalogue
 
@@ -166,9 +176,10 @@ class Supervisor:
     def catalogue(self) -> Catalogue:
         return self.model_set.catalogue
 
-    def add_model(self, preset: ModelPreset) -> ModelRuntime:
-        """Add a model at run time (``POST /models``)."""
-        return self.core.model_changes.add(preset)
+    def add_model(self, preset: ModelPreset) -> ModelView:
+        """Add a model at run time (``POST /models``); the handle on it."""
+        runtime = self.core.model_changes.add(preset)
+        return ModelView(self.model_set.published[runtime.id], self.core)
 
     def remove_model(self, model_id: str) -> None:
         """Forget a model that is not running (``DELETE /models``)."""
@@ -180,11 +191,11 @@ class Supervisor:
 
     # ----------------------------------------------------------------- stopping
 
-    async def unload(self, name: str, *, explicit: bool = True) -> ModelRuntime:
-        """Cancel a download or load of the model, or stop its children (``lifecycle.Unload``);
-        returns once it is unloaded. ``explicit`` (``POST /models/unload``): BadRequest when
-        nothing runs or loads."""
-        runtime = self.resolve(name)
+    async def unload(self, model: ModelView, *, explicit: bool = True) -> None:
+        """Cancel a download or load of the model (the handle ``find`` gave), or stop its
+        children (``lifecycle.Unload``); returns once it is unloaded. ``explicit`` (``POST
+        /models/unload``): BadRequest when nothing runs or loads."""
+        runtime = self._record(model)
         busy = [t for t in (runtime.download_task, runtime.load_task)
                 if t is not None and not t.done()]
         refused = self.executor.command(runtime, Unload(explicit=explicit))
@@ -195,7 +206,6 @@ class Supervisor:
                 await asyncio.shield(task)
         if runtime.stop_task is not None:
             await asyncio.shield(runtime.stop_task)
-        return runtime
 
     def start(self) -> None:
         """Start background work (the idle reaper, measurement, liveness probes, the CPU

@@ -1,28 +1,41 @@
-"""A read-only view of a model's run state: what everything outside the scheduling core reads.
+"""A model as the rest of the router reads it: its published snapshot, with what the core's
+parts measure of it now.
 
 Routes (``/models``, ``/props``, streams), metrics, keys and nodes read a model through a
 ``ModelView`` from ``Supervisor.view``/``views``/``find``: its status, counters, replicas,
-memory, queue place and failure, and its ``/models`` entry, computed where the state lives. A
-view has no setters and hands out no task, child or lifecycle state to change: the supervisor
-and its parts (loader, executor, leases) stay the only writers of a model's run state.
+memory, queue place and failure, and its ``/models`` entry. The view reads the snapshot its
+record's owner last published (``runtime.ModelSnapshot``), never the record, plus what other
+parts know of it now (its measured memory, its place in the admission queue, a paused child,
+its saved states). A view has no setters and hands out nothing to change.
 
-A view is cheap (two references) and live: it reads the model's state when asked, so hold one
-only for the request at hand.
+A view is cheap (two references); hold one only for the request at hand. It is also the
+request's handle on its model (``route.decide``): the core leases by the snapshot's id.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import clock
 from ..config.sources import safe_id
 from .lifecycle import Status
 
 if TYPE_CHECKING:
+    import asyncio
+
+    from ..children.backend import Backend
     from ..config.presets import ModelPreset
+    from ..config.settings import Settings
+    from ..config.sources import Catalogue
+    from ..events import EventBus
     from ..logs import LogRing
-    from .runtime import Failure, ModelRuntime
+    from ..warm.swaps import WarmSwaps
+    from .affinity import Prefix
+    from .leases import Lease, RoutedCallback
+    from .lifecycle import Failure
+    from .runtime import ModelSnapshot
+    from .wait import Ends
     from .wiring import Core
 
 
@@ -40,110 +53,111 @@ class ReplicaView:
 
 
 class ModelView:
-    __slots__ = ("_runtime", "_sup")
+    __slots__ = ("_model", "_sup")
 
-    def __init__(self, runtime: ModelRuntime, core: Core) -> None:
-        self._runtime = runtime
+    def __init__(self, snapshot: ModelSnapshot, core: Core) -> None:
+        self._model = snapshot  # the model as its owner last published it
         self._sup = core  # the core's parts it reads through (``wiring.wire`` made them)
 
     def __repr__(self) -> str:
-        return f"<ModelView {self._runtime!r}>"
+        return f"<ModelView {self._model!r}>"
+
+    @property
+    def snapshot(self) -> ModelSnapshot:
+        return self._model
 
     # -- identity and configuration ----------------------------------------------------------
 
     @property
     def id(self) -> str:
-        return self._runtime.id
+        return self._model.id
 
     @property
     def preset(self) -> ModelPreset:
-        return self._runtime.preset  # frozen
+        return self._model.preset  # frozen
 
     @property
     def aliases(self) -> tuple[str, ...]:
-        return self._runtime.preset.aliases
+        return self._model.preset.aliases
 
     @property
     def logs(self) -> LogRing:
         """Its llama-server's recent output (``/logs``), to read or follow."""
-        return self._runtime.logs
+        return self._model.logs
 
     # -- state -------------------------------------------------------------------------------
 
     @property
     def status(self) -> Status:
-        return self._runtime.status
+        return self._model.status
 
     @property
     def serving(self) -> bool:
         """Loaded, not draining: a request gets a replica at once."""
-        return self._runtime.serving
+        return self._model.serving
 
     @property
     def loading(self) -> bool:
-        return self._runtime.status in (Status.LOADING, Status.DOWNLOADING)
+        return self._model.loading
 
     @property
     def draining(self) -> bool:
-        return self._runtime.draining
+        return self._model.draining
 
     @property
     def failed(self) -> bool:
-        return self._runtime.failed
+        return self._model.failed
 
     @property
     def crash_loop(self) -> bool:
-        return self._runtime.crash_loop
+        return self._model.crash_loop
 
     @property
     def failure(self) -> Failure | None:
-        return self._runtime.failure
+        return self._model.failure
 
     @property
     def in_flight(self) -> int:
-        return self._runtime.in_flight
+        return self._model.in_flight
 
     @property
     def waiting(self) -> int:
-        return self._runtime.waiting
+        return self._model.waiting
 
     @property
     def processes(self) -> int:
         """Local processes it holds (serving and starting); a remote upstream holds none."""
-        runtime = self._runtime
-        if runtime.preset.upstream is not None:
-            return 0
-        return len(runtime.replicas) + len(runtime.starting)
+        return self._model.processes
 
     def replicas(self) -> list[ReplicaView]:
         missed = self._sup.liveness.missed
-        routed = self._runtime.preset.prefix_routing
+        routed = self._model.preset.prefix_routing
         now = clock.now()
         return [ReplicaView(r.child.pid, r.child.port, r.in_flight, r.child.base_url,
                             missed(r.child), r.child.cpu.describe() if r.child.cpu else None,
                             {**r.pace.describe(), "backlog_s": round(r.backlog.remaining(now), 3)}
                             if routed else None)
-                for r in self._runtime.replicas]
+                for r in self._model.replicas]
 
     def serves_through(self, child: object) -> bool:
         """Whether ``child`` is one of its serving replicas' backends now."""
-        return any(r.child is child for r in self._runtime.replicas)
+        return any(r.child is child for r in self._model.replicas)
 
     # -- memory ------------------------------------------------------------------------------
 
     def measured(self) -> int | None:
         """Resident memory of its serving children (sampled), None when unknown."""
-        return self._sup.accounting.measured(self._runtime)
+        return self._sup.accounting.measured(self._model)
 
     def measured_devices(self) -> dict[str, int]:
-        return self._sup.accounting.measured_devices(self._runtime)
+        return self._sup.accounting.measured_devices(self._model)
 
     # -- the /models entry -------------------------------------------------------------------
 
     def entry(self, created: int) -> dict[str, Any]:
         """Its ``/models`` entry, in llama.cpp's shape plus the router's status fields."""
-        runtime = self._runtime
-        preset = runtime.preset
+        model = self._model
+        preset = model.preset
         entry: dict[str, Any] = {
             "id": preset.id, "aliases": sorted(preset.aliases), "tags": list(preset.tags),
             "object": "model", "owned_by": "llamacpp", "created": created,
@@ -152,25 +166,26 @@ class ModelView:
         }
         if preset.upstream is not None:  # a remote upstream (its key is never shown)
             entry["upstream"] = preset.upstream
-        if runtime.info and runtime.status is not Status.UNLOADED:
-            for key, value in runtime.info.items():
+        if model.info and model.status is not Status.UNLOADED:
+            for key, value in model.info.items():
                 entry.setdefault(key, value)
         return entry
 
     def _status(self) -> dict[str, Any]:
         """The entry's ``status``: its state, command line and counters, then the parts."""
-        runtime, sup = self._runtime, self._sup
-        child = runtime.child
+        model, sup = self._model, self._sup
+        child = model.child
         status: dict[str, Any] = {
-            "value": runtime.status.public,
+            "value": model.status.public,
             # A path need not be UTF-8; the answer must be (``sources.safe_id``).
             "args": [safe_id(arg) for arg in
-                     (child.argv if child else sup.spawner.display_argv(runtime))],
-            "in_flight": runtime.in_flight,
-            "waiting": runtime.waiting,
+                     (child.argv if child else
+                      sup.spawner.display_argv(model.preset, model.cache_ram_mib))],
+            "in_flight": model.in_flight,
+            "waiting": model.waiting,
         }
         status.update(self._process_status())
-        if runtime.preset.replicas > 1 or len(runtime.replicas) > 1:
+        if model.preset.replicas > 1 or len(model.replicas) > 1:
             status["replicas"] = [{"pid": r.pid, "port": r.port, "in_flight": r.in_flight,
                                    **({"cpu": r.cpu} if r.cpu else {}),
                                    **({"pace": r.pace} if r.pace is not None else {})}
@@ -179,20 +194,20 @@ class ModelView:
         status["memory"] = self._memory_status()
         status.update(self._trouble_status())
         warm = sup.warm
-        if warm is not None and warm.covers(runtime.preset):  # a listing reads no file
-            count, size = warm.usage(runtime.id)
+        if warm is not None and warm.covers(model.preset):  # a listing reads no file
+            count, size = warm.usage(model.id)
             status["states"] = {"count": count, "bytes": size}  # saved slots (warm swaps)
         return status
 
     def _process_status(self) -> dict[str, Any]:
         """Its child process: pid, port, uptime and, for a local model, its CPU placement."""
-        runtime, sup = self._runtime, self._sup
-        preset, child = runtime.preset, runtime.child
+        model, sup = self._model, self._sup
+        preset, child = model.preset, model.child
         fields: dict[str, Any] = {}
         if child is not None:
             fields.update(pid=child.pid, port=child.port)
-        if runtime.loaded_at is not None:
-            fields["uptime_s"] = round(clock.now() - runtime.loaded_at, 1)
+        if model.loaded_at is not None:
+            fields["uptime_s"] = round(clock.now() - model.loaded_at, 1)
         if child is not None and preset.upstream is None:
             fields["cpu"] = child.cpu.describe() if child.cpu is not None else {
                 "threads": preset.args.get("threads"), "cores": None,
@@ -203,48 +218,100 @@ class ModelView:
 
     def _progress_status(self) -> dict[str, Any]:
         """Where it is on its way: stopping, draining, loading progress, place in the queue."""
-        runtime, admission = self._runtime, self._sup.admission
+        model, admission = self._model, self._sup.admission
         fields: dict[str, Any] = {}
-        if runtime.status is Status.STOPPING:
+        if model.status is Status.STOPPING:
             fields["stopping"] = True
-        if runtime.draining:
+        if model.draining:
             fields["draining"] = True
-        if runtime.status is Status.LOADING and runtime.progress is not None:
-            fields["progress"] = dict(runtime.progress)
-        position = admission.position(runtime)
+        if model.status is Status.LOADING and model.progress is not None:
+            fields["progress"] = dict(model.progress)
+        position = admission.position(model.id)
         if position is not None:
             fields["queue_position"] = position
-            fields["expected_wait_s"] = admission.expected_wait_s(runtime)
+            fields["expected_wait_s"] = admission.expected_wait_s(model.id)
         return fields
 
     def _memory_status(self) -> dict[str, Any]:
         """Its memory, estimated and (while it serves) measured: host RAM, then each GPU."""
-        runtime = self._runtime
-        memory: dict[str, Any] = {"estimate": runtime.estimate or None}
-        if runtime.replicas:
+        model = self._model
+        memory: dict[str, Any] = {"estimate": model.estimate or None}
+        if model.replicas:
             memory["measured"] = self.measured()
         if self._sup.gpus:
-            measured = self.measured_devices() if runtime.replicas else {}
+            measured = self.measured_devices() if model.replicas else {}
             memory["gpus"] = {
-                pool: {"estimate": runtime.estimate_devices.get(pool),
-                       **({"measured": measured.get(pool, 0)} if runtime.replicas else {})}
-                for pool in sorted(runtime.estimate_devices.keys() | measured.keys())}
+                pool: {"estimate": model.estimate_devices.get(pool),
+                       **({"measured": measured.get(pool, 0)} if model.replicas else {})}
+                for pool in sorted(model.estimate_devices.keys() | measured.keys())}
         return memory
 
     def _trouble_status(self) -> dict[str, Any]:
         """What keeps it from serving: not downloaded yet, downloading, failed, crash loop."""
-        runtime = self._runtime
-        preset = runtime.preset
+        model = self._model
+        preset = model.preset
         fields: dict[str, Any] = {}
         if preset.model_path is None and preset.hf_repo:
             fields.update(downloaded=False,
                           message=f"not downloaded yet: hf-repo = {preset.hf_repo}")
-        if runtime.download and runtime.status is Status.DOWNLOADING:
-            fields["download"] = dict(runtime.download)
-        if runtime.status is Status.UNLOADED and runtime.failed and runtime.failure is not None:
-            fields.update(failed=True, exit_code=runtime.failure.exit_code,
-                          message=runtime.failure.message,
-                          last_lines=list(runtime.failure.last_lines))
-        if runtime.crash_loop:
+        if model.download and model.status is Status.DOWNLOADING:
+            fields["download"] = dict(model.download)
+        if model.status is Status.UNLOADED and model.failed and model.failure is not None:
+            fields.update(failed=True, exit_code=model.failure.exit_code,
+                          message=model.failure.message,
+                          last_lines=list(model.failure.last_lines))
+        if model.crash_loop:
             fields["crash_loop"] = True
         return fields
+
+
+class Models(Protocol):
+    """What the parts outside the core (the HTTP edge, observability, peers) may ask of the
+    models; ``supervisor.Supervisor`` answers. They read each model as a ``ModelView`` of its
+    published snapshot, and act on one through the view ``find`` gave: the handle by which
+    the core takes its lease, loads or unloads it, without resolving its name again."""
+
+    settings: Settings
+    events: EventBus
+    warm: WarmSwaps | None  # saved slot states (``--state-dir``); None: off
+
+    @property
+    def catalogue(self) -> Catalogue: ...
+
+    def view(self, model_id: str) -> ModelView | None: ...
+
+    def views(self) -> list[ModelView]: ...
+
+    def find(self, name: str) -> ModelView: ...
+
+    def model_id(self, name: str) -> str | None: ...
+
+    def budgets(self) -> dict[str, Any]: ...
+
+    @property
+    def cpu_turns(self) -> int: ...
+
+    @property
+    def children_paused(self) -> int: ...
+
+    def on_routed(self, callback: RoutedCallback) -> None: ...
+
+    def lease_now(self, model: ModelView, prefix: Prefix | None = None) -> Lease | None: ...
+
+    async def acquire(self, model: ModelView, *, autoload: bool = True,
+                      budget: float | None = None, prefix: Prefix | None = None,
+                      ends: Ends = ...) -> Lease: ...
+
+    def lease_child(self, model: str, child: Backend) -> Lease | None: ...
+
+    async def load(self, model: ModelView) -> None: ...
+
+    async def unload(self, model: ModelView, *, explicit: bool = True) -> None: ...
+
+    def add_model(self, preset: ModelPreset) -> ModelView: ...
+
+    def start_download(self, model: ModelView) -> asyncio.Task[None]: ...
+
+    def remove_model(self, model_id: str) -> None: ...
+
+    def reconfigure(self, catalogue: Catalogue) -> dict[str, list[str]]: ...

@@ -156,7 +156,7 @@ class ModelWait:
             self.load_task(runtime, on_demand=False)
 
     def _budget_exceeded(self, runtime: ModelRuntime, seconds: float) -> WaitBudgetExceeded:
-        position = self._admission.position(runtime)
+        position = self._admission.position(runtime.id)
         where = f", queue position {position}" if position is not None else ""
         return WaitBudgetExceeded(
             f"model '{runtime.id}' was not ready within the wait budget of {seconds:g} s "

@@ -108,7 +108,8 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
         evict, drain, undrain = _room_makers(models, executor)
         admission = Admission(settings, accounting, executor.apply, changes,
                               memory_budget=settings.memory_budget_bytes(),
-                              gpu_budgets=dict(gpu_budgets or {}), models=models.values,
+                              gpu_budgets=dict(gpu_budgets or {}),
+                              models=model_set.published.values,
                               evict=evict, drain=drain, undrain=undrain)
         return Loader(settings, executor, spawner, admission, accounting, changes, warm=warm)
 

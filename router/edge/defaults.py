@@ -27,7 +27,7 @@ from ..errors import ModelMissing
 
 if TYPE_CHECKING:
     from ..config.sources import Catalogue
-    from ..core.supervisor import Supervisor
+    from ..core.view import Models
 
 log = logging.getLogger("router.defaults")
 
@@ -66,38 +66,38 @@ class DefaultModel:
         self.peered = peered  # a router fronting peers never picks an implicit default
         self._implicit: str | None = None  # the last implicit default seen, for the warning
 
-    def resolve(self, supervisor: Supervisor) -> tuple[str, str] | None:
+    def resolve(self, models: Models) -> tuple[str, str] | None:
         """The default model's id and where it comes from (``SETTING``, ``ONLY_MODEL``);
         None when there is none."""
         if self.name is not None:
-            model_id = supervisor.model_id(self.name)
+            model_id = models.model_id(self.name)
             return None if model_id is None else (model_id, SETTING)
         only: str | None = None
         if not self.peered:
-            listed = [m.id for m in supervisor.views() if m.preset.listed]
+            listed = [m.id for m in models.views() if m.preset.listed]
             only = listed[0] if len(listed) == 1 else None
         if only != self._implicit:
             if self._implicit is not None:
                 log.warning("model '%s' is no longer the default model: the router now has "
                             "%d models; requests without a model get a 400 until "
                             "--default-model names one", self._implicit,
-                            sum(1 for m in supervisor.views() if m.preset.listed),
+                            sum(1 for m in models.views() if m.preset.listed),
                             extra={"event": "default_model_ended"})
             self._implicit = only
         return None if only is None else (only, ONLY_MODEL)
 
-    def for_request(self, supervisor: Supervisor) -> str:
+    def for_request(self, models: Models) -> str:
         """The model for a proxied request that names none; ``NoDefaultModel`` (400) when
         there is no default."""
-        found = self.resolve(supervisor)
+        found = self.resolve(models)
         if found is None:
-            raise NoDefaultModel(sum(1 for m in supervisor.views() if m.preset.listed))
+            raise NoDefaultModel(sum(1 for m in models.views() if m.preset.listed))
         return found[0]
 
-    def for_unknown(self, supervisor: Supervisor) -> str | None:
+    def for_unknown(self, models: Models) -> str | None:
         """The model for a proxied request naming an unknown model: the default with
         ``--unknown-model-to-default``, else None (the 404 stands)."""
         if not self.unknown_to_default:
             return None
-        found = self.resolve(supervisor)
+        found = self.resolve(models)
         return None if found is None else found[0]

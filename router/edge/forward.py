@@ -45,7 +45,7 @@ from ..http.requests import WAIT_BUDGET_HEADER, RequestContext, context
 from ..llama.webui import StaticUI
 from .keys import Forbidden
 from .nodes import serve_across_nodes
-from .route import decide
+from .route import decide, take
 from .state import State
 
 if TYPE_CHECKING:
@@ -117,22 +117,23 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     one of its replicas here and relay to that child."""
     state: State = scope["app"].state.router
     request = _admit(state, scope)
-    body = await request.read(receive, state.supervisor.settings.max_body_bytes)
+    body = await request.read(receive, state.models.settings.max_body_bytes)
     model = request.model or await _default_or_page(state, scope, send, request)
     if model is None:
         return  # a page of the web UI was the answer
-    route = decide(state, request, model, request.conv_id if body else None)
+    route = take(state, request, decide(state.models, state.peers, state.default, request, model),
+                 request.conv_id if body else None)
     if route.holders and await serve_across_nodes(state, scope, request, receive, send, route,
                                                   request.target()):
         return
-    runtime = route.local
-    assert runtime is not None  # the nodes leave a request to this router only if it has it
-    lease = _lease_now(state, request, runtime) or \
-        await _wait_for_lease(state, receive, request, runtime)
+    local = route.local  # the handle on the model, decided once
+    assert local is not None  # the nodes leave a request to this router only if it has it
+    lease = _lease_now(state, request, local) or \
+        await _wait_for_lease(state, receive, request, local)
     try:
         if route.conversation is not None:  # a resumable stream: the child that keeps it
             route.conversation.served_by(lease.child)
-        await _relay(state, scope, receive, send, request, runtime, lease, body)
+        await _relay(state, scope, receive, send, request, local, lease, body)
     finally:
         lease.learn(request.tail())
         lease.release()
@@ -150,7 +151,7 @@ def _admit(state: State, scope: Scope) -> RequestContext:
     if not scope["path"].startswith("/"):  # "*" (OPTIONS *), or an authority
         raise BadRequest("the request target must be an absolute path such as /v1/models")
     request = context(scope)
-    if state.supervisor.settings.state_dir is not None and _names_slot_files(request):
+    if state.models.settings.state_dir is not None and _names_slot_files(request):
         raise Forbidden("the children's slot files are the router's own with --state-dir "
                         "(warm swaps): POST /slots/{id}?action=save or restore is refused; "
                         "erase is allowed")
@@ -176,53 +177,53 @@ async def _default_or_page(state: State, scope: Scope, send: Send, request: Requ
         return None
     if method in ("GET", "HEAD") and scope["path"] not in CHILD_GET_PATHS:
         raise NotFound("File Not Found")
-    return request.default_to(state.default.for_request(state.supervisor))
+    return request.default_to(state.default.for_request(state.models))
 
 
-def _lease_now(state: State, request: RequestContext, runtime: ModelView) -> Lease | None:
+def _lease_now(state: State, request: RequestContext, model: ModelView) -> Lease | None:
     """A lease on a replica of a model that serves, taken at once (the hot path: no task, no
     await); None when the model does not serve. Its options are checked either way."""
-    if not runtime.serving:
+    if not model.serving:
         return None
     _budget(request)  # checked as for any request
-    return state.supervisor.lease_now(runtime.id, _prefix(request, runtime))
+    return state.models.lease_now(model, _prefix(request, model))
 
 
 async def _wait_for_lease(state: State, receive: Receive, request: RequestContext,
-                          runtime: ModelView) -> Lease:
+                          model: ModelView) -> Lease:
     """The whole wait for a model that does not serve (``wait``), ended by its budget, the
     client leaving or the shutdown."""
-    sup = state.supervisor
-    autoload = _autoload(request.params, sup.settings.models_autoload)
+    models = state.models
+    autoload = _autoload(request.params, models.settings.models_autoload)
     budget = _budget(request)  # the model's own wait budget caps it (``wait``)
     shutdown = state.shutdown
     waited = time.perf_counter()
     try:
-        lease = await sup.acquire(runtime.id, autoload=autoload, budget=budget,
-                                  prefix=_prefix(request, runtime),
+        lease = await models.acquire(model, autoload=autoload, budget=budget,
+                                  prefix=_prefix(request, model),
                                   ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
                                             shutdown.error))
     finally:  # for the activity record, also when the wait failed
         request.queue_s = queued = time.perf_counter() - waited
-    state.metrics.queue_seconds.labels(runtime.preset.id).observe(queued)
+    state.metrics.queue_seconds.labels(model.preset.id).observe(queued)
     return lease
 
 
-def _prefix(request: RequestContext, runtime: ModelView) -> Prefix | None:
+def _prefix(request: RequestContext, model: ModelView) -> Prefix | None:
     """The prompt's prefix, for a model routed by it among its replicas (``affinity``)."""
-    if request.parsed is None or not runtime.preset.prefix_routing:
+    if request.parsed is None or not model.preset.prefix_routing:
         return None
     prefix = request_prefix(request.parsed)
     return prefix if prefix.keys else None
 
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,
-           request: RequestContext, runtime: ModelView, lease: Lease, body: bytes
+           request: RequestContext, model: ModelView, lease: Lease, body: bytes
            ) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it."""
     headers = upstream_headers(scope["headers"], request)
-    preset = runtime.preset
+    preset = model.preset
     target = request.target()
     if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
         headers, body, target = _for_remote(request, preset, headers, body, target)

@@ -27,7 +27,7 @@ import watchfiles
 from ..config.presets import PresetsInvalid
 from ..config.settings import Settings
 from ..config.sources import Catalogue, build_catalogue
-from ..core.supervisor import Supervisor
+from ..core.view import Models
 from ..events import EventBus
 from ..llama.flags import FlagTable, Option
 from . import defaults
@@ -53,12 +53,12 @@ def configured_models(catalogue: Catalogue) -> int:
 
 class Reloader:
     def __init__(self, settings: Settings, table: FlagTable, overrides: list[tuple[Option, str]],
-                 supervisor: Supervisor, events: EventBus,
+                 models: Models, events: EventBus,
                  notify: Callable[..., None] = lambda *fields: None) -> None:
         self.settings = settings
         self.table = table
         self.overrides = overrides
-        self.supervisor = supervisor
+        self.models = models
         self.events = events
         self.notify = notify
         self.error: list[str] | None = None  # problems of the last rejected configuration
@@ -118,7 +118,7 @@ class Reloader:
         self.error = None
         for warning in catalogue.warnings:
             log.warning("%s", warning)
-        diff = self.supervisor.reconfigure(catalogue)
+        diff = self.models.reconfigure(catalogue)
         log.info("configuration reloaded (%s): added %s, removed %s, changed %s", trigger,
                  diff["added"] or "none", diff["removed"] or "none", diff["changed"] or "none",
                  extra={"event": "reloaded"})
@@ -138,7 +138,7 @@ class Reloader:
     def _emptied(self, catalogue: Catalogue) -> str | None:
         """Why ``catalogue`` may not replace the running one without ``allow_empty``: it
         configures no model while the running one configures some; None if it may."""
-        before = configured_models(self.supervisor.catalogue)
+        before = configured_models(self.models.catalogue)
         if configured_models(catalogue) or not before:
             return None
         where = ", ".join(str(p) for p in self._sources())

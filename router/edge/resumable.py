@@ -65,7 +65,7 @@ from ..peers import hop
 from ..peers.peer import Peer
 
 if TYPE_CHECKING:
-    from ..core.supervisor import Supervisor
+    from ..core.view import Models
     from ..http.shutdown import Shutdown
 
 Owner = Backend | Peer  # the child that serves a conversation, or the peer it went to
@@ -147,17 +147,17 @@ class Claim:
         self.owners.claim(self.conv_id, self.model, self.key, owner, running=self.running)
 
 
-def serves(supervisor: Supervisor) -> Callable[[str, Owner], bool]:
+def serves(models: Models) -> Callable[[str, Owner], bool]:
     """Whether a model's child (or a peer) still serves: where a stream may still be kept."""
     def running(model: str, child: Owner) -> bool:
         if isinstance(child, Peer):
             return child.up
-        view = supervisor.view(model)
+        view = models.view(model)
         return view is not None and view.serves_through(child)
     return running
 
 
-def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
+def _running_owner(owners: ConversationOwners, models: Models,
                    conv_id: str, request: RequestContext) -> tuple[str, Owner] | None:
     """The owning model and child of the request's key's conversation, if that child still
     serves (or peer, if it is up and the request did not pass through it)."""
@@ -165,7 +165,7 @@ def _running_owner(owners: ConversationOwners, supervisor: Supervisor,
     if found is None:
         return None
     model, child = found
-    if child is None or not serves(supervisor)(model, child):
+    if child is None or not serves(models)(model, child):
         return None
     if isinstance(child, Peer) and hop.passed(child, request):
         return None  # never sent back round a loop of routers
@@ -182,9 +182,9 @@ def _conv_id(request: Request) -> str:
 class StreamResume:
     """``GET /v1/stream``: relay the owning child's replay of the stream."""
 
-    def __init__(self, supervisor: Supervisor, owners: ConversationOwners,
+    def __init__(self, models: Models, owners: ConversationOwners,
                  shutdown: Shutdown | None = None) -> None:
-        self.supervisor = supervisor
+        self.models = models
         self.owners = owners
         self.shutdown = shutdown  # ends the replay with the envelope after the grace period
 
@@ -192,10 +192,10 @@ class StreamResume:
         request = Request(scope, receive)
         conv_id = _conv_id(request)
         ctx = context(scope)
-        running = _running_owner(self.owners, self.supervisor, conv_id, ctx)
+        running = _running_owner(self.owners, self.models, conv_id, ctx)
         if running is None:
             found = self.owners.owner(conv_id, ctx.key_hash)
-            view = self.supervisor.view(found[0]) if found else None
+            view = self.models.view(found[0]) if found else None
             if view is not None and view.loading:
                 raise Unavailable("Stream owner model is loading, retry later",
                                          headers={"Retry-After": "1"})
@@ -208,7 +208,7 @@ class StreamResume:
             await hop.relay(child, scope, ctx, receive, send, "GET",
                             f"/v1/stream?{query}".encode(), b"", shutdown=self.shutdown)
             return
-        lease = self.supervisor.lease_child(model, child)
+        lease = self.models.lease_child(model, child)
         if lease is None:
             raise NotFound("Stream not found or expired")
         try:
@@ -219,7 +219,7 @@ class StreamResume:
             lease.release()
 
 
-async def lookup(request: Request, supervisor: Supervisor, owners: ConversationOwners,
+async def lookup(request: Request, models: Models, owners: ConversationOwners,
                  client: httpx.AsyncClient) -> Response:
     """``POST /v1/streams/lookup``: the owning children's sessions for the given ids."""
     ctx = context(request.scope)
@@ -235,7 +235,7 @@ async def lookup(request: Request, supervisor: Supervisor, owners: ConversationO
         return JSONResponse([])
     per_child: dict[Owner, list[str]] = {}
     for conv_id in ids:
-        running = _running_owner(owners, supervisor, conv_id, ctx)
+        running = _running_owner(owners, models, conv_id, ctx)
         if running is not None:
             per_child.setdefault(running[1], []).append(conv_id)
 
@@ -260,13 +260,13 @@ async def lookup(request: Request, supervisor: Supervisor, owners: ConversationO
     return JSONResponse([session for sessions in answers for session in sessions])
 
 
-async def stop(request: Request, supervisor: Supervisor, owners: ConversationOwners,
+async def stop(request: Request, models: Models, owners: ConversationOwners,
                client: httpx.AsyncClient) -> Response:
     """``DELETE /v1/stream``: the owning child stops the stream; the mapping is forgotten.
     Another key's stream is left alone, with the same 204."""
     conv_id = _conv_id(request)
     ctx = context(request.scope)
-    running = _running_owner(owners, supervisor, conv_id, ctx)
+    running = _running_owner(owners, models, conv_id, ctx)
     owners.forget(conv_id, ctx.key_hash)
     if running is not None:
         owner = running[1]

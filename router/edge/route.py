@@ -1,5 +1,11 @@
-"""Which model a proxied request gets, decided once: ``decide`` makes the request's ``Route``
-and every later step (the nodes, the lease, the relay, the conversation) reads it.
+"""Which model a proxied request gets, decided once: ``decide`` makes the request's ``Route``,
+``take`` commits it to the request, and every later step (the nodes, the lease, the relay,
+the conversation) reads it.
+
+``decide`` is a pure function of the request as read (its model, key scope and via chain),
+the models as last published (``core.view.Models``), the peers' listing and the default
+model: it writes nothing. Its ``Route.local`` is the handle on this router's model, by which
+the core takes the lease: no model is resolved by name twice.
 
 * The model is resolved as the request's key sees the router (``resolve_in_scope``): a model
   outside a limited key's scope is not found, exactly as a name nobody uses, with a "did you
@@ -13,16 +19,18 @@ and every later step (the nodes, the lease, the relay, the conversation) reads i
   (``--unknown-model-to-default``), or the request is refused: 404 in the name the client
   gave, 503 or 409 when only peers that are down or that it passed through list it
   (``raise_if_elsewhere``).
-* A request carrying ``X-Conversation-Id`` claims that conversation for its key and model here,
-  once (``resumable.ConversationOwners.claim``); the node or child that serves it is recorded
-  on that claim when known (``Claim.served_by``).
+* ``take``: a request sent to the default model in place of a name nobody uses names it from
+  then on (``RequestContext.default_to``); the model's id goes into the request's context
+  (metrics, activity); a request carrying ``X-Conversation-Id`` claims that conversation for
+  its key and model here, once (``resumable.ConversationOwners.claim``); the node or child
+  that serves it is recorded on that claim when known (``Claim.served_by``).
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..config.keyfile import KeyScope
@@ -31,11 +39,11 @@ from ..peers import hop
 from .resumable import Claim, serves
 
 if TYPE_CHECKING:
-    from ..core.supervisor import Supervisor
-    from ..core.view import ModelView
+    from ..core.view import Models, ModelView
     from ..http.requests import RequestContext
     from ..peers.peer import Peer
     from ..peers.registry import Peers
+    from .defaults import DefaultModel
     from .state import State
 
 
@@ -44,89 +52,101 @@ class Route:
     """Where a request goes: ``local``, this router's model (None when only peers hold it),
     and ``holders``, the peers that hold it (empty: this router alone); ``model_id``, the
     model as this router names it (the preset's id, else the name the peers list);
-    ``conversation``, its claim on a resumable stream, if any."""
+    ``defaulted_to``, the default model it goes to in place of a name nobody uses
+    (``--unknown-model-to-default``), else None; ``conversation``, its claim on a resumable
+    stream, once taken (``take``)."""
 
     model_id: str
     local: ModelView | None
     holders: Sequence[Peer]
-    conversation: Claim | None
+    defaulted_to: str | None = None
+    conversation: Claim | None = None
 
 
-def decide(state: State, request: RequestContext, model: str, conv_id: str | None) -> Route:
+def decide(models: Models, peers: Peers | None, default: DefaultModel,
+           request: RequestContext, model: str) -> Route:
     """The request's route for ``model`` (resolved through the default model already, when
-    the request named none); raises the 404, 409 or 503 it gets instead. Records the model's
-    id in the request's context (metrics, activity)."""
-    sup = state.supervisor
-    peers = state.peers
+    the request named none); raises the 404, 409 or 503 it gets instead. Writes nothing."""
     holders: Sequence[Peer] = ()
     if peers is not None and peers.peers and not hop.came_through(request, peers.instance):
         holders = peers.holders(model, request.via)  # one that came back: served here or 409
-    local = local_model(sup, request.key_scope, model) if holders else \
-        _here(state, request, model)
-    request.model_id = model_id = model if local is None else local.preset.id
-    claim = None
-    if conv_id:  # refused here if another key or model holds it
-        claim = state.conversations.claim(conv_id, model_id, request.key_hash,
-                                          running=serves(sup))
-    return Route(model_id, local, holders, claim)
+    if holders:
+        local = local_model(models, request.key_scope, model)
+        return Route(model if local is None else local.preset.id, local, holders)
+    local, defaulted_to = _here(models, peers, default, request, model)
+    return Route(local.preset.id, local, holders, defaulted_to)
 
 
-def _here(state: State, request: RequestContext, model: str) -> ModelView:
-    """The model a request gets from this router, with ``--unknown-model-to-default`` for a
-    name nobody uses."""
-    sup = state.supervisor
+def take(state: State, request: RequestContext, route: Route, conv_id: str | None) -> Route:
+    """The route, committed to the request: the default model it goes to named from now on,
+    its model's id in the request's context (metrics, activity), and its conversation
+    claimed (refused here if another key or model holds it)."""
+    if route.defaulted_to is not None:
+        request.default_to(route.defaulted_to)
+    request.model_id = route.model_id
+    if not conv_id:
+        return route
+    claim = state.conversations.claim(conv_id, route.model_id, request.key_hash,
+                                      running=serves(state.models))
+    return replace(route, conversation=claim)
+
+
+def _here(models: Models, peers: Peers | None, default: DefaultModel, request: RequestContext,
+          model: str) -> tuple[ModelView, str | None]:
+    """The model a request gets from this router, and the default it goes to in place of a
+    name nobody uses (``--unknown-model-to-default``), if so."""
     key_scope = request.key_scope  # set by ApiKeyMiddleware for a scoped key only
     try:
-        return resolve_in_scope(sup, key_scope, model)
+        return resolve_in_scope(models, key_scope, model), None
     except ModelNotFound as exc:
         if request.defaulted:  # the default model is not this key's: never named to it
             raise NotFound('no model is named in the request, and the default model is not '
                            'one this API key may use: set "model" (GET /v1/models lists '
                            'them)') from None
-        if state.peers is not None:
-            raise_if_elsewhere(state.peers, model, request)
-        fallback = state.default.for_unknown(sup)  # --unknown-model-to-default
+        if peers is not None:
+            raise_if_elsewhere(peers, model, request)
+        fallback = default.for_unknown(models)  # --unknown-model-to-default
         if fallback is None:
             raise
         try:
-            return resolve_in_scope(sup, key_scope, request.default_to(fallback))
+            return resolve_in_scope(models, key_scope, fallback), fallback
         except ModelNotFound:
             raise exc from None  # not this key's either: the 404 of the name it gave
 
 
-def local_model(supervisor: Supervisor, key_scope: KeyScope | None, model: str
+def local_model(models: Models, key_scope: KeyScope | None, model: str
                 ) -> ModelView | None:
     """This router's own model named ``model``, or None; for a key limited to some models, a
     model outside them (here or on any node) is not found, as a name nobody uses."""
     try:
-        return resolve_in_scope(supervisor, key_scope, model)
+        return resolve_in_scope(models, key_scope, model)
     except ModelNotFound:
         if key_scope is not None and not key_scope.allows(model):
-            raise not_found(supervisor, key_scope, model) from None
+            raise not_found(models, key_scope, model) from None
         return None
 
 
-def resolve_in_scope(supervisor: Supervisor, key_scope: KeyScope | None, name: str
+def resolve_in_scope(models: Models, key_scope: KeyScope | None, name: str
                      ) -> ModelView:
-    """``supervisor.find(name)``, for a key limited to some models only among them: a model
+    """``models.find(name)``, for a key limited to some models only among them: a model
     outside its scope is not found, exactly as a name nobody uses (``not_found``), so a key
     cannot probe which names exist."""
     if key_scope is None or key_scope.pattern is None:
-        return supervisor.find(name)
+        return models.find(name)
     try:
-        model = supervisor.find(name)
+        model = models.find(name)
     except ModelNotFound:
-        raise not_found(supervisor, key_scope, name) from None
+        raise not_found(models, key_scope, name) from None
     if not key_scope.allows(model.id, model.aliases):
-        raise not_found(supervisor, key_scope, name)
+        raise not_found(models, key_scope, name)
     return model
 
 
-def not_found(supervisor: Supervisor, key_scope: KeyScope, name: str) -> ModelNotFound:
+def not_found(models: Models, key_scope: KeyScope, name: str) -> ModelNotFound:
     """The 404 for ``name`` as a key limited to some models sees the router: its "did you
     mean" is drawn from the names (ids and aliases) of its models alone, so it reads the same
     whether ``name`` is another model's or nobody's."""
-    names = [n for model in supervisor.views() if key_scope.allows(model.id, model.aliases)
+    names = [n for model in models.views() if key_scope.allows(model.id, model.aliases)
              for n in (model.id, *model.aliases)]
     return ModelNotFound(name, difflib.get_close_matches(name, names, n=3, cutoff=0.5))
 

@@ -57,7 +57,7 @@ async def props(request: Request) -> Response:
     addresses) only for a key with full access (admin for every model); the default model
     only for a key that may use it."""
     state = _state(request)
-    settings = state.supervisor.settings
+    settings = state.models.settings
     key_scope = key_scope_of(request.scope)
     full = key_scope is None
     default_id, default_from = _default_model(state, key_scope)
@@ -67,7 +67,7 @@ async def props(request: Request) -> Response:
         "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error if full else None,
-        "llama_router": {**state.supervisor.budgets(), "node": state.node,
+        "llama_router": {**state.models.budgets(), "node": state.node,
                          "instance": state.peers.instance if state.peers is not None else "",
                          "default_model": default_id, "default_model_from": default_from,
                          **({"peers": state.peers.describe()} if full and state.peers
@@ -78,10 +78,10 @@ async def props(request: Request) -> Response:
 def _default_model(state: State, key_scope: KeyScope | None) -> tuple[str | None, str | None]:
     """The default model's id and where it comes from (``defaults``), as this key may see
     them: (None, None) when there is none, or it is not the key's."""
-    found = state.default.resolve(state.supervisor)
+    found = state.default.resolve(state.models)
     if found is None:
         return None, None
-    view = state.supervisor.view(found[0])
+    view = state.models.view(found[0])
     if view is None or (key_scope is not None and not key_scope.allows(view.id, view.aliases)):
         return None, None
     return found
@@ -95,27 +95,27 @@ async def feature_disabled(request: Request) -> Response:
 
 async def stream_resume(request: Request) -> Response:
     state = _state(request)
-    return StreamResume(state.supervisor, state.conversations,  # type: ignore[return-value]
+    return StreamResume(state.models, state.conversations,  # type: ignore[return-value]
                         state.shutdown)
 
 
 async def streams_lookup(request: Request) -> Response:
     state = _state(request)
-    return await lookup_streams(request, state.supervisor, state.conversations, state.client)
+    return await lookup_streams(request, state.models, state.conversations, state.client)
 
 
 async def stream_stop(request: Request) -> Response:
     state = _state(request)
-    return await stop_stream(request, state.supervisor, state.conversations, state.client)
+    return await stop_stream(request, state.models, state.conversations, state.client)
 
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
     if context(request.scope).params.get("reload"):  # llama.cpp's: any non-empty value
         await state.reloader.reload("GET /models?reload")
-    sup = state.supervisor
+    models = state.models
     key_scope = key_scope_of(request.scope)
-    data = [m.entry(state.started) for m in sup.views() if m.preset.listed
+    data = [m.entry(state.started) for m in models.views() if m.preset.listed
             and (key_scope is None or key_scope.allows(m.id, m.aliases))]
     default_id, _ = _default_model(state, key_scope)
     for entry in data:
@@ -157,13 +157,13 @@ async def _on_peers(request: Request, action: str, name: str,
         raise loop_error(ctx, peers.node, peers.instance, f"this {action} of model '{name}'")
     holders = peers.holders(name, ctx.via)  # never back to a router it passed through
     if not holders and not asked:
-        if ctx.via and peers.holders(name) and state.supervisor.model_id(name) is None:
+        if ctx.via and peers.holders(name) and state.models.model_id(name) is None:
             raise loop_error(ctx, peers.node, peers.instance, f"this {action} of model '{name}'")
         return None
     if asked is not None and not isinstance(asked, str):
         raise BadRequest('"node" must be a node name (GET /models shows them)')
     key_scope = key_scope_of(request.scope)
-    local = local_model(state.supervisor, key_scope, name)
+    local = local_model(state.models, key_scope, name)
     targets = admin_targets(holders, name, local, state.node, asked, action)
     if targets == [None]:
         return None
@@ -172,9 +172,10 @@ async def _on_peers(request: Request, action: str, name: str,
     status = 200
     for peer in targets:
         if peer is None:
+            assert local is not None  # this router is a target only when it has the model
             try:
-                await (state.supervisor.load(name) if action == "load"
-                       else state.supervisor.unload(name))
+                await (state.models.load(local) if action == "load"
+                       else state.models.unload(local))
                 results[state.node] = {"success": True}
             except RouterError as exc:
                 results[state.node] = exc.envelope()
@@ -193,15 +194,15 @@ async def _on_peers(request: Request, action: str, name: str,
 
 
 async def load_model(request: Request) -> Response:
-    sup = _state(request).supervisor
+    models = _state(request).models
     name, payload = await _admin_request(request)
     if (forwarded := await _on_peers(request, "load", name, payload)) is not None:
         return forwarded
-    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
-    context(request.scope).model_id = runtime.preset.id  # metrics, activity
-    await sup.load(name)  # BadRequest unless unloaded (the lifecycle decides)
+    model = resolve_in_scope(models, key_scope_of(request.scope), name)
+    context(request.scope).model_id = model.preset.id  # metrics, activity
+    await models.load(model)  # BadRequest unless unloaded (the lifecycle decides)
     if context(request.scope).params.get("wait") in ("1", "true"):
-        lease = await sup.acquire(name)
+        lease = await models.acquire(model)
         lease.release()
     return JSONResponse({"success": True})
 
@@ -209,7 +210,7 @@ async def load_model(request: Request) -> Response:
 async def pull_model(request: Request) -> Response:
     """``POST /models {"model": "owner/repo:QUANT"}``: check it on the Hub, then download it
     into the HF cache in the background (progress on /models and /models/sse)."""
-    sup = _state(request).supervisor
+    models = _state(request).models
     name = await _model_from_json(request)
     try:
         resolution = await asyncio.to_thread(resolve_remote, HfRef.parse(name))
@@ -220,32 +221,32 @@ async def pull_model(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     if key_scope is not None and not key_scope.allows(resolution.id):
         raise Forbidden(f"model '{resolution.id}' is not allowed for this API key")
-    if sup.model_id(resolution.id) is not None:
+    if models.model_id(resolution.id) is not None:
         raise BadRequest(f"model '{resolution.id}' already exists")
     preset = ModelPreset(id=resolution.id, source="cache",
                          args=MappingProxyType({"hf-repo": resolution.id}))
-    sup.start_download(sup.add_model(preset))
+    models.start_download(models.add_model(preset))
     return JSONResponse({"success": True, "model": resolution.id})
 
 
 async def delete_model(request: Request) -> Response:
     """``DELETE /models?model=ID``: remove a Hugging Face cache model and its files."""
-    sup = _state(request).supervisor
+    models = _state(request).models
     name = context(request.scope).model
     if not name:
         raise ModelMissing()
-    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
+    runtime = resolve_in_scope(models, key_scope_of(request.scope), name)
     if runtime.preset.source != "cache":
         raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
                          "Hugging Face cache: remove it from its preset or directory instead")
     default = _state(request).default
-    if default.name is not None and sup.model_id(default.name) == runtime.id:
+    if default.name is not None and models.model_id(default.name) == runtime.id:
         raise BadRequest(f"model '{runtime.id}' is the default model (--default-model): "
                          "restart the router with another default before removing it")
-    await sup.unload(runtime.id, explicit=False)
+    await models.unload(runtime, explicit=False)
     paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
     freed = await asyncio.to_thread(delete_cached, paths)
-    sup.remove_model(runtime.id)
+    models.remove_model(runtime.id)
     return JSONResponse({"success": True, "freed_bytes": freed})
 
 
@@ -292,13 +293,13 @@ async def reload_models(request: Request) -> Response:
 
 
 async def unload_model(request: Request) -> Response:
-    sup = _state(request).supervisor
+    models = _state(request).models
     name, payload = await _admin_request(request)
     if (forwarded := await _on_peers(request, "unload", name, payload)) is not None:
         return forwarded
-    runtime = resolve_in_scope(sup, key_scope_of(request.scope), name)
-    context(request.scope).model_id = runtime.preset.id  # metrics, activity
-    await sup.unload(name)  # BadRequest when nothing runs or loads (the lifecycle decides)
+    model = resolve_in_scope(models, key_scope_of(request.scope), name)
+    context(request.scope).model_id = model.preset.id  # metrics, activity
+    await models.unload(model)  # BadRequest when nothing runs or loads (the lifecycle decides)
     return JSONResponse({"success": True})
 
 
@@ -322,7 +323,7 @@ class EventStream:
             return self.full
         if self.key_scope is None:
             return True
-        model = self.state.supervisor.view(model_id)
+        model = self.state.models.view(model_id)
         return self.key_scope.allows(model_id, model.aliases if model else ())
 
     def _accepts(self, event: dict[str, Any]) -> bool:
@@ -333,7 +334,7 @@ class EventStream:
         snapshot: list[dict[str, Any]] = [
             {"model": model.id, "event": "model_status",
              "data": {"status": model.status.public}}
-            for model in self.state.supervisor.views()
+            for model in self.state.models.views()
             if model.preset.listed and self._shows(model.id)]
         peers = self.state.peers
         for model_id, holders in (peers.listing() if peers is not None else {}).items():
@@ -363,7 +364,7 @@ class EventStream:
                     return json.dumps(snapshot.pop())
                 event = await subscription.get()
                 if peers is not None and peers.peers:
-                    event = across_nodes(event, peers, self.state.supervisor)
+                    event = across_nodes(event, peers, self.state.models)
                     data = event.get("data")
                     if not self.full and isinstance(data, dict) and "message" in data \
                             and data.get("unavailable"):  # a down node's reason: its address
@@ -376,17 +377,17 @@ class EventStream:
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    body = await state.metrics.exposition(state.supervisor, state.client)
+    body = await state.metrics.exposition(state.models, state.client)
     if state.peers is not None and state.peers.peers:  # every node's, with a node label
         texts = [({"node": state.node}, body.decode()),
                  *await scrape(state.peers, context(request.scope))]
         body = "".join(render_merged(merge_child_metrics(texts))).encode()
     key_scope = key_scope_of(request.scope)
     if key_scope is not None and key_scope.pattern is not None:  # only its models' series
-        sup = state.supervisor
+        models = state.models
 
         def allows(model_id: str) -> bool:
-            view = sup.view(model_id)
+            view = models.view(model_id)
             return key_scope.allows(model_id, view.aliases if view is not None else ())
 
         body = only_models(body, allows)
@@ -402,7 +403,7 @@ def _log_source(request: Request) -> tuple[str, LogRing]:
             raise Forbidden(f"this API key ({key_scope.describe()}) may read its models' logs "
                             "(?model=), not the router's own, which covers every model")
         return "router", state.router_log
-    runtime = resolve_in_scope(state.supervisor, key_scope_of(request.scope), name)
+    runtime = resolve_in_scope(state.models, key_scope_of(request.scope), name)
     return runtime.preset.id, runtime.logs
 
 

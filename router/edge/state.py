@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from starlette.requests import Request
 
-from ..core.supervisor import Supervisor
+from ..core.view import Models
 from ..events import EventBus
 from ..http.shutdown import Shutdown
 from ..logs import LogRing
@@ -23,10 +23,10 @@ from .resumable import ConversationOwners
 class State:
     """What the routes share; built by the lifespan (see ``server.py``)."""
 
-    def __init__(self, supervisor: Supervisor, client: httpx.AsyncClient, events: EventBus,
+    def __init__(self, models: Models, client: httpx.AsyncClient, events: EventBus,
                  build_info: str, metrics: RouterMetrics, router_log: LogRing,
                  reloader: Reloader, peers: Peers | None = None) -> None:
-        self.supervisor = supervisor
+        self.models = models
         self.client = client
         self.events = events
         self.build_info = build_info
@@ -35,14 +35,14 @@ class State:
         self.reloader = reloader
         self.peers = peers  # None in tests that build a State by hand
         self.node = peers.node if peers is not None else ""
-        settings = supervisor.settings
+        settings = models.settings
         self.default = DefaultModel(settings.default_model,
                                     unknown_to_default=settings.unknown_model_to_default,
                                     peered=bool(settings.peer or settings.peer_dns))
         self.conversations = ConversationOwners()  # resumable streams: which child has each
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.shutdown = Shutdown(supervisor.settings.shutdown_grace)
+        self.shutdown = Shutdown(models.settings.shutdown_grace)
         # Set when the router starts shutting down: endless streams (events, log follow) end
         # so that shutdown waits only for real requests.
         self.closing = self.shutdown.closing

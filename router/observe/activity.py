@@ -148,7 +148,7 @@ def _model_id(request: Request, name: str) -> str:
     state = getattr(request.app.state, "router", None)
     if state is None:
         return name
-    resolved: str | None = state.supervisor.model_id(name)
+    resolved: str | None = state.models.model_id(name)
     return resolved or name
 
 
@@ -161,7 +161,7 @@ def _in_scope(request: Request) -> Callable[[str], bool] | None:
     state = getattr(request.app.state, "router", None)
 
     def allows(model_id: str) -> bool:
-        view = state.supervisor.view(model_id) if state is not None and model_id else None
+        view = state.models.view(model_id) if state is not None and model_id else None
         return bool(model_id) and key_scope.allows(model_id, view.aliases if view else ())
     return allows
 

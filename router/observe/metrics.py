@@ -33,7 +33,7 @@ from ..core.scheduler import Status
 from ..events import Event
 
 if TYPE_CHECKING:
-    from ..core.supervisor import Supervisor
+    from ..core.view import Models
     from ..http.http11 import Refusals
     from ..warm.swaps import WarmSwaps
 
@@ -45,7 +45,7 @@ LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class RouterMetrics:
-    """The router's own counters and histograms, plus live gauges read from the supervisor."""
+    """The router's own counters and histograms, plus live gauges read from the models."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -122,19 +122,19 @@ class RouterMetrics:
                                                                                   decision)
         child.inc()
 
-    def attach(self, supervisor: Supervisor) -> None:
-        self.registry.register(_LiveGauges(supervisor))
-        if supervisor.warm is not None:
-            self.registry.register(_WarmSwaps(supervisor.warm))
-        supervisor.events.listeners.append(self.on_event)
-        supervisor.on_routed(self.observe_routing)
+    def attach(self, models: Models) -> None:
+        self.registry.register(_LiveGauges(models))
+        if models.warm is not None:
+            self.registry.register(_WarmSwaps(models.warm))
+        models.events.listeners.append(self.on_event)
+        models.on_routed(self.observe_routing)
 
     def attach_edge(self, refusals: Refusals) -> None:
         """Expose what the HTTP/1.1 edge refused (``http11.Refusals``), read at scrape time."""
         self.registry.register(_EdgeRefusals(refusals))
 
     def on_event(self, event: Event) -> None:
-        """Count lifecycle transitions from the supervisor's status events (a peer's events,
+        """Count lifecycle transitions from the models' status events (a peer's events,
         relayed with their ``node``, are counted by the peer)."""
         if "node" in event:
             return
@@ -155,9 +155,9 @@ class RouterMetrics:
             if data.get("failed"):
                 self.failures.labels(model).inc()
 
-    async def exposition(self, supervisor: Supervisor, client: httpx.AsyncClient) -> bytes:
+    async def exposition(self, models: Models, client: httpx.AsyncClient) -> bytes:
         targets: list[tuple[dict[str, str], str]] = []
-        for model in supervisor.views():
+        for model in models.views():
             if model.status is not Status.LOADED:
                 continue
             replicas = model.replicas()
@@ -222,10 +222,10 @@ class _WarmSwaps(Collector):
 
 
 class _LiveGauges(Collector):
-    """Gauges computed at scrape time from the supervisor's state."""
+    """Gauges computed at scrape time from the models' state."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, models: Models) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily("llamarouter_children_running",
@@ -242,7 +242,7 @@ class _LiveGauges(Collector):
                                 "GPU memory the model's llama-server uses (nvidia-smi)",
                                 labels=["model", "gpu"])
         alive = 0
-        for view in self.supervisor.views():
+        for view in self.models.views():
             model = view.id
             status.add_metric([model, view.status.public], 1)
             in_flight.add_metric([model], view.in_flight)
@@ -256,10 +256,10 @@ class _LiveGauges(Collector):
         running.add_metric([], alive)
         turns = CounterMetricFamily("llamarouter_cpu_turns", "Turns given while models that "
                                     "share CPU cores computed at the same time (cpugate)")
-        turns.add_metric([], self.supervisor.cpu_turns)
+        turns.add_metric([], self.models.cpu_turns)
         paused = GaugeMetricFamily("llamarouter_children_paused",
                                    "Children paused while another model has its CPU turn")
-        paused.add_metric([], self.supervisor.children_paused)
+        paused.add_metric([], self.models.children_paused)
         yield from (running, status, in_flight, queued, memory, gpu, turns, paused)
 
 

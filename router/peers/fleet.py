@@ -17,7 +17,7 @@ from .registry import Peers
 
 if TYPE_CHECKING:
     from ..config.keyfile import KeyScope
-    from ..core.supervisor import Supervisor
+    from ..core.view import Models
 
 
 def merged_listing(local: list[dict[str, Any]], peers: Peers, node: str,
@@ -37,7 +37,7 @@ def merged_listing(local: list[dict[str, Any]], peers: Peers, node: str,
     return merged
 
 
-def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
+def across_nodes(event: dict[str, Any], peers: Peers, models: Models
                  ) -> dict[str, Any]:
     """``event`` as ``/models/sse`` sends it: for a model on several nodes, its ``status``
     is the model's across them (as ``/models`` lists it: a node unloading it does not make a
@@ -47,7 +47,7 @@ def across_nodes(event: dict[str, Any], peers: Peers, supervisor: Supervisor
         return event
     model = event["model"]
     holders = [p for p in peers.peers.values() if p.up and model in p.models]
-    local = supervisor.view(model)
+    local = models.view(model)
     if len(holders) + (local is not None) < 2:
         return event
     statuses = [p.status_of(model) for p in holders]
