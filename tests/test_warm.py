@@ -33,8 +33,17 @@ from router.events import EventBus
 from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
 from router.warm import swaps as warm
+from router.warm.choice import (
+    MIN_TOKENS,
+    Io,
+    destinations,
+    prefix_keys,
+    within_budget,
+    worth_saving,
+    worth_saving_of,
+)
 from router.warm.statestore import LOCK_NAME, StateStore, model_dir_name
-from router.warm.swaps import MIN_TOKENS, Io, SlotHolder, WarmSwaps, worth_saving
+from router.warm.swaps import SlotHolder, WarmSwaps
 from router.warm.weights import weight_files
 
 GUARD_S = 30.0  # a hang guard, never a measurement
@@ -160,6 +169,25 @@ def test_a_slot_is_saved_when_computing_it_again_costs_more() -> None:
     assert not worth_saving(1000, 10_000.0, disk)  # 100 ms again: cheaper than the disk
     assert worth_saving(1000, None, disk)  # the child's speed unknown: the threshold decides
     assert worth_saving(1000, 0.0, disk) and worth_saving(1000, -1.0, disk)
+
+
+def test_the_slots_chosen_and_where_each_state_goes_back_are_pure_decisions() -> None:
+    """``choice``: the slots worth saving, in order (a count that is no int is none); those
+    over the whole budget never written; a state goes back to the replica and slot its
+    number names, and one of a replica the model no longer has is left out."""
+    slots = [{"id": 0, "n_prompt_tokens": MIN_TOKENS}, {"id": 1, "n_prompt_tokens": 3},
+             {"id": 2, "n_prompt_tokens": True}, {"id": 3, "n_prompt_tokens": "900"},
+             {"id": 4}, {"id": 5, "n_prompt_tokens": 5000}]
+    wanted = worth_saving_of(slots, None, Io())
+    assert wanted == [(0, MIN_TOKENS), (5, 5000)]
+    assert within_budget(wanted, None) == (wanted, [])
+    assert within_budget(wanted, 4999) == ([(0, MIN_TOKENS)], [(5, 5000)])
+    states = ["s0", "s1", "s2", "s3"]
+    assert destinations(states, [0, 5, 2, 9], 4, 2) == [(0, 0, "s0"), (1, 1, "s1"),
+                                                        (0, 2, "s2")]
+    assert destinations(states[:1], [3], 0, 1) == [(0, 3, "s0")]  # slots unknown: replica 0
+    assert prefix_keys(list(range(2000))) == tuple(range(2000 - 1024, 2000))
+    assert prefix_keys([1, True]) == () and prefix_keys("1") == ()
 
 
 async def test_the_cost_learned_from_a_save_decides_the_next_one(

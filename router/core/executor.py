@@ -34,7 +34,8 @@ from ..config.presets import ModelPreset
 from ..config.settings import Settings
 from ..errors import LoadFailed, ModelUnloaded
 from ..events import EventBus
-from ..warm.swaps import PREFIX_KEYS, SlotHolder, WarmSwaps
+from ..warm.choice import PREFIX_KEYS
+from ..warm.swaps import SlotHolder, WarmSwaps
 from .admission import Admission
 from .lifecycle import (
     DRAINED,

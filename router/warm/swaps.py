@@ -39,8 +39,9 @@ an unload or the idle TTL (``--state-dir``; the files: ``statestore``).
 * A state's slot number covers its replica: ``replica * n_slots + slot``, so that the
   replicas of a model never overwrite each other's states.
 
-The children are asked through the router's client for its children; nothing here runs
-without a bound, and nothing it does is answered to a client.
+What to save, what fits and where a state goes back are pure decisions (``choice``); this
+module applies them. The children are asked through the router's client for its children;
+nothing here runs without a bound, and nothing it does is answered to a client.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ from ..children.backend import Backend
 from ..config.presets import ModelPreset
 from ..events import EventBus
 from ..host.memory import kv_bytes_per_token
+from .choice import (
+    PREFIX_KEYS,
+    Io,
+    destinations,
+    learn,
+    prefix_keys,
+    timing,
+    within_budget,
+    worth_saving_of,
+)
 from .digests import CACHE_NAME, Digests
 from .slots import ChildSlots
 from .statestore import Commit, PendingSave, SavedState, StateStore
@@ -66,39 +77,9 @@ from .weights import Fingerprints, covers
 
 log = logging.getLogger("router.warm")
 
-MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
 SAVE_BOUND_S = 10.0  # all the saves of one stop together
 RESTORE_BOUND_S = 10.0  # all the restores of one load together, with waiting for its states
 COMMIT_BOUND_S = 30.0  # the router's stop waits for the commits under way
-PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
-
-
-@dataclass
-class Io:
-    """What a model's saves and restores cost, as measured (``None``: not yet)."""
-
-    bytes_per_token: float | None = None
-    save_ms_per_byte: float | None = None
-    restore_ms_per_byte: float | None = None
-
-    def cost_ms(self, tokens: int) -> float | None:
-        """The milliseconds to save and restore ``tokens``, or None while unknown."""
-        if self.bytes_per_token is None or self.save_ms_per_byte is None:
-            return None
-        per_byte = self.save_ms_per_byte + (self.restore_ms_per_byte or 0.0)
-        return tokens * self.bytes_per_token * per_byte
-
-
-def worth_saving(tokens: int, prompt_tps: float | None, io: Io) -> bool:
-    """Whether a slot of ``tokens`` is worth saving: at least ``MIN_TOKENS``, and computing
-    it again (at ``prompt_tps`` tokens a second) would take longer than saving and restoring
-    it (``io``); when either is unknown, the threshold alone decides."""
-    if tokens < MIN_TOKENS:
-        return False
-    cost = io.cost_ms(tokens)
-    if cost is None or not prompt_tps or prompt_tps <= 0:
-        return True
-    return tokens / prompt_tps * 1000.0 > cost
 
 
 @dataclass
@@ -356,8 +337,8 @@ class WarmSwaps:
                     kept.append(commit.state)
                     counts.saved += 1
                     counts.saved_bytes += commit.state.n_written
-                    _learn(io, commit.state.n_saved, commit.state.n_written,
-                           _timing(answer, "save_ms"), "save")
+                    learn(io, commit.state.n_saved, commit.state.n_written,
+                          timing(answer, "save_ms"), "save")
                 elif commit.problem:
                     counts.refused += 1
                     log.warning("slot %d not saved: %s", save.slot, commit.problem,
@@ -374,30 +355,27 @@ class WarmSwaps:
     async def _save_child(self, preset: ModelPreset, found: str, index: int, child: Backend,
                           keys: list[int] | None, pending: list[PendingSave],
                           written: list[Written]) -> None:
-        """Have ``child`` write its worthwhile slots; a slot of more tokens than the whole
-        budget holds (``most_tokens``) is never asked for: its file could never be kept."""
+        """Have ``child`` write the slots worth saving (``choice.worth_saving_of``); a slot
+        of more tokens than the whole budget holds is never asked for (``within_budget``):
+        its file could never be kept."""
         model_id = preset.id
         slots = await self._child.slots(child)
         io = self.io.setdefault(model_id, Io())
         speed = await self._child.prompt_speed(child) if io.cost_ms(1) is not None else None
-        most: int | None = -1  # not asked yet
-        for slot in slots:
-            tokens = slot.get("n_prompt_tokens")
-            if not isinstance(tokens, int) or isinstance(tokens, bool) \
-                    or not worth_saving(tokens, speed, io):
-                continue
-            if most == -1:
-                most = await most_tokens(preset, io, self.store.budget_bytes)
-            if most is not None and tokens > most:  # never written, never refused later
-                self._counts(model_id).refused += 1
-                log.info("slot %s not saved: %d tokens, over the whole state budget",
-                         slot.get("id"), tokens,
-                         extra={"event": "state_over_budget", "model": model_id})
-                continue
-            number = index * len(slots) + int(slot["id"])
+        wanted = worth_saving_of(slots, speed, io)
+        if not wanted:
+            return
+        fits, over = within_budget(wanted, await most_tokens(preset, io,
+                                                             self.store.budget_bytes))
+        for slot_id, tokens in over:  # never written, never refused later
+            self._counts(model_id).refused += 1
+            log.info("slot %s not saved: %d tokens, over the whole state budget", slot_id,
+                     tokens, extra={"event": "state_over_budget", "model": model_id})
+        for slot_id, _ in fits:
+            number = index * len(slots) + slot_id
             save = await asyncio.to_thread(self.store.begin_save, model_id, found, number)
             pending.append(save)
-            answer = await self._child.action(child, int(slot["id"]), "save", save.filename)
+            answer = await self._child.action(child, slot_id, "save", save.filename)
             if answer is None:
                 continue  # abandoned with the others
             pending.remove(save)
@@ -436,13 +414,11 @@ class WarmSwaps:
             async with asyncio.timeout(RESTORE_BOUND_S):
                 states = await (restorable or self.restorable(preset))
                 n_slots = len(await self._child.slots(replicas[0].child)) if states else 0
-                for state in states:
-                    index, slot = divmod(state.slot, n_slots) if n_slots else (0, state.slot)
-                    if index >= len(replicas):
-                        continue  # fewer replicas now
+                for index, slot, state in destinations(states, [s.slot for s in states],
+                                                       n_slots, len(replicas)):
                     if await self._restore_one(preset.id, replicas[index].child, slot, state):
                         restored += 1
-                        learned[index] += _prefix_keys(state.prefix)
+                        learned[index] += prefix_keys(state.prefix)
         except TimeoutError:
             self._counts(preset.id).slow_restores += 1
             log.warning("restoring slot states took over %g s; serving without the rest",
@@ -466,42 +442,8 @@ class WarmSwaps:
             counts.refused += 1
             return False
         await asyncio.to_thread(self.store.touch, state)
-        _learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
-               _timing(answer, "restore_ms"), "restore")
+        learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
+              timing(answer, "restore_ms"), "restore")
         counts.restored += 1
         counts.restored_tokens += state.n_saved
         return True
-
-    # ----------------------------------------------------------------- the child's API
-
-
-def _prefix_keys(keys: Any) -> tuple[int, ...]:
-    """The prefix keys saved with a state (JSON ints), at most ``PREFIX_KEYS``; none where
-    they are not that."""
-    if isinstance(keys, list) and all(isinstance(k, int) and not isinstance(k, bool)
-                                      for k in keys):
-        return tuple(keys[-PREFIX_KEYS:])
-    return ()
-
-
-def _timing(answer: dict[str, Any], key: str) -> float | None:
-    timings = answer.get("timings")
-    value = timings.get(key) if isinstance(timings, dict) else None
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-        and value >= 0 else None
-
-
-def _learn(io: Io, tokens: int, size: int, ms: float | None, step: str) -> None:
-    """Fold one save's or restore's measure into ``io`` (the latest counts most)."""
-    if tokens <= 0 or size <= 0:
-        return
-    io.bytes_per_token = _blend(io.bytes_per_token, size / tokens)
-    if ms is not None:
-        if step == "save":
-            io.save_ms_per_byte = _blend(io.save_ms_per_byte, ms / size)
-        else:
-            io.restore_ms_per_byte = _blend(io.restore_ms_per_byte, ms / size)
-
-
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else 0.5 * old + 0.5 * new
