@@ -99,6 +99,28 @@ def test_a_handle_reads_the_published_snapshot_and_leases_without_a_name() -> No
     run(scenario, never_healthy=False)
 
 
+def test_a_model_added_again_under_its_id_starts_from_nothing() -> None:
+    """Removing a model is one step (``Executor.forget``): its record, its snapshot and what
+    other parts kept of it go; the model added again under the same id inherits nothing."""
+    async def scenario(sup: Supervisor) -> None:
+        handle = sup.find("a")
+        preset = handle.preset
+        lease = await sup.acquire(handle)
+        lease.release()
+        old = sup.models["a"]
+        assert old.counters.used_at > 0 and old.last_load_s is not None
+        await sup.unload(sup.find("a"))
+        sup.remove_model("a")
+        assert "a" not in sup.models and "a" not in sup.model_set.published
+        again = sup.add_model(preset)
+        record = sup.models["a"]
+        assert record is not old and again.snapshot.counters is record.counters
+        assert (record.counters.used_at, record.last_load_s, record.waiting) == (0.0, None, 0)
+        assert again.status is Status.UNLOADED and again.snapshot.last_load_s is None
+
+    run(scenario, never_healthy=False)
+
+
 def test_a_client_that_leaves_ends_its_wait_at_once() -> None:
     async def scenario(sup: Supervisor) -> None:
         gone = asyncio.Event()

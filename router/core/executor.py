@@ -1,11 +1,15 @@
 """Carries out a model's lifecycle: applies events (``lifecycle.transition``) and performs the
 effects they return, and runs what produces the events of a serving model.
 
-* ``apply`` is the only writer of ``ModelRuntime.state``: it switches the state, publishes,
-  and starts the effects' work (start the load task, stop the children, replace crashed
-  replicas, cancel a load or download, forget a removed model) without awaiting, then wakes
-  everything waiting for a change (``changes``). The work it starts reports back through
-  ``apply`` again; a command the lifecycle refuses comes back as its ``Refuse``.
+* ``apply`` is the only writer of ``ModelRuntime.state``: it switches the state, publishes
+  the model's snapshot (``ModelSet.publish``: what everything outside the core reads) and
+  the change's events, and starts the effects' work (start the load task, stop the
+  children, replace crashed replicas, cancel a load or download, forget a removed model)
+  without awaiting, then wakes everything waiting for a change (``changes``). The work it
+  starts reports back through ``apply`` again; a command the lifecycle refuses comes back as
+  its ``Refuse``. A fact (``runtime.Fact``) is recorded and published the same way.
+* ``forget`` is the one step that removes a model: its record and snapshot, its saved slot
+  states and counters (``warm``), the spawner's cache of its command line.
 * The executor owns the tasks that carry out effects: each model's load task (``StartLoad``:
   ``load`` in a task that reports ``LoadEnded`` when it ends, before anyone awaiting it
   resumes), its download task (``download``, with the flag its worker thread reads), stop and
@@ -167,11 +171,14 @@ class Executor:
 
     def forget(self, runtime: ModelRuntime) -> None:
         """Drop a removed model once nothing of it runs (``Forget``; a model removed while
-        not running): its record, and its saved states, in one step."""
+        not running): its record and snapshot, its saved states and counters, its cached
+        command line, in one step; a model added again under its id starts from nothing."""
         if self._model_set.drop(runtime):
             self.apply(runtime, Forgotten())
-        if self._warm is not None and runtime.id not in self._model_set.records:
-            self._warm.forget(runtime.id)  # its saved states go with its preset
+        if runtime.id not in self._model_set.records:
+            self._spawner.forget(runtime.id)
+            if self._warm is not None:
+                self._warm.forget(runtime.id)  # its saved states go with its preset
 
     def set_preset(self, runtime: ModelRuntime, preset: ModelPreset) -> None:
         """The model's preset from now on (a reconfiguration; a download that resolved its

@@ -98,6 +98,10 @@ class Spawner:
             self._argv_cache[preset.id] = cached
         return cached[2]
 
+    def forget(self, model_id: str) -> None:
+        """A removed model's cached command line goes with it (``Executor.forget``)."""
+        self._argv_cache.pop(model_id, None)
+
     def child_argv(self, preset: ModelPreset, port: int,
                    cache_ram_mib: int | None = None, cpu: CpuShare | None = None) -> list[str]:
         """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated;
