@@ -14,6 +14,9 @@ Concurrency model (one asyncio loop, no threads):
   to the executor as lifecycle events.
 * The parts are made and connected by the composition root (``wiring.wire``); every
   connection points down, none back up into this façade.
+* Outside the core, the models are ``view.Models``: each read as the snapshot its record's
+  owner last published (``ModelView``), and acted on by the view ``find`` gave (the handle:
+  the record is reached by its id, never by resolving a name again).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ log = logging.getLogger("router.supervisor")
 
 
 class Supervisor:
-    """The façade: what the app asks of the models, answered by the core's parts
-    (``wiring.wire`` made and connected them; this class holds no state of its own)."""
+    """The façade: what the app asks of the models (``view.Models``, and the server's start
+    and stop), answered by the core's parts (``wiring.wire`` made and connected them; this
+    class holds no state of its own)."""
 
     def __init__(self, core: Core) -> None:
         self.core = core
