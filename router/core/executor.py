@@ -150,9 +150,10 @@ class Executor:
         # outages, retried under the backoff, not a configuration to fix.
         limit = self.settings.crash_loop_limit if runtime.preset.upstream is None \
             else sys.maxsize
-        runtime.state, effects = transition(runtime.id, runtime.state, event,
-                                            crash_loop_limit=limit)
-        self._model_set.publish(runtime)  # before its effects: their events read it
+        before = runtime.state
+        runtime.state, effects = transition(runtime.id, before, event, crash_loop_limit=limit)
+        if runtime.state is not before:  # a change (the last request's Idle is mostly none)
+            self._model_set.publish(runtime)  # before its effects: their events read it
         refused = None
         for effect in effects:
             if isinstance(effect, Refuse):
