@@ -362,10 +362,6 @@ class ModelSnapshot(ModelReads):
         return f"<ModelSnapshot {self.preset.id} {self.state.status.value}>"
 
     @property
-    def aliases(self) -> tuple[str, ...]:
-        return self.preset.aliases
-
-    @property
     def loading(self) -> bool:
         return self.state.status in (Status.LOADING, Status.DOWNLOADING)
 
