@@ -30,7 +30,7 @@ import httpx
 import psutil
 
 from router.children.process import free_port
-from router.host.cpus import CpuShare, machine_cores, spin_environment
+from router.host.cpus import CpuShare, machine_cores
 from router.llama.tinymodel import write_tiny_model
 
 # The repository root: the working directory of every Python process the harness starts
@@ -70,6 +70,20 @@ GOALS = {
 
 class BenchError(RuntimeError):
     pass
+
+
+_COMPILED: set[Path] = set()
+
+
+def compile_once(src: Path) -> None:
+    """Write ``src``'s ``router`` package's bytecode, as an install does (pip compiles every
+    module; ``make run`` too): a router started where none is kept (``PYTHONDONTWRITEBYTECODE``)
+    would otherwise compile all its modules at every start, and the start rows would measure
+    the compiler."""
+    if src not in _COMPILED:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(src / "router")],
+                       check=True, stdout=subprocess.DEVNULL)
+        _COMPILED.add(src)
 
 
 @contextlib.asynccontextmanager
@@ -718,7 +732,7 @@ class Bench:
         item = self.procs.start(name, [str(self.binary), "-m", str(self.models[model]),
                                        *flags, *CHILD_CPU.argv(), "--host", "127.0.0.1",
                                        "--port", str(port), "--alias", model],
-                                env=spin_environment())
+                                env=CHILD_CPU.environment())
         return item, f"http://127.0.0.1:{port}"
 
     def _start_llamacpp(self, presets: Path, name: str) -> tuple[Managed, str]:
@@ -728,7 +742,7 @@ class Bench:
         item = self.procs.start(name, [str(self.binary), "--host", "127.0.0.1", "--port",
                                        str(port), "--models-preset", str(presets),
                                        "--models-max", "1"],
-                                env={"LLAMA_CACHE": str(cache), **spin_environment()},
+                                env={"LLAMA_CACHE": str(cache), **CHILD_CPU.environment()},
                                 cwd=self.workdir)
         return item, f"http://127.0.0.1:{port}"
 
@@ -739,6 +753,7 @@ class Bench:
         ``extra_args`` (default: ``--models-max 1``)."""
         port = free_port()
         level = self.cfg.router_log_level
+        compile_once(src or self.cfg.router_src or ROOT)
         item = self.procs.start(name, [sys.executable, "-m", "router.cli", "serve",
                                        "--presets", str(presets), "--port", str(port),
                                        *extra_args,
@@ -762,7 +777,7 @@ class Bench:
         many = {f"list-{i:03d}": self.models[MODELS[0]] for i in range(self.cfg.presets)}
         # llama-router always passes --metrics to its children; llama.cpp needs it in [*].
         # Every child, direct or behind either router, computes alike: as llama-router runs a
-        # model alone (CHILD_CPU, spin_environment), so the rows measure the serving path.
+        # model alone (CHILD_CPU and its environment), so the rows measure the serving path.
         lc_cpu = self.lc_cpu_keys()
         lc_presets = write_presets(self.workdir / "llamacpp.ini", chat,
                                    ["metrics = true", *lc_cpu])

@@ -51,6 +51,11 @@ def child_argv(pid: int) -> list[str]:
     return psutil.Process(pid).cmdline()
 
 
+def spin_count(pid: int) -> str | None:
+    """The child's ``GOMP_SPINCOUNT`` (None: libgomp's default)."""
+    return psutil.Process(pid).environ().get("GOMP_SPINCOUNT")
+
+
 def option(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
@@ -79,8 +84,14 @@ def test_two_children_generating_at_once_both_finish(tmp_path: Path, llama_serve
                      if line.startswith("llamarouter_cpu_turns_total"))
         assert (turns > 0) == (len(cores) > 1)
         assert "llamarouter_children_paused 0.0" in metrics  # nobody left paused
+        # The first model loaded computed alone at its spawn: libgomp's own spin. The second
+        # was spawned onto the first one's cores: its threads wait briefly.
+        wide = len(cores) > 1
+        assert [share["spin"] for share in shares] == (["full", "short"] if wide
+                                                       else ["full", "full"])
+        assert [spin_count(status["pid"]) for status in placed.values()] == (
+            [None, "3000"] if wide else [None, None])
         for status, share in zip(placed.values(), shares, strict=True):
-            assert psutil.Process(status["pid"]).environ().get("GOMP_SPINCOUNT") == "3000"
             argv = child_argv(status["pid"])
             assert option(argv, "--threads") == str(share["threads"])
             if len(cores) > 1:
@@ -98,6 +109,31 @@ def test_a_model_alone_gets_every_core(tmp_path: Path, llama_server: Path,
         assert status["cpu"]["threads"] == len(cores)
         assert status["cpu"]["cores"] == (cores if len(cores) > 1 else None)
         assert option(child_argv(status["pid"]), "--threads") == str(len(cores))
+        assert status["cpu"]["spin"] == "full" and spin_count(status["pid"]) is None
+
+
+def test_a_model_swapped_in_computes_alone_at_full_spin(
+        tmp_path: Path, llama_server: Path, long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini), "--models-max", "1") as router:
+        generate(router.url, "left", 4)
+        generate(router.url, "right", 4)  # evicts left: right never shares its cores
+        models = router.models()
+        assert models["left"]["status"]["value"] == "unloaded"
+        status = models["right"]["status"]
+        assert status["cpu"]["spin"] == "full" and spin_count(status["pid"]) is None
+
+
+def test_the_routers_environment_decides_the_spin_when_it_sets_one(
+        tmp_path: Path, llama_server: Path, long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini), env={"GOMP_SPINCOUNT": "777"}) as router:
+        for name in long_models:
+            generate(router.url, name, 4)
+        for name in long_models:
+            status = router.models()[name]["status"]
+            assert status["cpu"]["spin"] == "environment"
+            assert spin_count(status["pid"]) == "777"
 
 
 def test_a_preset_that_sets_threads_places_its_child_itself(

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
+from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
+from router.core.runtime import Replica
 from router.core.supervisor import Supervisor
 from router.core.wiring import wire
 from router.events import EventBus
@@ -20,6 +23,7 @@ from router.host.cpus import (
     places_itself,
     plan_shares,
     select_cores,
+    shares_with,
     spin_environment,
 )
 from router.host.gpus import GpuDevice
@@ -43,12 +47,14 @@ def test_share_renders_llama_server_options_one_thread_per_core() -> None:
     assert share.threads == 3 and share.wide
     assert share.argv() == ["--threads", "3", "--threads-batch", "3",
                             "--cpu-mask", "23"]  # bits 0, 1, 5
-    assert share.describe() == {"threads": 3, "cores": [0, 1, 5], "placed_by": "router"}
+    assert share.describe() == {"threads": 3, "cores": [0, 1, 5], "placed_by": "router",
+                                "spin": "full"}
     assert CpuShare((63, 64)).argv()[5] == "18" + "0" * 15  # hex digits past 64 CPUs
     single = CpuShare((7,))  # one thread never spins: not confined
     assert not single.wide
     assert single.argv() == ["--threads", "1", "--threads-batch", "1"]
-    assert single.describe() == {"threads": 1, "cores": None, "placed_by": "router"}
+    assert single.describe() == {"threads": 1, "cores": None, "placed_by": "router",
+                                 "spin": "full"}
 
 
 # ------------------------------------------------------------------------------ plan_shares
@@ -220,3 +226,30 @@ def test_children_spin_briefly_unless_the_environment_says_otherwise() -> None:
     assert spin_environment({}) == {"GOMP_SPINCOUNT": "3000"}
     assert spin_environment({"OMP_WAIT_POLICY": "active"}) == {}
     assert spin_environment({"GOMP_SPINCOUNT": "50"}) == {}
+
+
+def test_a_share_alone_keeps_libgomps_spin_and_a_shared_one_waits_briefly() -> None:
+    alone = CpuShare((0, 1))
+    assert alone.environment({}) == {}
+    shared = CpuShare((0, 1), shared=True)
+    assert shared.environment({}) == {"GOMP_SPINCOUNT": "3000"}
+    assert shared.environment({"OMP_WAIT_POLICY": "passive"}) == {}  # the router's wins
+    assert shared.describe()["spin"] == "short"
+
+
+def test_a_share_is_shared_only_where_another_wide_share_holds_its_cores() -> None:
+    assert shares_with(CpuShare((0, 1)), []) == CpuShare((0, 1))
+    assert shares_with(CpuShare((0, 1)), [CpuShare((1, 2))]).shared
+    assert not shares_with(CpuShare((0, 1)), [CpuShare((2, 3))]).shared
+    assert not shares_with(CpuShare((0, 1)), [CpuShare((0,))]).shared  # one thread never spins
+
+
+def test_the_spawner_gives_a_lone_model_full_spin_and_a_second_one_a_short_one() -> None:
+    sup = supervisor_with({"chat": {}, "code": {}})
+    child = object.__new__(ChildProcess)
+    child.cpu = CpuShare((0, 1, 2, 3))
+    chat = sup.models["chat"]
+    chat.state = replace(chat.state, starting=(child,))
+    assert sup.spawner.cpu_shares(sup.models["code"], 1) == [CpuShare((0, 1, 2, 3), shared=True)]
+    chat.state = replace(chat.state, starting=(), stopping=(Replica(child),))
+    assert sup.spawner.cpu_shares(sup.models["code"], 1) == [CpuShare((0, 1, 2, 3))]  # leaving

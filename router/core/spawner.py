@@ -40,7 +40,14 @@ from ..config.presets import ModelPreset
 from ..config.settings import DEFAULT_UPSTREAM_TIMEOUT_S
 from ..errors import LoadFailed
 from ..events import EventBus
-from ..host.cpus import CpuShare, all_layers_offloaded, places_itself, plan_shares, spin_environment
+from ..host.cpus import (
+    CpuShare,
+    all_layers_offloaded,
+    places_itself,
+    plan_shares,
+    shares_with,
+    spin_environment,
+)
 from ..host.gpus import GpuDevice, devices_used
 from ..llama.flags import FlagTable
 from .accounting import TRANSIENT_ERRNOS
@@ -143,8 +150,13 @@ class Spawner:
             held = [c.cpu for m in self._models() for c in m.children() if c.cpu]
             return list(plan_shares(self.cores, held, count, fair_share=1, narrow=True))
         own = [c.cpu for c in runtime.children() if c.cpu is not None]
-        return list(plan_shares(self.cores, own, count,
-                                fair_share=len(self.cores) // max(runtime.preset.replicas, 1)))
+        # Other models' children that compute now or soon (not those stopping).
+        others = [c.cpu for m in self._models() if m is not runtime
+                  for c in (*(r.child for r in m.state.replicas), *m.state.starting)
+                  if c.cpu is not None]
+        shares = plan_shares(self.cores, own, count,
+                             fair_share=len(self.cores) // max(runtime.preset.replicas, 1))
+        return [shares_with(share, others) for share in shares]
 
     # ----------------------------------------------------------------- spawning
 
@@ -192,7 +204,9 @@ class Spawner:
                 slot_dir = self.slot_dir(runtime.preset) if self.slot_dir else None
                 if slot_dir is not None:
                     argv += ["--slot-save-path", str(slot_dir)]
-                env = {**child_environment(), **spin_environment()} if self.cores else None
+                env = {**child_environment(), **(cpu.environment() if cpu is not None
+                                                  else spin_environment())} \
+                    if self.cores else None
                 on_state = functools.partial(self._child_state, runtime, reports)
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,

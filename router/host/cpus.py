@@ -23,6 +23,12 @@ Policy (``plan_shares``, a pure function; the supervisor calls it when it spawns
 
 Shares are decided at spawn and kept for the child's life (llama-server cannot change its
 threads while running); a crashed replica's replacement takes the cores it freed.
+
+How a child's threads wait (``CpuShare.shared``, decided by the spawner at each spawn): a
+child whose cores no other model's wide child holds computes alone and keeps libgomp's own
+spin, at a direct llama-server's speed; a child spawned onto cores that another model's child
+already computes on gets ``POLITE_SPIN`` (see there). While both compute, ``cpugate`` gives
+them turns, so a child spins only during its own turn.
 """
 
 from __future__ import annotations
@@ -43,13 +49,15 @@ CPU_KEYS = frozenset({
 # Environment variables a child would read its thread count from.
 CPU_ENV = ("LLAMA_ARG_THREADS",)
 # How long a thread of an OpenMP build of llama-server (GCC's libgomp, the default on Linux)
-# spins at a barrier before it sleeps: 3,000 rounds instead of libgomp's 300,000. When other
-# work on the machine preempts one thread, its siblings then give their cores up within
-# microseconds instead of milliseconds. Measured through the router on 2 cores kept busy by two
-# other processes: 500 tokens of a tiny model took 0.11 to 1.6 s (default: up to 30 s), 64 of
-# SmolLM2 0.75 to 1.24 s (default: up to 85 s). On an idle machine SmolLM2 ran as fast; 1,000
-# rounds made the tiny model's thread wake-ups show (TTFT 3.3 ms instead of 1.6-1.9 ms).
-SPIN_ENV = {"GOMP_SPINCOUNT": "3000"}
+# spins at a barrier before it sleeps, for a child that shares its cores: 3,000 rounds instead
+# of libgomp's 300,000. When other work on the machine preempts one thread, its siblings then
+# give their cores up within microseconds instead of milliseconds. Measured through the router
+# on 2 cores kept busy by two other processes: 500 tokens of a tiny model took 0.11 to 1.6 s
+# (default: up to 30 s), 64 of SmolLM2 0.75 to 1.24 s (default: up to 85 s). It costs a model
+# computing alone 19-23 % of SmolLM2's tokens/s and about 2 ms of time to first token (each
+# barrier a thread sleeps at is a futex wake-up), so a child alone on its cores keeps libgomp's
+# default. 1,000 rounds made the tiny model's wake-ups show more (TTFT 3.3 ms, not 1.6-1.9).
+POLITE_SPIN = {"GOMP_SPINCOUNT": "3000"}
 _SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -58,9 +66,12 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 @dataclass(frozen=True)
 class CpuShare:
-    """Where one child computes: one thread per core of ``cores``, on those cores."""
+    """Where one child computes: one thread per core of ``cores``, on those cores; ``shared``
+    when another model's child already computed on any of them at its spawn (its threads then
+    wait briefly, ``POLITE_SPIN``)."""
 
     cores: tuple[int, ...]
+    shared: bool = False
 
     @property
     def threads(self) -> int:
@@ -83,10 +94,19 @@ class CpuShare:
             argv += ["--cpu-mask", f"{sum(1 << core for core in self.cores):x}"]
         return argv
 
+    def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment the child gets on top of the router's: ``POLITE_SPIN`` for a shared
+        share, nothing for one alone (libgomp's default) or where the router's own environment
+        already says how OpenMP threads wait (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``)."""
+        return spin_environment(environ) if self.shared else {}
+
     def describe(self) -> dict[str, object]:
-        """What ``/models`` shows in ``status.cpu``: ``cores`` it is confined to (None: any)."""
+        """What ``/models`` shows in ``status.cpu``: ``cores`` it is confined to (None: any)
+        and ``spin``: ``short`` (``POLITE_SPIN``), ``full`` (libgomp's own) or
+        ``environment`` (the router's environment decides)."""
+        spin = "environment" if _spin_set_by(os.environ) else "short" if self.shared else "full"
         return {"threads": self.threads, "cores": list(self.cores) if self.wide else None,
-                "placed_by": "router"}
+                "placed_by": "router", "spin": spin}
 
 
 def places_itself(args: Mapping[str, str], environ: Mapping[str, str] | None = None) -> bool:
@@ -96,10 +116,20 @@ def places_itself(args: Mapping[str, str], environ: Mapping[str, str] | None = N
 
 
 def spin_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment a child gets on top of the router's: ``SPIN_ENV``, unless the router's own
-    environment already says how OpenMP threads wait."""
-    env = os.environ if environ is None else environ
-    return {} if any(name in env for name in _SPIN_SETTINGS) else dict(SPIN_ENV)
+    """``POLITE_SPIN``, unless the router's own environment already says how OpenMP threads
+    wait (then the child inherits that)."""
+    return {} if _spin_set_by(os.environ if environ is None else environ) else dict(POLITE_SPIN)
+
+
+def _spin_set_by(environ: Mapping[str, str]) -> bool:
+    return any(name in environ for name in _SPIN_SETTINGS)
+
+
+def shares_with(share: CpuShare, others: Iterable[CpuShare]) -> CpuShare:
+    """``share`` marked ``shared`` when a wide share of ``others`` (other models' children)
+    holds any of its cores. Pure."""
+    held = {core for other in others if other.wide for core in other.cores}
+    return CpuShare(share.cores, shared=bool(held.intersection(share.cores)))
 
 
 def all_layers_offloaded(args: Mapping[str, str], n_layer: int | None) -> bool:
