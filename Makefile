@@ -41,6 +41,9 @@ run: llama-server demo-models
 	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one word.\"}]}'"
 	@echo
+	@# Bytecode for every module, as an install writes it: an editable install under
+	@# PYTHONDONTWRITEBYTECODE (or a read-only tree) would compile them all at every start.
+	@$(BIN)/python -m compileall -q router
 	$(BIN)/llama-router serve --presets presets/demo.ini --host $(HOST) --port $(PORT)
 
 lint: venv

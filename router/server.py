@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import logging
 import math
 import signal
 import socket
-import subprocess
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ from .host.gpus import GpuDevice
 from .host.memory import format_size
 from .host.systemd import Notifier
 from .http.http11 import KEEP_ALIVE_IDLE_S, EnvelopeHttpToolsProtocol, Refusals
-from .llama.flags import FlagTable, Option, load_flag_table
+from .llama.flags import FlagTable, Option, load_build, load_flag_table
 from .llama.install import (
     WEBUI_MISSING,
     InstallError,
@@ -132,8 +132,8 @@ def prepare(settings: Settings) -> Prepared:
                  format_size(device.total_bytes),
                  format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, api_keys,
-                    _build_info(binary), devices, gpu_budgets, _webui_folder(settings),
-                    peer_key, _state_store(settings))
+                    load_build(binary, cache_root() / "flags"), devices, gpu_budgets,
+                    _webui_folder(settings), peer_key, _state_store(settings))
 
 
 def _state_store(settings: Settings) -> StateStore | None:
@@ -173,19 +173,6 @@ def _webui(prepared: Prepared) -> StaticUI | None:
         return WebUI(prepared.webui)
     except ValueError as exc:  # index.html gone since prepare() looked
         raise InstallError(f"web UI: {exc}") from None
-
-
-def _build_info(binary: Path) -> str:
-    try:
-        result = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                                timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    for line in (result.stdout + result.stderr).splitlines():
-        if "build" in line and "(" in line:
-            build = line.split("(build", 1)[-1].split(",", 1)[0].strip()
-            return f"b{build}"
-    return "unknown"
 
 
 def build_app(prepared: Prepared, notifier: Notifier | None = None,
@@ -287,6 +274,10 @@ class RouterServer(uvicorn.Server):
         await super().startup(sockets)
         if self.should_exit:
             return
+        # The start is over (``cli.main`` ran it without collections): what it built lives
+        # as long as the process, so it moves out of the collector's way for good.
+        gc.freeze()
+        gc.enable()
         for work in (self._ready(), self._watchdog()):
             task = asyncio.create_task(work)
             self._background.add(task)

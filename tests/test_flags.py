@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from router.llama.flags import FlagTable, Option, parse_help
+from router.llama.flags import FlagTable, Option, load_build, parse_help, parse_version
 
 
 def test_parses_a_few_hundred_options(help_table: FlagTable) -> None:
@@ -268,3 +270,27 @@ def test_parse_help_synthetic() -> None:
 def test_parse_help_empty() -> None:
     assert parse_help("") == []
     assert parse_help("usage: llama-server [options]\n\nnothing here\n") == []
+
+
+@pytest.mark.process
+def test_the_build_is_asked_once_per_binary(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\necho run >> {calls}\n"
+                      "echo 'version: 0.6.0-dev (build 11434, commit pypi-sdist)' >&2\n")
+    binary.chmod(0o755)
+    cache = tmp_path / "cache"
+    assert load_build(binary, cache) == "b11434"
+    assert load_build(binary, cache) == "b11434"  # kept: not asked again
+    assert calls.read_text().splitlines() == ["run"]
+    binary.write_text(binary.read_text() + "# rebuilt\n")  # another size: asked again
+    assert load_build(binary, cache) == "b11434"
+    assert len(calls.read_text().splitlines()) == 2
+    assert parse_version("built with GNU 12.2.0 for Linux x86_64") == "unknown"
+    binary.chmod(0o644)  # cannot run: unknown, and asked again next time
+    binary.write_text("not a program\n")
+    assert load_build(binary, cache) == "unknown"
+    assert not any(cache.glob("*.tmp"))
+    binary.chmod(0o755)
+    binary.write_text("#!/bin/sh\necho 'version: 1 (build 12000, commit x)'\n")
+    assert load_build(binary, cache) == "b12000"

@@ -50,8 +50,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from ..llama.flags import FALSEY, TRUTHY
 from ..llama.ggufmeta import StringArray, read_metadata
 
@@ -446,6 +444,8 @@ def _read_proc(path: str) -> bytes | None:
 
 def _measure_rss_psutil(pid: int) -> int | None:
     """``measure_rss`` where ``/proc`` lists no children (not Linux)."""
+    import psutil  # only here: a router on Linux never needs it
+
     try:
         proc = psutil.Process(pid)
         total = int(proc.memory_info().rss)
@@ -465,7 +465,12 @@ _PROC_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/childre
 
 
 def total_ram_bytes() -> int:
-    """Physical memory of this machine."""
+    """Physical memory of this machine (the kernel's total RAM, as ``/proc/meminfo``'s
+    ``MemTotal``)."""
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        return int(os.sysconf("SC_PHYS_PAGES")) * _PAGE_SIZE
+    import psutil  # elsewhere
+
     return int(psutil.virtual_memory().total)
 
 

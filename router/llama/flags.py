@@ -1,4 +1,5 @@
-"""The llama-server flag table, learned from the binary's own ``--help``.
+"""The llama-server flag table, learned from the binary's own ``--help`` (and its build, from
+``--version``).
 
 Presets name llama-server flags by their long or short spelling without dashes (``ctx-size``,
 ``c``) or by their environment name (``LLAMA_ARG_CTX_SIZE``). Rather than hard-coding llama.cpp's
@@ -14,6 +15,7 @@ Help format (llama.cpp ``common_arg::to_string``)::
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
@@ -183,14 +185,57 @@ def _parse_spec(spec: str) -> tuple[list[str], list[str], bool]:
     return positives, negatives, takes_value
 
 
-def load_flag_table(binary: Path, cache_dir: Path | None = None) -> FlagTable:
-    """The flag table of ``binary``, from the on-disk cache or by running ``--help``."""
+def _cache_file(binary: Path, cache_dir: Path | None, kind: str, suffix: str) -> Path | None:
+    """Where what ``binary`` said of itself is kept: one file per binary, named by its path,
+    size and mtime (a rebuilt or replaced binary is asked again)."""
+    if cache_dir is None:
+        return None
     stat = binary.stat()
     fingerprint = f"{binary.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    cache_file = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-        cache_file = cache_dir / f"flags-{digest}.json"
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    return cache_dir / f"{kind}-{digest}{suffix}"
+
+
+def _keep(cache_file: Path, text: str) -> None:
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, cache_file)
+
+
+def load_build(binary: Path, cache_dir: Path | None = None) -> str:
+    """``binary``'s build (``b11434``; ``unknown`` when it does not say), from the on-disk
+    cache or by running ``--version``."""
+    cache_file = _cache_file(binary, cache_dir, "build", ".txt")
+    if cache_file is not None:
+        with contextlib.suppress(OSError):
+            return cache_file.read_text().strip() or "unknown"
+    try:
+        result = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                                timeout=HELP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"  # not kept: asked again at the next start
+    build = parse_version(result.stdout + result.stderr)
+    if cache_file is not None:
+        with contextlib.suppress(OSError):
+            _keep(cache_file, build)
+    return build
+
+
+def parse_version(text: str) -> str:
+    """The build of llama-server's ``--version`` output (``version: 11434 (...)`` lines with
+    ``(build N, ...)``), as ``bN``; ``unknown`` without one."""
+    for line in text.splitlines():
+        if "build" in line and "(" in line:
+            build = line.split("(build", 1)[-1].split(",", 1)[0].strip()
+            return f"b{build}"
+    return "unknown"
+
+
+def load_flag_table(binary: Path, cache_dir: Path | None = None) -> FlagTable:
+    """The flag table of ``binary``, from the on-disk cache or by running ``--help``."""
+    cache_file = _cache_file(binary, cache_dir, "flags", ".json")
+    if cache_file is not None:
         try:
             raw = json.loads(cache_file.read_text())
             return FlagTable([Option(tuple(o["spellings"]), tuple(o["negatives"]),
@@ -204,8 +249,5 @@ def load_flag_table(binary: Path, cache_dir: Path | None = None) -> FlagTable:
         raise RuntimeError(f"could not read the flag table from `{binary} --help` "
                            f"(exit code {result.returncode})")
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([asdict(o) for o in options]))
-        os.replace(tmp, cache_file)
+        _keep(cache_file, json.dumps([asdict(o) for o in options]))
     return FlagTable(options)
