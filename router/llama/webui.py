@@ -92,11 +92,12 @@ class WebUI:
     """Serves the built UI in ``root`` (see the module docstring for the contract)."""
 
     def __init__(self, root: Path) -> None:
+        """Checks that ``root`` holds the UI; its files are indexed at the first request for
+        one (not while the router starts)."""
         self.root = Path(os.path.realpath(root))
         self._signature: tuple[int, int, int] | None = None
         self._assets: dict[str, Asset] = {}
-        self._refresh()
-        if INDEX not in self._assets:
+        if self._index_signature() is None or not os.path.isfile(self.root / INDEX):
             raise ValueError(f"{root} has no {INDEX}")
 
     def __repr__(self) -> str:
@@ -139,6 +140,8 @@ class WebUI:
     # ------------------------------------------------------------------ serving
 
     def is_public(self, path: str) -> bool:
+        if not self._assets:
+            self._refresh()
         return path == "/" or path[1:] in self._assets
 
     def _lookup(self, path: str, accept_html: bool, fallback: bool) -> Asset | None:

@@ -48,7 +48,9 @@ class RouterMetrics:
     """The router's own counters and histograms, plus live gauges read from the models."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        # Not auto_describe: it would collect every collector once as it registers (the
+        # process collector reads /proc) only to check names that are fixed here.
+        self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         # The router process's own CPU seconds, memory and file descriptors
         # (llamarouter_process_*): what tells when one relay process runs out of core.
