@@ -316,6 +316,18 @@ def run_bench(cfg: Config) -> dict[str, Any]:
     return report
 
 
+def python_floor(res: dict[str, Any]) -> str:
+    """The line comparing llama-router's start and idle memory with the Python floor."""
+    start, rss = res["startup_ms"], res["rss_idle_mb"]
+    floor_ms = start["python_floor"][ROUTER]
+    floor_mb = res["rss_idle_python_floor_mb"]
+    own_ms, own_mb = start["main"][ROUTER], rss[ROUTER]
+    return (f"Python floor (benchmarks.floorstart: pydantic-settings, httpx, starlette and "
+            f"uvicorn serving /health alone): start -> /health 200 {floor_ms:.0f} ms, idle RSS "
+            f"{floor_mb:.1f} MB; llama-router {own_ms:.0f} ms ({own_ms - floor_ms:+.0f} ms), "
+            f"{own_mb:.1f} MB ({own_mb - floor_mb:+.1f} MB)")
+
+
 def print_report(report: dict[str, Any]) -> None:
     machine = report["machine"]
     print(f"\nmachine: {machine['nproc']} x {machine['cpu']}, {machine['ram_gb']} GB RAM, "
@@ -330,6 +342,7 @@ def print_report(report: dict[str, Any]) -> None:
           f"1-min load average {report['loadavg_1m']['start']} -> {report['loadavg_1m']['end']}\n")
     if "table" in report:
         print(report["table"])
+        print(python_floor(details))
         print()
     for name, title in (("relay", "Relaying streamed tokens (tiny model, parallel = N, "
                                   "threads = 1):"),

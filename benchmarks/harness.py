@@ -709,6 +709,7 @@ class Bench:
     list_eps: dict[str, Endpoint] = field(default_factory=dict)
     startup_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
+    floor: Managed | None = None  # benchmarks.floorstart, from its start to the idle RSS
 
     # ------------------------------------------------------------ start
 
@@ -800,6 +801,12 @@ class Bench:
             self.startup_ms.setdefault(key, {})[column] = healthy * 1000.0
             (self.list_eps if many_presets else self.eps)[column] = Endpoint(column, url, item)
         self.list_eps[DIRECT] = self.eps[DIRECT]
+        port = free_port()
+        self.floor = self.procs.start("python-floor", [sys.executable, "-m",
+                                                       "benchmarks.floorstart", str(port)],
+                                      cwd=ROOT)
+        self.startup_ms["python_floor"] = {
+            ROUTER: wait_healthy(self.floor, f"http://127.0.0.1:{port}") * 1000.0}
         for column in ROUTERS:
             count = len(router_models(self.list_eps[column]))
             if count != self.cfg.presets:
@@ -837,6 +844,10 @@ class Bench:
                 time.sleep(0.1)
             idle[column] = percentile(readings, 50) / MB
         self.results["rss_idle_mb"] = idle
+        if self.floor is not None:
+            self.results["rss_idle_python_floor_mb"] = \
+                psutil.Process(self.floor.proc.pid).memory_info().rss / MB
+            self.procs.stop(self.floor)
         self.results["rss_idle_many_presets_mb"] = {
             c: self.list_eps[c].rss() / MB for c in ROUTERS}
 
