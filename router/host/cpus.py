@@ -25,10 +25,11 @@ Shares are decided at spawn and kept for the child's life (llama-server cannot c
 threads while running); a crashed replica's replacement takes the cores it freed.
 
 How a child's threads wait (``CpuShare.shared``, decided by the spawner at each spawn): a
-child whose cores no other model's wide child holds computes alone and keeps libgomp's own
-spin, at a direct llama-server's speed; a child spawned onto cores that another model's child
-already computes on gets ``POLITE_SPIN`` (see there). While both compute, ``cpugate`` gives
-them turns, so a child spins only during its own turn.
+child whose cores no other model's child holds computes alone and keeps libgomp's own spin,
+at a direct llama-server's speed; a child spawned onto cores that another model's child
+already computes on gets ``POLITE_SPIN`` (see there). While two wide children compute,
+``cpugate`` gives them turns, so a child spins only during its own turn. The decision holds
+for the child's life: a model loaded alone keeps its spin when another loads beside it.
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def _spin_set_by(environ: Mapping[str, str]) -> bool:
 
 
 def shares_with(share: CpuShare, others: Iterable[CpuShare]) -> CpuShare:
-    """``share`` marked ``shared`` when a wide share of ``others`` (other models' children)
-    holds any of its cores. Pure."""
-    held = {core for other in others if other.wide for core in other.cores}
+    """``share`` marked ``shared`` when any share of ``others`` (other models' children)
+    holds one of its cores: a wide one takes turns with it, and a one-thread GPU child is
+    never paused, so its thread would preempt a spinning sibling. Pure."""
+    held = {core for other in others for core in other.cores}
     return CpuShare(share.cores, shared=bool(held.intersection(share.cores)))
 
 
