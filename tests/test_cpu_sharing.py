@@ -124,6 +124,20 @@ def test_a_model_swapped_in_computes_alone_at_full_spin(
         assert status["cpu"]["spin"] == "full" and spin_count(status["pid"]) is None
 
 
+def test_two_models_loading_at_once_see_each_other(tmp_path: Path, llama_server: Path,
+                                                   long_models: dict[str, Path]) -> None:
+    ini = presets(tmp_path, long_models)
+    with start_router(tmp_path, "--presets", str(ini)) as router:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            loads = [pool.submit(httpx.post, router.url + "/models/load?wait=1",
+                                 json={"model": name}, timeout=HANG_GUARD_S)
+                     for name in long_models]
+            assert [load.result().status_code for load in loads] == [200, 200]
+        spins = sorted(router.models()[name]["status"]["cpu"]["spin"] for name in long_models)
+        # Whichever spawned second saw the first one's cores taken.
+        assert spins == (["full", "short"] if len(machine_cores()) > 1 else ["full", "full"])
+
+
 def test_the_routers_environment_decides_the_spin_when_it_sets_one(
         tmp_path: Path, llama_server: Path, long_models: dict[str, Path]) -> None:
     ini = presets(tmp_path, long_models)

@@ -249,8 +249,14 @@ def test_the_spawner_gives_a_lone_model_full_spin_and_a_second_one_a_short_one()
     sup = supervisor_with({"chat": {}, "code": {}})
     child = object.__new__(ChildProcess)
     child.cpu = CpuShare((0, 1, 2, 3))
-    chat = sup.models["chat"]
+    chat, code = sup.models["chat"], sup.models["code"]
+    [share] = sup.spawner.cpu_shares(code, 1)
+    assert sup.spawner.at_spawn(code, share) == CpuShare((0, 1, 2, 3))  # alone
     chat.state = replace(chat.state, starting=(child,))
-    assert sup.spawner.cpu_shares(sup.models["code"], 1) == [CpuShare((0, 1, 2, 3), shared=True)]
-    chat.state = replace(chat.state, starting=(), stopping=(Replica(child),))
-    assert sup.spawner.cpu_shares(sup.models["code"], 1) == [CpuShare((0, 1, 2, 3))]  # leaving
+    assert sup.spawner.at_spawn(code, share) == CpuShare((0, 1, 2, 3), shared=True)
+    assert sup.spawner.at_spawn(chat, share) == CpuShare((0, 1, 2, 3))  # its own: not another
+    chat.state = replace(chat.state, starting=(), replicas=(Replica(child),))
+    assert sup.spawner.at_spawn(code, share).shared  # serving
+    chat.state = replace(chat.state, replicas=(), stopping=(Replica(child),))
+    assert not sup.spawner.at_spawn(code, share).shared  # on its way out
+    assert sup.spawner.at_spawn(code, None) is None  # placed by its preset

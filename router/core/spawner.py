@@ -5,6 +5,8 @@
 * ``cpu_shares``: where new children compute (``cpus``): a model's replicas split the
   machine's cores; a child that runs every layer on a GPU gets one thread on the least used
   core; nothing when CPU sharing is off or the preset places its children itself.
+  ``at_spawn`` marks a share ``shared`` (its threads wait briefly) when, at the spawn,
+  another model's child holds one of its cores.
 * ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
   waited for until healthy. While it loads, its own progress reports (child mode, see
   ``process``) are reported as the lifecycle's ``LoadProgress`` (published as
@@ -150,13 +152,20 @@ class Spawner:
             held = [c.cpu for m in self._models() for c in m.children() if c.cpu]
             return list(plan_shares(self.cores, held, count, fair_share=1, narrow=True))
         own = [c.cpu for c in runtime.children() if c.cpu is not None]
-        # Other models' children that compute now or soon (not those stopping).
+        return list(plan_shares(self.cores, own, count,
+                                fair_share=len(self.cores) // max(runtime.preset.replicas, 1)))
+
+    def at_spawn(self, runtime: ModelRuntime, share: CpuShare | None) -> CpuShare | None:
+        """``share`` as it stands the moment its child spawns: ``shared`` when a child of
+        another model that computes now or soon (serving or starting, not stopping) holds one
+        of its cores. Called in the same loop step as the child's ``ChildStarted``, so two
+        models loading at once see each other."""
+        if share is None:
+            return None
         others = [c.cpu for m in self._models() if m is not runtime
                   for c in (*(r.child for r in m.state.replicas), *m.state.starting)
                   if c.cpu is not None]
-        shares = plan_shares(self.cores, own, count,
-                             fair_share=len(self.cores) // max(runtime.preset.replicas, 1))
-        return [shares_with(share, others) for share in shares]
+        return shares_with(share, others)
 
     # ----------------------------------------------------------------- spawning
 
@@ -200,6 +209,7 @@ class Spawner:
                 return remote
             try:
                 port = free_port()
+                cpu = self.at_spawn(runtime, cpu)  # no await from here to ChildStarted
                 argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
                 slot_dir = self.slot_dir(runtime.preset) if self.slot_dir else None
                 if slot_dir is not None:
