@@ -73,6 +73,10 @@ class BenchError(RuntimeError):
 
 
 _COMPILED: set[Path] = set()
+# What llama-router reads at a spawn as the machine's other work is the last second's
+# (``cpus.OtherWork``): a target's first request comes after this long with nothing running,
+# so its child starts as on a machine used for nothing else (``Bench.quiet``).
+QUIET_S = 2.5
 
 
 def compile_once(src: Path) -> None:
@@ -713,6 +717,11 @@ class Bench:
 
     # ------------------------------------------------------------ start
 
+    def quiet(self) -> None:
+        """``QUIET_S`` with nothing running (not in a ``--quick`` run)."""
+        if not self.cfg.quick:
+            time.sleep(QUIET_S)
+
     def direct_cold_start(self, model: str, name: str, timeout: float) -> tuple[float, float]:
         """A new direct llama-server for ``model``: seconds from its spawn to ``/health`` 200,
         and to the first token of a streamed chat; then it is stopped."""
@@ -817,6 +826,7 @@ class Bench:
         chat, stream, tok = (chat_body(model, stream=False), chat_body(model, stream=True),
                              tokenize_body(model))
         for ep in self.eps.values():
+            self.quiet()  # its child starts on a machine the other targets left alone
             tally = ep.tally("warmup")
             for _ in range(5):
                 attempt(partial(timed_request, ep.client, "POST", "/v1/chat/completions", chat),

@@ -296,7 +296,8 @@ def test_routing_decisions_are_counted_per_model_and_decision() -> None:
     assert 'decision="override"' not in text
     routed: list[Any] = []
     sup = SimpleNamespace(events=SimpleNamespace(listeners=[]), on_routed=routed.append,
-                          views=list, cpu_turns=0, children_paused=0, warm=None)
+                          views=list, cpu_turns=0, children_paused=0, cpu_other_work=None,
+                          warm=None)
     metrics.attach(sup)  # type: ignore[arg-type]
     assert routed == [metrics.observe_routing]
     generate_latest(metrics.registry)  # the live gauges read the supervisor's views

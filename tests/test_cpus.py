@@ -17,11 +17,16 @@ from router.core.supervisor import Supervisor
 from router.core.wiring import wire
 from router.events import EventBus
 from router.host.cpus import (
+    BUSY_CORES,
+    CLOCK_TICKS,
     CpuShare,
+    OtherWork,
     all_layers_offloaded,
     cgroup_cpu_limit,
+    machine_busy_ticks,
     places_itself,
     plan_shares,
+    process_ticks,
     select_cores,
     shares_with,
     spin_environment,
@@ -190,7 +195,8 @@ def test_no_cgroup_limit(tmp_path: Path) -> None:
 # ------------------------------------------------------------------- the supervisor's choice
 
 def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
-                    replicas: int = 1, cpu_sharing: bool = True) -> Supervisor:
+                    replicas: int = 1, cpu_sharing: bool = True,
+                    other_work: OtherWork | None = None) -> Supervisor:
     catalogue = Catalogue(models={
         name: ModelPreset(name, {"model": f"/m/{name}.gguf", **args},
                           replicas=replicas if name == "hot" else 1)
@@ -198,7 +204,8 @@ def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
     devices = [GpuDevice(0, "GPU-0", "Fake", 80 << 30)] if gpus else []
     return Supervisor(wire(Settings(cpu_sharing=cpu_sharing), catalogue, FlagTable([]),
                            Path("/bin/true"), httpx.AsyncClient(), EventBus(), gpus=devices,
-                           cores=[0, 1, 2, 3]))
+                           cores=[0, 1, 2, 3],
+                           other_work=other_work or OtherWork(read=lambda path: None)))
 
 
 def test_a_cpu_model_gets_every_core_and_replicas_split_them() -> None:
@@ -260,3 +267,57 @@ def test_the_spawner_gives_a_lone_model_full_spin_and_a_second_one_a_short_one()
     chat.state = replace(chat.state, replicas=(), stopping=(Replica(child),))
     assert not sup.spawner.at_spawn(code, share).shared  # on its way out
     assert sup.spawner.at_spawn(code, None) is None  # placed by its preset
+
+
+# ------------------------------------------------------------------------ other work
+
+STAT = "cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 1 0 0 1 0 0 0 0 0 0\nintr 1\n"
+
+
+def proc_stat(utime: int, stime: int, name: str = "llama-server") -> str:
+    return f"42 ({name}) S 1 42 42 0 -1 4194560 1 0 0 0 {utime} {stime} 0 0 20 0 8 0 1 1 1"
+
+
+def test_cpu_time_is_read_from_proc() -> None:
+    assert machine_busy_ticks("cpu  10 1 5 100 7 2 3 4 0 0\n") == 10 + 1 + 5 + 2 + 3 + 4
+    assert machine_busy_ticks("cpu0 1 2 3\n") is None
+    assert process_ticks(proc_stat(30, 12)) == 42
+    assert process_ticks(proc_stat(1, 2, name="a) (b c")) == 3  # the name may hold ") ("
+    assert process_ticks("garbage") is None
+
+
+def test_other_work_is_the_machines_cpu_time_outside_the_router_and_its_children() -> None:
+    files: dict[str, str] = {}
+    work = OtherWork(read=files.get)
+    assert work.cores is None and not work.busy
+    files.update({"/proc/stat": STAT.format(busy=1000, idle=0),
+                  "/proc/1/stat": proc_stat(100, 0), "/proc/2/stat": proc_stat(200, 0)})
+    work.sample([1, 2], now=10.0)
+    assert work.cores is None  # one sample: no interval yet
+    # One second later: the machine spent 150 ticks, the router and its child 140 of them.
+    files.update({"/proc/stat": STAT.format(busy=1150, idle=0),
+                  "/proc/1/stat": proc_stat(120, 0), "/proc/2/stat": proc_stat(320, 0)})
+    work.sample([1, 2], now=11.0)
+    assert work.cores == pytest.approx(10 / CLOCK_TICKS) and not work.busy
+    # Another process took a core's worth: busy.
+    files.update({"/proc/stat": STAT.format(busy=1150 + CLOCK_TICKS, idle=0)})
+    work.sample([1, 2], now=12.0)
+    assert work.cores == pytest.approx(1.0) and work.busy
+    # A child that started within the interval counts from nothing; one gone counts as other.
+    files.update({"/proc/stat": STAT.format(busy=1150 + CLOCK_TICKS + 50, idle=0),
+                  "/proc/3/stat": proc_stat(50, 0)})
+    work.sample([1, 2, 3], now=13.0)
+    assert work.cores == pytest.approx(0.0)
+    del files["/proc/stat"]  # /proc unreadable: nothing known
+    work.sample([1], now=14.0)
+    assert work.cores is None and not work.busy
+
+
+def test_a_busy_machine_makes_a_lone_child_wait_briefly() -> None:
+    work = OtherWork(read=lambda path: None)
+    sup = supervisor_with({"chat": {}}, other_work=work)
+    chat = sup.models["chat"]
+    [share] = sup.spawner.cpu_shares(chat, 1)
+    assert not sup.spawner.at_spawn(chat, share).shared
+    work.cores = BUSY_CORES
+    assert sup.spawner.at_spawn(chat, share) == CpuShare((0, 1, 2, 3), shared=True)

@@ -9,6 +9,8 @@
   (nvidia-smi) every ``GPU_SAMPLE_S``, in a worker thread, off the event loop. Readers
   (``/models``, ``/metrics``, admission) get the cached figures; a child not sampled yet is
   measured once on first read, so a fresh child is never counted as using nothing.
+* With each sample, the CPU time the machine spent outside the router and its children
+  (``cpus.OtherWork``, read by the spawner when it decides how a child's threads wait).
 * What a model holds against a budget is the larger of its estimate and its measurement.
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 from collections.abc import Callable, Iterable
 
+from ..host.cpus import OtherWork
 from ..host.gpus import GpuDevice, placement, usage_by_pid
 from ..host.memory import RAM, estimate_for_args, measure_rss
 from .runtime import Estimated, ModelRuntime, ModelSnapshot
@@ -48,8 +52,9 @@ def _measure_all(pids: list[int]) -> dict[int, int | None]:
 
 
 class Accounting:
-    def __init__(self, gpus: list[GpuDevice]) -> None:
+    def __init__(self, gpus: list[GpuDevice], other_work: OtherWork | None = None) -> None:
         self.gpus = gpus
+        self.other_work = other_work  # sampled with the children's memory: ``run``
         self._rss: dict[int, int | None] = {}  # per child pid, refreshed by run()
         self._gpu_usage: dict[int, dict[str, int]] = {}  # per child pid, refreshed by run()
 
@@ -125,6 +130,10 @@ class Accounting:
                 if estimated is not None:
                     record(runtime, estimated)
             pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
+            if self.other_work is not None:  # a few small reads: on the loop
+                self.other_work.sample([os.getpid(), *(c.pid for m in models()
+                                                      for c in m.children() if c.pid)],
+                                       loop.time())
             if pids:
                 self._rss = await asyncio.to_thread(_measure_all, pids)
                 if self.gpus and loop.time() >= gpu_due:

@@ -6,7 +6,7 @@
   machine's cores; a child that runs every layer on a GPU gets one thread on the least used
   core; nothing when CPU sharing is off or the preset places its children itself.
   ``at_spawn`` marks a share ``shared`` (its threads wait briefly) when, at the spawn,
-  another model's child holds one of its cores.
+  another model's child holds one of its cores or other processes keep the machine busy.
 * ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
   waited for until healthy. While it loads, its own progress reports (child mode, see
   ``process``) are reported as the lifecycle's ``LoadProgress`` (published as
@@ -44,6 +44,7 @@ from ..errors import LoadFailed
 from ..events import EventBus
 from ..host.cpus import (
     CpuShare,
+    OtherWork,
     all_layers_offloaded,
     places_itself,
     plan_shares,
@@ -80,7 +81,8 @@ class Spawner:
                  events: EventBus, *, router_port: int, cores: list[int],
                  gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]],
                  upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S,
-                 slot_dir: Callable[[ModelPreset], Path | None] | None = None) -> None:
+                 slot_dir: Callable[[ModelPreset], Path | None] | None = None,
+                 other_work: OtherWork | None = None) -> None:
         self.binary = binary
         self.upstream_timeout = upstream_timeout  # each pool's response-head deadline
         self.table = table
@@ -93,6 +95,7 @@ class Spawner:
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
         # The ``--slot-save-path`` of a preset's children, when it has warm swaps (``warm``).
         self.slot_dir = slot_dir
+        self._other_work = other_work  # the machine's other work (sampled by the accounting)
 
     # ----------------------------------------------------------------- argv
 
@@ -158,10 +161,13 @@ class Spawner:
     def at_spawn(self, runtime: ModelRuntime, share: CpuShare | None) -> CpuShare | None:
         """``share`` as it stands the moment its child spawns: ``shared`` when a child of
         another model that computes now or soon (serving or starting, not stopping) holds one
-        of its cores. Called in the same loop step as the child's ``ChildStarted``, so two
+        of its cores, or when other processes kept the machine busy over the last sample
+        (``OtherWork``). Called in the same loop step as the child's ``ChildStarted``, so two
         models loading at once see each other."""
         if share is None:
             return None
+        if self._other_work is not None and self._other_work.busy:
+            return CpuShare(share.cores, shared=True)
         others = [c.cpu for m in self._models() if m is not runtime
                   for c in (*(r.child for r in m.state.replicas), *m.state.starting)
                   if c.cpu is not None]

@@ -130,6 +130,13 @@ class Supervisor:
     def children_paused(self) -> int:
         return len(self.cpu_gate.paused)
 
+    @property
+    def cpu_other_work(self) -> float | None:
+        """Cores' worth of CPU the machine spent outside the router and its children over
+        the last sample (``cpus.OtherWork``); None before two samples."""
+        other = self.accounting.other_work
+        return other.cores if other is not None else None
+
     def on_routed(self, callback: RoutedCallback) -> None:
         """Report each replica choice by prompt prefix to ``callback`` (the metrics)."""
         self.leases.on_routed = callback

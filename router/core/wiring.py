@@ -32,7 +32,7 @@ from ..changes import Changes
 from ..config.settings import Settings
 from ..config.sources import Catalogue
 from ..events import EventBus
-from ..host.cpus import machine_cores
+from ..host.cpus import OtherWork, machine_cores
 from ..host.gpus import GpuDevice
 from ..llama.flags import FlagTable
 from ..warm.statestore import StateStore
@@ -82,18 +82,21 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
          client: httpx.AsyncClient, events: EventBus, *, gpus: list[GpuDevice] | None = None,
          gpu_budgets: dict[str, int] | None = None, cores: list[int] | None = None,
          spawner: Spawner | None = None, states: StateStore | None = None,
-         build: str = "unknown", warm: WarmSwaps | None = None) -> Core:
+         build: str = "unknown", warm: WarmSwaps | None = None,
+         other_work: OtherWork | None = None) -> Core:
     """The core over ``catalogue``; ``spawner``: what starts the children (default:
     llama-server processes and remote upstreams; the scheduler simulation passes one that
     starts fake children); ``states``: the saved slot states of warm swaps (None: off), for
     children of the llama-server ``build``; ``warm``: the warm swaps themselves (the
-    simulation passes its own)."""
+    simulation passes its own); ``other_work``: what the machine does besides (default: read
+    from ``/proc``; tests pass their own)."""
     shared = (cores if cores is not None else machine_cores()) if settings.cpu_sharing else []
     devices = list(gpus or [])
     model_set = ModelSet(catalogue, settings.log_lines)
     models = model_set.records
     cpu_gate = CpuGate(lambda: cpu_turn_members(models.values()))
-    accounting = Accounting(devices)
+    other_work = other_work or OtherWork()  # sampled by the accounting, read at each spawn
+    accounting = Accounting(devices, other_work)
     changes = Changes()
     if warm is None and states is not None:
         warm = WarmSwaps(states, build, client, events)
@@ -101,6 +104,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
         warm.drop_turned_off(runtime.preset for runtime in models.values())
     spawner = spawner or Spawner(binary, table, client, events, router_port=settings.port,
                                  cores=shared, gpus=devices, models=models.values,
+                                 other_work=other_work,
                                  upstream_timeout=settings.upstream_timeout,
                                  slot_dir=warm.slot_dir if warm is not None else None)
 

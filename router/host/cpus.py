@@ -25,11 +25,13 @@ Shares are decided at spawn and kept for the child's life (llama-server cannot c
 threads while running); a crashed replica's replacement takes the cores it freed.
 
 How a child's threads wait (``CpuShare.shared``, decided by the spawner at each spawn): a
-child whose cores no other model's child holds computes alone and keeps libgomp's own spin,
-at a direct llama-server's speed; a child spawned onto cores that another model's child
-already computes on gets ``POLITE_SPIN`` (see there). While two wide children compute,
-``cpugate`` gives them turns, so a child spins only during its own turn. The decision holds
-for the child's life: a model loaded alone keeps its spin when another loads beside it.
+child whose cores no other model's child holds, on a machine that other work left idle in the
+last second (``OtherWork``), computes alone and keeps libgomp's own spin, at a direct
+llama-server's speed; a child spawned onto cores that another model's child already computes
+on, or while other processes keep the machine busy, gets ``POLITE_SPIN`` (see there). While
+two wide children compute, ``cpugate`` gives them turns, so a child spins only during its own
+turn. The decision holds for the child's life: a model loaded alone keeps its spin when
+another loads beside it, or when other work starts later.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ CPU_ENV = ("LLAMA_ARG_THREADS",)
 # default. 1,000 rounds made the tiny model's wake-ups show more (TTFT 3.3 ms, not 1.6-1.9).
 POLITE_SPIN = {"GOMP_SPINCOUNT": "3000"}
 _SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+# Other work that makes a child's threads wait briefly even alone on its cores: this many
+# cores' worth of CPU time, over the last sample, spent outside the router and its children
+# (a spinning thread preempted by it stalls its siblings at every barrier).
+BUSY_CORES = 0.5
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -258,3 +266,71 @@ def _v1_limit(folder: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return None if quota <= 0 or period <= 0 else quota / period
+
+
+# ------------------------------------------------------------------------ other work
+
+class OtherWork:
+    """How many cores' worth of CPU time the machine spent outside the router and its
+    children between the last two samples (``cores``; None before two, or where ``/proc``
+    does not say). ``sample`` is called about once a second (``accounting``); a process that
+    ended between two samples counts as other work for its last interval (the safe side)."""
+
+    def __init__(self, read: Callable[[str], str | None] | None = None) -> None:
+        self._read = read or _read_text
+        self.cores: float | None = None
+        self._last: tuple[float, int, dict[int, int]] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.cores is not None and self.cores >= BUSY_CORES
+
+    def sample(self, own_pids: Iterable[int], now: float) -> None:
+        """Read the machine's and ``own_pids``' CPU time (the router and its children)."""
+        stat = self._read("/proc/stat")
+        machine = machine_busy_ticks(stat) if stat else None
+        if machine is None:
+            self.cores, self._last = None, None
+            return
+        own: dict[int, int] = {}
+        for pid in own_pids:
+            text = self._read(f"/proc/{pid}/stat")
+            ticks = process_ticks(text) if text else None
+            if ticks is not None:
+                own[pid] = ticks
+        if self._last is not None and now > self._last[0]:
+            then, machine_then, own_then = self._last
+            spent = sum(t - own_then.get(pid, 0) for pid, t in own.items())
+            self.cores = max(0, machine - machine_then - spent) / CLOCK_TICKS / (now - then)
+        self._last = (now, machine, own)
+
+
+def machine_busy_ticks(stat: str) -> int | None:
+    """The machine's busy CPU time from ``/proc/stat`` (clock ticks of ``user``, ``nice``,
+    ``system``, ``irq``, ``softirq`` and ``steal``: all but idle and I/O wait). Pure."""
+    for line in stat.splitlines():
+        if line.startswith("cpu "):
+            fields = [int(f) for f in line.split()[1:9]]
+            if len(fields) < 8:
+                return None
+            user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+            return user + nice + system + irq + softirq + steal
+    return None
+
+
+def process_ticks(stat: str) -> int | None:
+    """A process's CPU time (``utime + stime``, every thread) from its ``/proc/PID/stat``.
+    Pure; the name in parentheses may hold spaces and parentheses."""
+    fields = stat.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("ascii", "replace")
+    except OSError:
+        return None

@@ -263,6 +263,14 @@ class _LiveGauges(Collector):
                                    "Children paused while another model has its CPU turn")
         paused.add_metric([], self.models.children_paused)
         yield from (running, status, in_flight, queued, memory, gpu, turns, paused)
+        other = self.models.cpu_other_work
+        if other is not None:
+            work = GaugeMetricFamily(
+                "llamarouter_cpu_other_work_cores", "Cores' worth of CPU the machine spent "
+                "outside the router and its children over the last second; from 0.5 a new "
+                "child's threads wait briefly (GOMP_SPINCOUNT=3000)")
+            work.add_metric([], round(other, 3))
+            yield work
 
 
 ChildText = tuple[dict[str, str], str]  # (labels to add to each sample, exposition text)
