@@ -79,6 +79,15 @@ def expected_spin(before: float, after: float, alone: str) -> str | None:
     return None
 
 
+def assert_spun_alone(status: dict[str, Any], before: float, after: float) -> None:
+    """A child alone on its cores: libgomp's spin on a quiet machine, the short one on a busy
+    one, and its environment says what ``/models`` says."""
+    spin = expected_spin(before, after, "full")
+    if spin is not None:
+        assert status["cpu"]["spin"] == spin
+    assert spin_count(status["pid"]) == ("3000" if status["cpu"]["spin"] == "short" else None)
+
+
 def spin_count(pid: int) -> str | None:
     """The child's ``GOMP_SPINCOUNT`` (None: libgomp's default)."""
     return psutil.Process(pid).environ().get("GOMP_SPINCOUNT")
@@ -146,11 +155,7 @@ def test_a_model_alone_gets_every_core(tmp_path: Path, llama_server: Path,
         assert status["cpu"]["threads"] == len(cores)
         assert status["cpu"]["cores"] == (cores if len(cores) > 1 else None)
         assert option(child_argv(status["pid"]), "--threads") == str(len(cores))
-        spin = expected_spin(before, after, "full")
-        if spin is not None:
-            assert status["cpu"]["spin"] == spin
-        assert spin_count(status["pid"]) == ("3000" if status["cpu"]["spin"] == "short"
-                                             else None)
+        assert_spun_alone(status, before, after)
 
 
 def test_a_model_swapped_in_computes_alone_at_full_spin(
@@ -164,11 +169,7 @@ def test_a_model_swapped_in_computes_alone_at_full_spin(
         models = router.models()
         assert models["left"]["status"]["value"] == "unloaded"
         status = models["right"]["status"]
-        spin = expected_spin(before, after, "full")
-        if spin is not None:
-            assert status["cpu"]["spin"] == spin
-        assert spin_count(status["pid"]) == ("3000" if status["cpu"]["spin"] == "short"
-                                             else None)
+        assert_spun_alone(status, before, after)
 
 
 def test_a_busy_machine_makes_a_lone_child_wait_briefly(
