@@ -30,7 +30,7 @@ import httpx
 import psutil
 
 from router.children.process import free_port
-from router.host.cpus import CpuShare, machine_cores
+from router.host.cpus import CpuShare, OtherWork, machine_cores
 from router.llama.tinymodel import write_tiny_model
 
 # The repository root: the working directory of every Python process the harness starts
@@ -70,6 +70,18 @@ GOALS = {
 
 class BenchError(RuntimeError):
     pass
+
+
+def alike_environment() -> dict[str, str]:
+    """The environment llama-router would give a lone child started now (``CHILD_CPU``):
+    libgomp's own spin on a quiet machine, ``GOMP_SPINCOUNT=3000`` while other work keeps it
+    busy (``cpus.OtherWork``, read over half a second, the harness itself not counted). The
+    direct server and llama.cpp's router's children get it, so every child computes alike."""
+    work = OtherWork()
+    work.sample([os.getpid()], time.monotonic())
+    time.sleep(0.5)
+    work.sample([os.getpid()], time.monotonic())
+    return CpuShare(CHILD_CPU.cores, shared=work.busy).environment()
 
 
 _COMPILED: set[Path] = set()
@@ -742,7 +754,7 @@ class Bench:
         item = self.procs.start(name, [str(self.binary), "-m", str(self.models[model]),
                                        *flags, *CHILD_CPU.argv(), "--host", "127.0.0.1",
                                        "--port", str(port), "--alias", model],
-                                env=CHILD_CPU.environment())
+                                env=alike_environment())
         return item, f"http://127.0.0.1:{port}"
 
     def _start_llamacpp(self, presets: Path, name: str) -> tuple[Managed, str]:
@@ -752,7 +764,7 @@ class Bench:
         item = self.procs.start(name, [str(self.binary), "--host", "127.0.0.1", "--port",
                                        str(port), "--models-preset", str(presets),
                                        "--models-max", "1"],
-                                env={"LLAMA_CACHE": str(cache), **CHILD_CPU.environment()},
+                                env={"LLAMA_CACHE": str(cache), **alike_environment()},
                                 cwd=self.workdir)
         return item, f"http://127.0.0.1:{port}"
 
