@@ -76,8 +76,8 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 @dataclass(frozen=True)
 class CpuShare:
     """Where one child computes: one thread per core of ``cores``, on those cores; ``shared``
-    when another model's child already computed on any of them at its spawn (its threads then
-    wait briefly, ``POLITE_SPIN``)."""
+    when, at its spawn, another model's child held any of them or other work kept the machine
+    busy (its threads then wait briefly, ``POLITE_SPIN``)."""
 
     cores: tuple[int, ...]
     shared: bool = False
