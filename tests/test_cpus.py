@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from router.events import EventBus
 from router.host.cpus import (
     BUSY_CORES,
     CLOCK_TICKS,
+    MIN_WINDOW_S,
     CpuShare,
     OtherWork,
     all_layers_offloaded,
@@ -204,8 +206,16 @@ def supervisor_with(presets: dict[str, dict[str, str]], *, gpus: bool = False,
     devices = [GpuDevice(0, "GPU-0", "Fake", 80 << 30)] if gpus else []
     return Supervisor(wire(Settings(cpu_sharing=cpu_sharing), catalogue, FlagTable([]),
                            Path("/bin/true"), httpx.AsyncClient(), EventBus(), gpus=devices,
-                           cores=[0, 1, 2, 3],
-                           other_work=other_work or OtherWork(read=lambda path: None)))
+                           cores=[0, 1, 2, 3], other_work=other_work or quiet_machine()))
+
+
+def quiet_machine() -> OtherWork:
+    """Other work as a machine doing nothing but the router reads it: none."""
+    files = {"/proc/stat": "cpu  100 0 0 900 0 0 0 0 0 0\n"}
+    work = OtherWork(read=files.get)
+    work.sample([], now=0.0)
+    work.sample([], now=1.0)
+    return work
 
 
 def test_a_cpu_model_gets_every_core_and_replicas_split_them() -> None:
@@ -256,6 +266,7 @@ def test_the_spawner_gives_a_lone_model_full_spin_and_a_second_one_a_short_one()
     sup = supervisor_with({"chat": {}, "code": {}})
     child = object.__new__(ChildProcess)
     child.cpu = CpuShare((0, 1, 2, 3))
+    child._proc = None  # no process: no pid
     chat, code = sup.models["chat"], sup.models["code"]
     [share] = sup.spawner.cpu_shares(code, 1)
     assert sup.spawner.at_spawn(code, share) == CpuShare((0, 1, 2, 3))  # alone
@@ -289,7 +300,7 @@ def test_cpu_time_is_read_from_proc() -> None:
 def test_other_work_is_the_machines_cpu_time_outside_the_router_and_its_children() -> None:
     files: dict[str, str] = {}
     work = OtherWork(read=files.get)
-    assert work.cores is None and not work.busy
+    assert work.cores is None and work.busy  # nothing known: the safe side
     files.update({"/proc/stat": STAT.format(busy=1000, idle=0),
                   "/proc/1/stat": proc_stat(100, 0), "/proc/2/stat": proc_stat(200, 0)})
     work.sample([1, 2], now=10.0)
@@ -308,16 +319,25 @@ def test_other_work_is_the_machines_cpu_time_outside_the_router_and_its_children
                   "/proc/3/stat": proc_stat(50, 0)})
     work.sample([1, 2, 3], now=13.0)
     assert work.cores == pytest.approx(0.0)
+    # A read at a spawn samples on the spot unless the last sample is that recent.
+    assert work.read([1, 2, 3], now=13.0 + MIN_WINDOW_S / 2) == pytest.approx(0.0)
+    files.update({"/proc/stat": STAT.format(busy=1150 + 2 * CLOCK_TICKS + 50, idle=0)})
+    assert work.read([1, 2, 3], now=14.0) == pytest.approx(1.0) and work.busy
     del files["/proc/stat"]  # /proc unreadable: nothing known
-    work.sample([1], now=14.0)
-    assert work.cores is None and not work.busy
+    work.sample([1], now=15.0)
+    assert work.cores is None and work.busy
 
 
 def test_a_busy_machine_makes_a_lone_child_wait_briefly() -> None:
-    work = OtherWork(read=lambda path: None)
+    ticks = [100]
+    work = OtherWork(read=lambda path: f"cpu  {ticks[0]} 0 0 900 0 0 0 0 0 0\n"
+                     if path == "/proc/stat" else None)
+    work.sample([], now=time.monotonic() - 1.0)
     sup = supervisor_with({"chat": {}}, other_work=work)
     chat = sup.models["chat"]
     [share] = sup.spawner.cpu_shares(chat, 1)
-    assert not sup.spawner.at_spawn(chat, share).shared
-    work.cores = BUSY_CORES
+    assert not sup.spawner.at_spawn(chat, share).shared  # read at the spawn: quiet
+    ticks[0] += 10 * CLOCK_TICKS  # the next sample (the accounting's) sees other work
+    work.sample([], now=time.monotonic())
     assert sup.spawner.at_spawn(chat, share) == CpuShare((0, 1, 2, 3), shared=True)
+    assert work.busy and work.cores is not None and work.cores >= BUSY_CORES

@@ -132,8 +132,7 @@ class Accounting:
             pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
             if self.other_work is not None:  # a few small reads: on the loop
                 self.other_work.sample([os.getpid(), *(c.pid for m in models()
-                                                      for c in m.children() if c.pid)],
-                                       loop.time())
+                                                      for c in m.children() if c.pid)])
             if pids:
                 self._rss = await asyncio.to_thread(_measure_all, pids)
                 if self.gpus and loop.time() >= gpu_due:

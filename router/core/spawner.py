@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,11 @@ class Spawner:
         models loading at once see each other."""
         if share is None:
             return None
-        if self._other_work is not None and self._other_work.busy:
-            return CpuShare(share.cores, shared=True)
+        if self._other_work is not None:
+            own = [os.getpid(), *(c.pid for m in self._models() for c in m.children() if c.pid)]
+            self._other_work.read(own)
+            if self._other_work.busy:
+                return CpuShare(share.cores, shared=True)
         others = [c.cpu for m in self._models() if m is not runtime
                   for c in (*(r.child for r in m.state.replicas), *m.state.starting)
                   if c.cpu is not None]

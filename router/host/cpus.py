@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ _SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 # cores' worth of CPU time, over the last sample, spent outside the router and its children
 # (a spinning thread preempted by it stalls its siblings at every barrier).
 BUSY_CORES = 0.5
+# The shortest interval a reading is taken over (CPU time is counted in 10 ms ticks).
+MIN_WINDOW_S = 0.05
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -273,8 +276,9 @@ def _v1_limit(folder: Path) -> float | None:
 class OtherWork:
     """How many cores' worth of CPU time the machine spent outside the router and its
     children between the last two samples (``cores``; None before two, or where ``/proc``
-    does not say). ``sample`` is called about once a second (``accounting``); a process that
-    ended between two samples counts as other work for its last interval (the safe side)."""
+    does not say). ``sample`` is called about once a second (``accounting``) and by ``read``
+    at each spawn; a process that ended between two samples counts as other work for its last
+    interval (the safe side). Times are ``time.monotonic()`` (tests pass their own)."""
 
     def __init__(self, read: Callable[[str], str | None] | None = None) -> None:
         self._read = read or _read_text
@@ -283,10 +287,21 @@ class OtherWork:
 
     @property
     def busy(self) -> bool:
-        return self.cores is not None and self.cores >= BUSY_CORES
+        """At least ``BUSY_CORES`` of other work, or nothing known yet (the safe side)."""
+        return self.cores is None or self.cores >= BUSY_CORES
 
-    def sample(self, own_pids: Iterable[int], now: float) -> None:
+    def read(self, own_pids: Iterable[int], now: float | None = None) -> float | None:
+        """The other work up to ``now``: sampled on the spot when the last sample is at least
+        ``MIN_WINDOW_S`` old (a spawn right after the router started gets a reading), else
+        the last reading."""
+        now = time.monotonic() if now is None else now
+        if self._last is None or now - self._last[0] >= MIN_WINDOW_S:
+            self.sample(own_pids, now)
+        return self.cores
+
+    def sample(self, own_pids: Iterable[int], now: float | None = None) -> None:
         """Read the machine's and ``own_pids``' CPU time (the router and its children)."""
+        now = time.monotonic() if now is None else now
         stat = self._read("/proc/stat")
         machine = machine_busy_ticks(stat) if stat else None
         if machine is None:
