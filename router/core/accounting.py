@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 from collections.abc import Callable, Iterable
 
 from ..host.cpus import OtherWork
 from ..host.gpus import GpuDevice, placement, usage_by_pid
 from ..host.memory import RAM, estimate_for_args, measure_rss
-from .runtime import Estimated, ModelRuntime, ModelSnapshot
+from .runtime import Estimated, ModelRuntime, ModelSnapshot, own_pids
 
 log = logging.getLogger("router.accounting")
 
@@ -131,8 +130,7 @@ class Accounting:
                     record(runtime, estimated)
             pids = [r.child.pid for m in models() for r in m.replicas if r.child.pid is not None]
             if self.other_work is not None:  # a few small reads: on the loop
-                self.other_work.sample([os.getpid(), *(c.pid for m in models()
-                                                      for c in m.children() if c.pid)])
+                self.other_work.sample(own_pids(models()))
             if pids:
                 self._rss = await asyncio.to_thread(_measure_all, pids)
                 if self.gpus and loop.time() >= gpu_due:

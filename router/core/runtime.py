@@ -18,6 +18,7 @@ counting the prompt it has cached (``pace``).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -316,6 +317,12 @@ class ModelRuntime(ModelReads):
         replica = replicas[index]
         replica.prefixes.record(keys)
         return replica, decision, work, prefix.sizes[matches[index] - 1] if matches[index] else 0
+
+
+def own_pids(models: Iterable[ModelRuntime]) -> list[int]:
+    """The router's own processes: itself and every child of ``models`` that has a process
+    (starting, serving or stopping): what ``cpus.OtherWork`` does not count as other work."""
+    return [os.getpid(), *(c.pid for m in models for c in m.children() if c.pid)]
 
 
 def cpu_turn_members(models: Iterable[ModelRuntime]) -> dict[str, list[Backend]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ from ..host.gpus import GpuDevice, devices_used
 from ..llama.flags import FlagTable
 from .accounting import TRANSIENT_ERRNOS
 from .lifecycle import ChildGone, ChildStarted, Event, LoadProgress, Status
-from .runtime import ModelRuntime, http_threads
+from .runtime import ModelRuntime, http_threads, own_pids
 
 log = logging.getLogger("router.spawner")
 
@@ -168,8 +167,7 @@ class Spawner:
         if share is None:
             return None
         if self._other_work is not None:
-            own = [os.getpid(), *(c.pid for m in self._models() for c in m.children() if c.pid)]
-            self._other_work.read(own)
+            self._other_work.read(own_pids(self._models()))
             if self._other_work.busy:
                 return CpuShare(share.cores, shared=True)
         others = [c.cpu for m in self._models() if m is not runtime
