@@ -355,6 +355,9 @@ class KeySupervisor:
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=self.preset, serving=True)
 
+    def keeps_conversations(self, model: SimpleNamespace) -> bool:
+        return False
+
     def lease_now(self, model: SimpleNamespace, prefix: Prefix | None = None) -> None:
         self.keys.append(prefix)
         raise ModelNotLoaded(model.id)
@@ -391,7 +394,7 @@ async def test_the_hot_path_passes_keys_only_for_models_routed_by_prefix() -> No
     routed = ModelPreset(id="hot", args={}, replicas=2)
     assert await keys_passed(routed, chat) == request_prefix(chat)
     assert (await keys_passed(routed, chat) or NO_PREFIX).keys == chat_keys(turn(2))
-    assert await keys_passed(routed, {"prompt": "abc"}) == Prefix(text_keys("abc"), (3,))
+    assert await keys_passed(routed, {"prompt": "abc"}) == Prefix(text_keys("abc"), (3,), whole=0)
     assert await keys_passed(routed, {"input": "embed"}) is None  # no prompt: least busy
     least = ModelPreset(id="hot", args={}, replicas=2, replica_routing="least-busy")
     assert await keys_passed(least, chat) is None

@@ -88,11 +88,11 @@ def test_a_reply_is_expected_as_long_as_usual_within_its_bound() -> None:
 def test_the_reply_bound_comes_from_the_request() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert request_prefix(chat).max_tokens is None
-    assert request_prefix({**chat, "max_tokens": 8, "ignore_eos": True})[2:] == (8, True)
-    assert request_prefix({**chat, "max_completion_tokens": 9})[2:] == (9, False)
-    assert request_prefix({"prompt": "abc", "n_predict": 7, "ignore_eos": 1})[2:] == (7, False)
+    assert request_prefix({**chat, "max_tokens": 8, "ignore_eos": True})[2:4] == (8, True)
+    assert request_prefix({**chat, "max_completion_tokens": 9})[2:4] == (9, False)
+    assert request_prefix({"prompt": "abc", "n_predict": 7, "ignore_eos": 1})[2:4] == (7, False)
     for odd in (-1, True, "8", 2.5, None):
-        assert request_prefix({**chat, "max_tokens": odd, "ignore_eos": True})[2:] == \
+        assert request_prefix({**chat, "max_tokens": odd, "ignore_eos": True})[2:4] == \
             (None, False)
     assert request_prefix(chat).sizes == (len("user") + len("hi"),)
 

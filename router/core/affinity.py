@@ -6,7 +6,8 @@ previous turns, so it is cheapest on the replica that served the previous turn: 
 already there and only the new messages need computing. This module decides which replica
 that is, from 64-bit hashes alone (no request body is kept):
 
-* ``request_keys``: a request's *prefix keys*, cumulative hashes: for a chat (``messages``)
+* ``request_keys``: a request's *prefix keys*, cumulative 64-bit hashes, stable across
+  processes (``_mix``: saved states are labelled with them): for a chat (``messages``)
   one per message (role and content; other content, such as a list of parts, by its JSON),
   for a ``prompt`` one per block of ``BLOCK_CHARS`` characters (or ``BLOCK_TOKENS`` token
   ids). Key ``i`` stands for everything up to message (block) ``i``, so turn k+1 of a
@@ -26,8 +27,10 @@ The caller records the request's keys on the chosen replica (``PrefixTable.recor
 from __future__ import annotations
 
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from hashlib import blake2b
 from typing import Any, Final, Literal, NamedTuple
 
 BLOCK_CHARS: Final = 512  # characters per prefix key of a text prompt
@@ -59,10 +62,17 @@ class Prefix(NamedTuple):
     sizes: tuple[int, ...]
     max_tokens: int | None = None
     to_the_end: bool = False
+    whole: int | None = None  # keys standing for whole messages or blocks (None: all)
 
     @property
     def chars(self) -> int:
         return self.sizes[-1] if self.sizes else 0
+
+    @property
+    def stable(self) -> tuple[int, ...]:
+        """The keys the prompt's next turn shares: all of a chat's (one per message), a text's
+        or token list's of its whole blocks only (the next turn fills the last one up)."""
+        return self.keys if self.whole is None else self.keys[:self.whole]
 
 
 NO_PREFIX: Final = Prefix((), ())
@@ -89,8 +99,39 @@ def request_prefix(body: Mapping[str, Any]) -> Prefix:
             return NO_PREFIX
     limit = body.get("max_tokens", body.get("max_completion_tokens", body.get("n_predict")))
     max_tokens = limit if type(limit) is int and limit >= 0 else None
+    whole = None
+    if type(messages) is not list:  # blocks: the last one whole only at its full size
+        block = BLOCK_CHARS if type(body.get("prompt")) is str else \
+            BLOCK_TOKENS * CHARS_PER_TOKEN
+        whole = len(keys) - (len(sizes) > 0 and (sizes[-1] - (sizes[-2] if len(sizes) > 1
+                                                              else 0)) < block)
     return Prefix(keys, sizes, max_tokens,
-                  max_tokens is not None and body.get("ignore_eos") is True)
+                  max_tokens is not None and body.get("ignore_eos") is True, whole)
+
+
+def _mix(previous: int, *parts: str) -> int:
+    """The key after ``previous`` for ``parts``: 64 bits of a BLAKE2b digest, the same in every
+    process and across restarts (Python's ``hash`` of a string is salted per process), so that
+    keys saved with a conversation's state still name it after the router restarts. Each part is
+    framed by its length: ("ab", "c") and ("a", "bc") differ."""
+    digest = blake2b(previous.to_bytes(8, "little", signed=True), digest_size=8)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _mix_ids(previous: int, ids: list[Any]) -> int:
+    """``_mix`` for a block of token ids (as 64-bit integers; anything else by its JSON)."""
+    try:
+        data = array("q", ids).tobytes()
+    except (TypeError, OverflowError):  # dicts (multimodal prompts), floats, huge ints
+        return _mix(previous, _json(ids))
+    digest = blake2b(previous.to_bytes(8, "little", signed=True), digest_size=8,
+                     person=b"token-ids")
+    digest.update(data)
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def chat_keys(messages: list[Any]) -> tuple[int, ...]:
@@ -119,14 +160,14 @@ def _chat(messages: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
             role = message.get("role")
             content = message.get("content")
             if type(content) is str and type(role) is str:
-                h = hash((h, role, content))
+                h = _mix(h, role, content)
                 size += len(role) + len(content)
                 keys.append(h)
                 sizes.append(size)
                 continue
         # content as parts, or null with tool_calls: the whole message by its JSON
         text = _json(message)
-        h = hash((h, text))
+        h = _mix(h, text)
         size += len(text)
         keys.append(h)
         sizes.append(size)
@@ -138,7 +179,7 @@ def _text(text: str, block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     h = _TEXT_SEED
     starts = range(0, min(len(text), block * MAX_KEYS), block)
     for start in starts:
-        h = hash((h, text[start:start + block]))
+        h = _mix(h, text[start:start + block])
         keys.append(h)
     return tuple(keys), tuple(min(start + block, len(text)) for start in starts)
 
@@ -148,11 +189,7 @@ def _tokens(prompt: list[Any], block: int) -> tuple[tuple[int, ...], tuple[int, 
     h = _TOKEN_SEED
     starts = range(0, min(len(prompt), block * MAX_KEYS), block)
     for start in starts:
-        part = prompt[start:start + block]
-        try:
-            h = hash((h, tuple(part)))
-        except TypeError:  # dicts (multimodal prompts), lists: unhashable
-            h = hash((h, _json(part)))
+        h = _mix_ids(h, prompt[start:start + block])
         keys.append(h)
     return tuple(keys), tuple(min(start + block, len(prompt)) * CHARS_PER_TOKEN
                               for start in starts)
