@@ -45,10 +45,11 @@ import asyncio
 import contextlib
 import functools
 import random
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, cast
 
 import httpx
@@ -60,6 +61,7 @@ from router.children.process import ChildExited, ChildTimeout
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
+from router.core.affinity import Prefix
 from router.core.leases import Lease
 from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
 from router.core.runtime import Estimated, ModelRuntime
@@ -70,8 +72,11 @@ from router.core.wiring import wire
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
 from router.http.shutdown import Shutdown
+from router.http.tail import ResponseTail, Timings
 from router.llama.flags import FlagTable
+from router.warm.conversations import DISPLACE_BOUND_S
 from router.warm.digests import Digests
+from router.warm.slotbook import Conversation
 from router.warm.statestore import PendingSave, SavedState, StateStore
 from router.warm.swaps import WarmSwaps, Written
 
@@ -252,8 +257,8 @@ class HangingSaves(WarmSwaps):
     touched."""
 
     def __init__(self) -> None:
-        super().__init__(cast(StateStore, None), "sim", cast(httpx.AsyncClient, None),
-                         digests=Digests())
+        super().__init__(StateStore(Path(tempfile.mkdtemp(prefix="sim-states-")), 1 << 30),
+                         "sim", cast(httpx.AsyncClient, None), digests=Digests())
         self.hung = 0  # saves started (each one cut by the bound, or by a cancel)
         self.stalled = 0  # commits started (none ever ends)
 
@@ -265,6 +270,12 @@ class HangingSaves(WarmSwaps):
                           written: list[Written]) -> None:
         self.hung += 1
         await asyncio.Event().wait()
+
+    async def write_slot(self, preset: ModelPreset, child: Backend, slot: int, number: int,
+                         conversation: Conversation) -> Written | None:
+        self.hung += 1  # a displacement save: only the request's own bound ends it
+        await asyncio.Event().wait()
+        return None
 
     async def keep(self, preset: ModelPreset, written: Sequence[Written]) -> int:
         self.stalled += 1
@@ -567,6 +578,7 @@ class Simulation:
         child = cast(FakeChild, lease.child)
         child.serving += 1
         try:
+            await self._place(r, lease)
             done = asyncio.ensure_future(asyncio.sleep(r.duration))
             waits: set[asyncio.Future[Any]] = {child.broken}
             if not child.frozen:
@@ -586,7 +598,21 @@ class Simulation:
         finally:
             child.serving -= 1
             r.lease = None
+            # What the child's last chunk says: its slot now holds a conversation worth saving.
+            lease.learn(cast(ResponseTail, SimpleNamespace(timings=Timings(500, 50.0, 0, 8))))
             lease.release()
+
+    async def _place(self, r: Request, lease: Lease) -> None:
+        """The request's slot, as the proxy places a completion: one of four conversations,
+        a turn further each time (drawn from its number: the seed's draws stay the same).
+        With every displacement save hanging, only the request's own bound ends its wait."""
+        conversation, turn = r.id % 4, r.id // 4 % 3
+        keys = tuple(conversation * 1000 + k for k in range(1, turn + 2))
+        started = clock.now()
+        await self.sup.place(lease, Prefix(keys, tuple(range(1, len(keys) + 1))), b"")
+        if clock.now() - started > DISPLACE_BOUND_S + ANSWER_SLACK_S:
+            self.violate(f"request {r.id} for {r.model} waited {clock.now() - started:.2f} s "
+                         f"for its slot, past the displacement bound ({DISPLACE_BOUND_S:g} s)")
 
     def _end(self, r: Request, outcome: str) -> None:
         r.ended = clock.now()

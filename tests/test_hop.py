@@ -79,6 +79,9 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=True)
 
+    def keeps_conversations(self, model: object) -> bool:
+        return False
+
     def lease_now(self, model: SimpleNamespace, prefix: object = None) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
                                release=lambda: None, learn=lambda tail: None)

@@ -86,6 +86,9 @@ class FakeSupervisor:
                                                                   upstream=None),
                                serving=model != "loading")
 
+    def keeps_conversations(self, model: object) -> bool:
+        return False
+
     def lease_now(self, model: SimpleNamespace, prefix: object = None
                   ) -> SimpleNamespace | None:
         return None if model.id == "loading" else self._lease()

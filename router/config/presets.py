@@ -119,6 +119,9 @@ class ModelPreset:
     # warm-swaps: with --state-dir, save this model's slots before its children stop and
     # restore them into the next ones (``warm``); false keeps none of its conversations on disk.
     warm_swaps: bool = True
+    # shared-conversations: with API keys, a saved conversation is restored for any key, not
+    # only the one that made it (``conversations``: a common system prompt)
+    shared_conversations: bool = False
     # upstream: a remote OpenAI-compatible server (``http://host:port``) serving this model
     # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
     # the client's, unchanged); upstream_key: the bearer key read from upstream-api-key-file
@@ -348,6 +351,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "tags": (_parse_list, "tags"),
     "dedup-cache-models": (_parse_bool, "dedup_cache_models"),
     "warm-swaps": (_parse_bool, "warm_swaps"),
+    "shared-conversations": (_parse_bool, "shared_conversations"),
     "upstream": (_parse_upstream, "upstream"),
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),

@@ -84,6 +84,8 @@ from .runtime import (
     Unestimated,
     WaitBegan,
     WaitEnded,
+    books,
+    new_replica,
 )
 from .spawner import Spawner, SpawnReports
 
@@ -282,7 +284,8 @@ class Executor:
         warm = self._warm if reason in WARM_STOPS else None
         if warm is not None:  # bounded; the files are checked and kept while they stop
             held = [SlotHolder(r.child, tuple(r.prefixes.recent(PREFIX_KEYS))
-                               if runtime.preset.prefix_routing else ()) for r in replicas]
+                               if runtime.preset.prefix_routing else (), r.book)
+                    for r in replicas]
             warm.keep_soon(runtime.preset, await warm.write(runtime.preset, held))
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.stop_task = None
@@ -338,7 +341,7 @@ class Executor:
             runtime.replace_task = None
             self.apply(runtime, ReplicaFailed(failure))
             return
-        replica = Replica(children[-1])
+        replica = new_replica(children[-1], book=books(runtime, self._warm))
         log.info("replica restarted", extra={
             "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
             "port": replica.child.port})

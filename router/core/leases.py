@@ -24,6 +24,7 @@ from typing import Protocol
 from .. import clock
 from ..children.backend import Backend
 from ..http.tail import ResponseTail
+from ..warm.conversations import Conversations, Placement
 from .affinity import Prefix
 from .lifecycle import Event, Idle
 from .pace import Ticket
@@ -44,7 +45,7 @@ class Gate(Protocol):
 class Lease:
     """A request's hold on one replica; ``release()`` exactly once when the response ends."""
 
-    __slots__ = ("_leases", "_released", "replica", "runtime", "ticket")
+    __slots__ = ("_leases", "_released", "placement", "replica", "runtime", "ticket")
 
     def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica,
                  ticket: Ticket | None = None) -> None:
@@ -52,6 +53,7 @@ class Lease:
         self.runtime = runtime
         self.replica = replica
         self.ticket = ticket
+        self.placement: Placement | None = None  # its slot, where the router chose it
         self._released = False
 
     @property
@@ -59,28 +61,53 @@ class Lease:
         return self.replica.child
 
     def learn(self, tail: ResponseTail) -> None:
-        """For a request routed by prefix, teach its replica's ``Pace`` from the child's
-        ``timings`` at the end of its response; call before ``release``."""
-        if self.ticket is not None and not self._released:
+        """Teach what the child's ``timings`` at the end of the response say: for a request
+        routed by prefix, its replica's ``Pace``; for one placed in a slot, what the slot
+        holds now (``conversations``). Call before ``release``."""
+        if self._released:
+            return
+        if self.ticket is not None:
             timings = tail.timings
             if timings is not None:
                 self.replica.pace.learn(timings, self.ticket.chars,
                                         self.ticket.cached_chars)
+        if self.placement is not None and self._leases.conversations is not None:
+            timings = tail.timings
+            if timings is not None:
+                self._leases.conversations.learn(self.runtime.preset, self.placement,
+                                                 timings.prompt_n, timings.cache_n,
+                                                 timings.predicted_n)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self.placement is not None:
+                Conversations.end(self.placement)
             self._leases.release(self.runtime, self.replica, self.ticket)
 
 
 class Leases:
     def __init__(self, *, gate: Gate, apply: Apply,
-                 on_replica_done: Callable[[Replica], None]) -> None:
+                 on_replica_done: Callable[[Replica], None],
+                 conversations: Conversations | None = None) -> None:
         self._gate = gate
         self._apply = apply
         self._on_replica_done = on_replica_done
+        self.conversations = conversations  # slots placed for the conversations kept
         self.on_routed: RoutedCallback | None = None
 
+    def place(self, lease: Lease, keys: tuple[int, ...], credential: bytes
+              ) -> Placement | None:
+        """Take a slot of the lease's replica for its request (``SlotBook.plan``: no await),
+        where its model keeps its conversations; what must happen first is
+        ``Conversations.prepare``'s. None: the child chooses its slot."""
+        conversations, replica = self.conversations, lease.replica
+        preset = lease.runtime.preset
+        if conversations is None or replica.book is None or not conversations.keeps(preset):
+            return None
+        lease.placement = conversations.plan(
+            preset, replica.book, keys, conversations.owner_of(credential, preset))
+        return lease.placement
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,
              prefix: Prefix | None = None) -> Lease:
         """Hold ``replica`` of a serving model for one request; default: by the prompt's

@@ -39,7 +39,7 @@ from .lifecycle import (
     SpawnFailed,
     Status,
 )
-from .runtime import LoadTimed, ModelRuntime, Unestimated, new_replica
+from .runtime import LoadTimed, ModelRuntime, Unestimated, books, new_replica
 from .spawner import Spawner, SpawnReports
 
 log = logging.getLogger("router.supervisor")
@@ -131,13 +131,14 @@ class Loader:
             if errors:
                 raise errors[0]
             own_info = await self._spawner.model_info(children[0])
-            learned: tuple[tuple[int, ...], ...] = ()
+            restored = None
             if self._warm is not None and restorable is not None:  # bounded; a refused
                 restored = await self._warm.restore(  # one is dropped
                     preset, [SlotHolder(child) for child in children], restorable)
-                learned = restored.learned
-            replicas = tuple(new_replica(child, learned[i] if learned else ())
-                             for i, child in enumerate(children))
+            replicas = tuple(
+                new_replica(child, restored.learned[i] if restored else (),
+                            books(runtime, self._warm, restored.held[i] if restored else ()))
+                for i, child in enumerate(children))
         finally:
             if restorable is not None:  # not needed after all (a failed start): stopped
                 restorable.cancel()

@@ -28,6 +28,8 @@ from typing import Any
 from ..children.backend import Backend
 from ..config.presets import ModelPreset
 from ..logs import LogRing
+from ..warm.slotbook import Conversation, SlotBook
+from ..warm.swaps import WarmSwaps
 from .affinity import Decision, Prefix, PrefixTable, choose_among
 from .lifecycle import Failure as Failure  # its home; re-exported for the record's readers
 from .lifecycle import ModelState, Status
@@ -121,15 +123,33 @@ class Replica:
     # and the expected work of the prefix-routed requests it holds (``pace``).
     pace: Pace = field(default_factory=Pace)
     backlog: Backlog = field(default_factory=Backlog)
+    # What its slots hold, for a model that keeps its conversations (``conversations``).
+    book: SlotBook | None = None
 
 
-def new_replica(child: Backend, learned: Sequence[int] = ()) -> Replica:
+def new_replica(child: Backend, learned: Sequence[int] = (), book: SlotBook | None = None
+                ) -> Replica:
     """A replica of a child that starts serving: its prefix table holds ``learned``, the
-    keys of the states restored into it (``warm``), or nothing, as its KV cache does."""
-    replica = Replica(child)
+    keys of the states restored into it (``warm``), or nothing, as its KV cache does; its
+    slots' ``book``, for a model that keeps its conversations."""
+    replica = Replica(child, book=book)
     if learned:
         replica.prefixes.record(learned)
     return replica
+
+
+def books(runtime: ModelRuntime, warm: WarmSwaps | None,
+          held: Sequence[tuple[int, Conversation | None, int]] = ()) -> SlotBook | None:
+    """The slots' book of a new replica of ``runtime``, when its model can keep its
+    conversations (warm swaps cover it), holding what was restored into it (``held``:
+    slot, conversation, tokens)."""
+    if warm is None or not warm.covers(runtime.preset):
+        return None
+    book = SlotBook(runtime.slots)
+    for slot, conversation, tokens in held:
+        if conversation is not None and 0 <= slot < book.n_slots:
+            book.holding(slot, conversation, tokens)
+    return book
 
 
 def slots(args: Mapping[str, str]) -> int:

@@ -160,6 +160,28 @@ class Supervisor:
         return await self.wait.acquire(self._record(model), autoload=autoload, budget=budget,
                                        prefix=prefix, ends=ends)
 
+    def keeps_conversations(self, model: ModelView) -> bool:
+        """Whether the model's requests are placed in its slots (``conversations``)."""
+        conversations = self.leases.conversations
+        return conversations is not None and conversations.keeps(model.preset)
+
+    async def place(self, lease: Lease, prefix: Prefix, credential: bytes) -> int | None:
+        """The slot the lease's request runs in (its ``id_slot``), once what it needs first is
+        done (``conversations``: a displaced conversation saved, its own restored); None:
+        the child chooses. The lease's release frees the slot, also when this is cancelled."""
+        placement = self.leases.place(lease, prefix.stable, credential)
+        if placement is None or placement.slot is None:
+            return None
+        runtime, replica = lease.runtime, lease.replica
+        conversations = self.leases.conversations
+        assert conversations is not None  # placed only where it keeps them
+        speed = replica.pace.prompt_s_per_char
+        index = runtime.replicas.index(replica) if replica in runtime.replicas else 0
+        await conversations.prepare(runtime.preset, placement, replica.child,
+                                    index * runtime.slots,
+                                    None if speed is None else speed * prefix.chars)
+        return placement.slot
+
     def lease_child(self, model: str, child: Backend) -> Lease | None:
         """A lease on the very replica running ``child`` while its model serves (resuming a
         stream that child keeps); None when it no longer does. Never loads anything."""

@@ -195,9 +195,25 @@ class ModelView:
         status.update(self._trouble_status())
         warm = sup.warm
         if warm is not None and warm.covers(model.preset):  # a listing reads no file
-            count, size = warm.usage(model.id)
-            status["states"] = {"count": count, "bytes": size}  # saved slots (warm swaps)
+            status["states"] = self._states_status(warm)
         return status
+
+    def _states_status(self, warm: WarmSwaps) -> dict[str, Any]:
+        """Its saved states (warm swaps, its conversations kept): how many and their bytes,
+        what the saves and restores did, and why it keeps none, if so."""
+        model_id = self._model.id
+        count, size = warm.usage(model_id)
+        states: dict[str, Any] = {"count": count, "bytes": size}
+        counts = warm.counts.get(model_id)
+        if counts is not None:
+            states.update(saved=counts.saved, displaced=counts.displaced,
+                          restored=counts.restored, on_demand=counts.on_demand,
+                          hits=counts.hits, misses=counts.misses)
+        conversations = self._sup.leases.conversations
+        off = conversations.off.get(model_id) if conversations is not None else None
+        if off is not None:
+            states["off"] = off
+        return states
 
     def _process_status(self) -> dict[str, Any]:
         """Its child process: pid, port, uptime and, for a local model, its CPU placement."""
@@ -304,6 +320,10 @@ class Models(Protocol):
     async def acquire(self, model: ModelView, *, autoload: bool = True,
                       budget: float | None = None, prefix: Prefix | None = None,
                       ends: Ends = ...) -> Lease: ...
+
+    def keeps_conversations(self, model: ModelView) -> bool: ...
+
+    async def place(self, lease: Lease, prefix: Prefix, credential: bytes) -> int | None: ...
 
     def lease_child(self, model: str, child: Backend) -> Lease | None: ...
 

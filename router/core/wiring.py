@@ -35,6 +35,7 @@ from ..events import EventBus
 from ..host.cpus import OtherWork, machine_cores
 from ..host.gpus import GpuDevice
 from ..llama.flags import FlagTable
+from ..warm.conversations import Conversations
 from ..warm.statestore import StateStore
 from ..warm.swaps import WarmSwaps
 from .accounting import Accounting
@@ -123,7 +124,8 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
     leases = Leases(gate=cpu_gate, apply=executor.apply,
-                    on_replica_done=executor.close_pool_later)
+                    on_replica_done=executor.close_pool_later,
+                    conversations=Conversations(warm) if warm is not None else None)
     admission = executor.loads.admission
     wait = ModelWait(settings, executor, admission, leases, models.values)
     model_changes = ModelChanges(model_set, executor, wait, changes)

@@ -32,6 +32,7 @@ from ..http.paths import (
     API_ROOTS,
     CHILD_GET_PATHS,
     METHODS,
+    SLOT_PATHS,
 )
 from ..http.proxy import (
     ResponseAborted,
@@ -128,11 +129,15 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         return
     local = route.local  # the handle on the model, decided once
     assert local is not None  # the nodes leave a request to this router only if it has it
-    lease = _lease_now(state, request, local) or \
-        await _wait_for_lease(state, receive, request, local)
+    prefix = _prefix(state, request, local)
+    routing = prefix if local.preset.prefix_routing else None
+    lease = _lease_now(state, request, local, routing) or \
+        await _wait_for_lease(state, receive, request, local, routing)
     try:
         if route.conversation is not None:  # a resumable stream: the child that keeps it
             route.conversation.served_by(lease.child)
+        if prefix is not None and request.path in SLOT_PATHS:
+            body = await _in_its_slot(state, request, lease, prefix, body)
         await _relay(state, scope, receive, send, request, local, lease, body)
     finally:
         lease.learn(request.tail())
@@ -180,17 +185,19 @@ async def _default_or_page(state: State, scope: Scope, send: Send, request: Requ
     return request.default_to(state.default.for_request(state.models))
 
 
-def _lease_now(state: State, request: RequestContext, model: ModelView) -> Lease | None:
+def _lease_now(state: State, request: RequestContext, model: ModelView,
+               prefix: Prefix | None) -> Lease | None:
     """A lease on a replica of a model that serves, taken at once (the hot path: no task, no
-    await); None when the model does not serve. Its options are checked either way."""
+    await), by the prompt's ``prefix`` among its replicas when it is routed by it; None when
+    the model does not serve. Its options are checked either way."""
     if not model.serving:
         return None
     _budget(request)  # checked as for any request
-    return state.models.lease_now(model, _prefix(request, model))
+    return state.models.lease_now(model, prefix)
 
 
 async def _wait_for_lease(state: State, receive: Receive, request: RequestContext,
-                          model: ModelView) -> Lease:
+                          model: ModelView, prefix: Prefix | None) -> Lease:
     """The whole wait for a model that does not serve (``wait``), ended by its budget, the
     client leaving or the shutdown."""
     models = state.models
@@ -199,8 +206,7 @@ async def _wait_for_lease(state: State, receive: Receive, request: RequestContex
     shutdown = state.shutdown
     waited = time.perf_counter()
     try:
-        lease = await models.acquire(model, autoload=autoload, budget=budget,
-                                  prefix=_prefix(request, model),
+        lease = await models.acquire(model, autoload=autoload, budget=budget, prefix=prefix,
                                   ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
                                             shutdown.error))
     finally:  # for the activity record, also when the wait failed
@@ -209,12 +215,29 @@ async def _wait_for_lease(state: State, receive: Receive, request: RequestContex
     return lease
 
 
-def _prefix(request: RequestContext, model: ModelView) -> Prefix | None:
-    """The prompt's prefix, for a model routed by it among its replicas (``affinity``)."""
-    if request.parsed is None or not model.preset.prefix_routing:
+def _prefix(state: State, request: RequestContext, model: ModelView) -> Prefix | None:
+    """The prompt's prefix (``affinity``), read once, for a model routed by it among its
+    replicas or one that keeps its conversations (``conversations``); None for others, and
+    for a request with no prompt to key."""
+    if request.parsed is None or not (model.preset.prefix_routing
+                                      or state.models.keeps_conversations(model)):
         return None
     prefix = request_prefix(request.parsed)
     return prefix if prefix.keys else None
+
+
+async def _in_its_slot(state: State, request: RequestContext, lease: Lease, prefix: Prefix,
+                       body: bytes) -> bytes:
+    """The body of a completion placed in the slot its model's conversations need (its
+    ``id_slot``, ``conversations``), once what that needs first is done; unchanged where the
+    child chooses: for a model that keeps none, a request naming its own ``id_slot``, or a
+    body not read as a JSON object."""
+    parsed, scanned = request.parsed, request.json_scan()
+    if parsed is None or scanned is None or "id_slot" in parsed:
+        return body
+    credential = request.credential() if request.key_hash else b""  # the key it matched
+    slot = await state.models.place(lease, prefix, credential)
+    return body if slot is None else scanned.with_key(body, "id_slot", str(slot).encode())
 
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,

@@ -67,8 +67,14 @@ class Scanned:
         if self.model_span is not None:
             start, end = self.model_span
             return body[:start] + value + body[end:]
+        return self.with_key(body, "model", value)
+
+    def with_key(self, body: bytes, name: str, value: bytes) -> bytes:
+        """``body`` with the key ``name`` (which it must not have) added as the object's last,
+        its ``value`` JSON already; every other byte kept."""
         comma = b"" if self.empty else b", "
-        return body[:self.close] + comma + b'"model": ' + value + body[self.close:]
+        return body[:self.close] + comma + json.dumps(name).encode() + b": " + value \
+            + body[self.close:]
 
 
 async def scan(body: bytes) -> Scanned:

@@ -40,6 +40,11 @@ PROXIED_ENDPOINTS = frozenset({
     "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking",
     "/reranking", "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize",
     "/detokenize", "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions"})
+# llama-server's completion endpoints: a request there runs in a slot, keeps its prompt in it
+# and takes an ``id_slot`` (the router places it where its model keeps its conversations).
+SLOT_PATHS = frozenset({
+    "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
+    "/completion", "/v1/messages", "/infill"})
 # Endpoint label values for metrics; any other path is counted as "other".
 KNOWN_ENDPOINTS = frozenset(LOCAL_ROUTES) | PROXIED_ENDPOINTS
 MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})

@@ -190,10 +190,22 @@ class RouterMetrics:
 class _WarmSwaps(Collector):
     """What warm swaps did (``warm.Counts``) and the saved states on disk, per model."""
 
-    COUNTERS = (("saved", "llamarouter_state_saves", "Slot states saved before a stop"),
+    COUNTERS = (("saved", "llamarouter_state_saves",
+                 "Slot states saved: before a stop, or before another conversation took the "
+                 "slot"),
+                ("displaced", "llamarouter_state_displacement_saves",
+                 "Slot states saved before another conversation took the slot"),
+                ("on_demand", "llamarouter_state_restores_on_demand",
+                 "Conversations restored into a slot for their next turn"),
+                ("hits", "llamarouter_state_restore_hits",
+                 "Restores whose next response found their tokens in the cache"),
+                ("misses", "llamarouter_state_restore_misses",
+                 "Restores whose next response computed their tokens again"),
+                ("spared_tokens", "llamarouter_state_spared_tokens",
+                 "Prompt tokens the restores that hit took from the cache"),
                 ("saved_bytes", "llamarouter_state_saved_bytes", "Bytes of slot states saved"),
                 ("restored", "llamarouter_state_restores",
-                 "Slot states restored into a new child"),
+                 "Slot states restored: into a new child, or for a conversation's next turn"),
                 ("restored_tokens", "llamarouter_state_restored_tokens",
                  "Prompt tokens restored instead of computed again"),
                 ("refused", "llamarouter_state_refused",

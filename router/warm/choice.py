@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .slotbook import Conversation
+
 MIN_TOKENS = 64  # a slot holding fewer is cheaper to compute again than to save and read
 PREFIX_KEYS = 1024  # a replica's prefix keys kept with its states (well within the manifest's cap)
 
@@ -78,13 +80,57 @@ def destinations(states: Sequence[State], slot_of: Sequence[int], n_slots: int,
     return found
 
 
-def prefix_keys(keys: Any) -> tuple[int, ...]:
-    """The prefix keys saved with a state (JSON ints), at most ``PREFIX_KEYS``; none where
-    they are not that."""
-    if isinstance(keys, list) and all(isinstance(k, int) and not isinstance(k, bool)
-                                      for k in keys):
-        return tuple(keys[-PREFIX_KEYS:])
-    return ()
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(type(k) is int for k in value)
+
+
+def prefix_keys(prefix: Any) -> tuple[int, ...]:
+    """The replica's recent prefix keys saved with a state (JSON ints: its ``recent``, or the
+    whole value as states saved before conversations had labels), at most ``PREFIX_KEYS``;
+    none where they are not that."""
+    keys: Any = prefix.get("recent") if isinstance(prefix, dict) else prefix
+    return tuple(keys[-PREFIX_KEYS:]) if _ints(keys) else ()
+
+
+def label(conversation: Conversation | None, recent: list[int] | None) -> Any:
+    """What a state keeps as its prefix: the conversation it holds (its key count, its last
+    key, its owner) and the replica's recent prefix keys; None when neither is known."""
+    if conversation is None or not conversation.keys:
+        return recent or None
+    return {"conversation": {"n": len(conversation.keys), "key": conversation.keys[-1],
+                             "owner": conversation.owner},
+            **({"recent": recent} if recent else {})}
+
+
+def labelled(prefix: Any) -> tuple[int, int, str | None] | None:
+    """A state's conversation as ``label`` kept it: (key count, last key, owner), or None."""
+    found = prefix.get("conversation") if isinstance(prefix, dict) else None
+    if not isinstance(found, dict):
+        return None
+    n, key, owner = found.get("n"), found.get("key"), found.get("owner")
+    if type(n) is not int or n < 1 or type(key) is not int \
+            or not (owner is None or isinstance(owner, str)):
+        return None
+    return n, key, owner
+
+
+def covers(prefix: Any, keys: Sequence[int], owner: str | None) -> int:
+    """How many of a request's ``keys`` a state labelled ``prefix`` holds, for ``owner``."""
+    found = labelled(prefix)
+    if found is None:
+        return 0
+    n, key, held_by = found
+    if n > len(keys) or keys[n - 1] != key or (held_by is not None and held_by != owner):
+        return 0
+    return n
+
+
+def supersedes(conversation: Conversation, prefix: Any) -> bool:
+    """Whether a new state of ``conversation`` makes an older one labelled ``prefix`` useless:
+    the older holds an earlier turn of it (a prefix of its keys), for the same owner."""
+    found = labelled(prefix)
+    return found is not None and found[2] == conversation.owner \
+        and covers(prefix, conversation.keys, conversation.owner) > 0
 
 
 def timing(answer: Mapping[str, Any], key: str) -> float | None:

@@ -583,6 +583,7 @@ class _Index:
     def __init__(self, states: Sequence[SavedState] = ()) -> None:
         self.by_path: dict[Path, SavedState] = {}
         self.total = 0
+        self.version = 0  # changes with every add and remove
         for state in states:
             self.add(state)
 
@@ -590,11 +591,13 @@ class _Index:
         self.remove(state.path)
         self.by_path[state.path] = state
         self.total += state.n_written
+        self.version += 1
 
     def remove(self, path: Path) -> SavedState | None:
         state = self.by_path.pop(path, None)
         if state is not None:
             self.total -= state.n_written
+            self.version += 1
         return state
 
     def of(self, model_id: str) -> list[SavedState]:
@@ -645,22 +648,19 @@ class StateStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._index = _Index()
+        self._scans = 0
         self.scan()
 
     def scan(self) -> list[Problem]:
         """Rebuild the index from disk, removing leftovers (temp files, files without their
-        manifest and the reverse, manifests that do not parse or belong elsewhere), a slot's
-        older states and what exceeds the budget. For startup: a save under way loses its
-        temp file (its commit then fails cleanly)."""
+        manifest and the reverse, manifests that do not parse or belong elsewhere) and what
+        exceeds the budget. For startup: a save under way loses its temp file (its commit
+        then fails cleanly). A slot may have several states (one per conversation saved from
+        it): which supersede which was decided at each commit."""
         with self._lock:
             states, problems = _scan_root(self.root)
-            newest: dict[tuple[str, str, int], SavedState] = {}
-            for state in sorted(states, key=_newest, reverse=True):  # oldest first
-                older = newest.get((state.model_id, state.fingerprint, state.slot))
-                if older is not None:
-                    self._delete(older)
-                newest[(state.model_id, state.fingerprint, state.slot)] = state
-            self._index = _Index(list(newest.values()))
+            self._index = _Index(states)
+            self._scans += 1
             self._enforce(keep=None)
         _report(problems)
         return problems
@@ -687,14 +687,17 @@ class StateStore:
         _unlink(pending.path)
 
     def commit(self, pending: PendingSave, answer: Mapping[str, Any],
-               prefix: Any = None) -> Commit:
+               prefix: Any = None, replaces: Callable[[SavedState], bool] | None = None
+               ) -> Commit:
         """Keep the file the child wrote for ``pending``, given its answer to ``action=save``:
         a regular file of ``n_written`` bytes with ``n_saved`` > 0 tokens, checksummed,
-        renamed to its final name, its manifest written beside it; the slot's older state is
-        dropped, and the least recently used others while over the budget. Not kept (temp
-        removed, ``problem`` says why): an empty slot, a state over the whole budget, a file
-        that does not match the answer. ``prefix``: any JSON value of at most
-        PREFIX_MAX_BYTES, kept in the manifest (else ValueError, the save abandoned)."""
+        renamed to its final name, its manifest written beside it; the older states it
+        supersedes are dropped (``replaces``, asked of each state of its model and
+        fingerprint; default: the slot's older states), and the least recently used others
+        while over the budget. Not kept (temp removed, ``problem`` says why): an empty slot, a
+        state over the whole budget, a file that does not match the answer. ``prefix``: any
+        JSON value of at most PREFIX_MAX_BYTES, kept in the manifest (else ValueError, the
+        save abandoned)."""
         try:
             encoded = json.dumps(prefix, allow_nan=False)
             if len(encoded) > PREFIX_MAX_BYTES:
@@ -725,9 +728,10 @@ class StateStore:
         state = SavedState(pending.model_id, pending.fingerprint, pending.slot,
                            pending.path.with_name("slot" + pending.filename[3:]), n_saved,
                            n_written, sha256, now, now, json.loads(encoded))
-        return self._keep(pending, state)
+        return self._keep(pending, state, replaces)
 
-    def _keep(self, pending: PendingSave, state: SavedState) -> Commit:
+    def _keep(self, pending: PendingSave, state: SavedState,
+              replaces: Callable[[SavedState], bool] | None) -> Commit:
         with self._lock:
             try:
                 os.rename(pending.path, state.path)
@@ -737,7 +741,8 @@ class StateStore:
                 _unlink(state.path)
                 return Commit(None, f"cannot keep the file ({exc.strerror})")
             dropped = [s for s in self._index.of(state.model_id)
-                       if (s.fingerprint, s.slot) == (state.fingerprint, state.slot)]
+                       if s.fingerprint == state.fingerprint and s.path != state.path
+                       and (s.slot == state.slot if replaces is None else replaces(s))]
             for older in dropped:
                 self._delete(older)
             self._index.add(state)
@@ -746,27 +751,44 @@ class StateStore:
 
     def states(self, model_id: str, fingerprint: str) -> list[SavedState]:
         """The states to restore into a new child of this configuration, newest first, one
-        per slot, each verified just now; those that fail are removed and logged. The model's
-        states of other fingerprints are removed too: the model's configuration (preset,
-        files or build) changed, and a child of this one can never restore them."""
+        per slot (the slot's newest whole one), each verified just now; those that fail are
+        removed and logged. The model's states of other fingerprints are removed too: the
+        model's configuration (preset, files or build) changed, and a child of this one can
+        never restore them."""
         _check_names(model_id, fingerprint)
         with self._lock:
             self._drop_stale(model_id, fingerprint)
             candidates = sorted((s for s in self._index.of(model_id)
                                  if s.fingerprint == fingerprint), key=_newest)
-        verdicts = [(state, _verify(state)) for state in candidates]
-        problems: list[Problem] = []
-        with self._lock:
-            for state, reason in verdicts:
-                if reason is not None and self._index.by_path.get(state.path) == state:
-                    self._delete(state)
-                    problems.append(Problem(self._relative(state.path), reason, model_id))
-        _report(problems)
         chosen: dict[int, SavedState] = {}
-        for state, reason in verdicts:
-            if reason is None:
-                chosen.setdefault(state.slot, state)
-        return list(chosen.values())
+        for state in candidates:  # a damaged one gives way to the slot's next newest
+            if state.slot not in chosen and self.verify(state):
+                chosen[state.slot] = state
+        return sorted(chosen.values(), key=_newest)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """What changes whenever a state is kept, touched or removed, or the store scanned:
+        a caller's view of the states is current while it holds."""
+        return self._scans, self._index.version
+
+    def listed(self, model_id: str, fingerprint: str) -> list[SavedState]:
+        """The model's states of this configuration as the index holds them, unverified
+        (``verify`` one before it is restored)."""
+        with self._lock:
+            return [s for s in self._index.of(model_id) if s.fingerprint == fingerprint]
+
+    def verify(self, state: SavedState) -> bool:
+        """Whether ``state`` is whole now (read and checksummed); one that is not is removed
+        and logged."""
+        reason = _verify(state)
+        if reason is None:
+            return True
+        with self._lock:
+            if self._index.by_path.get(state.path) == state:
+                self._delete(state)
+        _report([Problem(self._relative(state.path), reason, state.model_id)])
+        return False
 
     def drop_stale(self, model_id: str, fingerprint: str) -> int:
         """Remove the model's states of every other fingerprint (another configuration, or

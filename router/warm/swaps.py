@@ -64,13 +64,17 @@ from .choice import (
     PREFIX_KEYS,
     Io,
     destinations,
+    label,
+    labelled,
     learn,
     prefix_keys,
+    supersedes,
     timing,
     within_budget,
     worth_saving_of,
 )
 from .digests import CACHE_NAME, Digests
+from .slotbook import Conversation, SlotBook
 from .slots import ChildSlots
 from .statestore import Commit, PendingSave, SavedState, StateStore
 from .weights import Fingerprints, covers
@@ -94,14 +98,23 @@ class Counts:
     # with other weights or settings (dropped when the model loads)
     slow_saves: int = 0  # stops whose saves were cut by SAVE_BOUND_S
     slow_restores: int = 0  # loads whose restores were cut by RESTORE_BOUND_S
+    displaced: int = 0  # of ``saved``: saved before another conversation took the slot
+    on_demand: int = 0  # of ``restored``: restored for the request of its conversation
+    hits: int = 0  # restores whose next request found its tokens in the cache
+    misses: int = 0  # restores whose next request did not (the child recomputed them)
+    spared_tokens: int = 0  # prompt tokens the hits took from the cache
 
 
 class Written(NamedTuple):
-    """A slot file a child wrote: the save, the child's answer, the prefix keys to keep."""
+    """A slot file a child wrote: the save, the child's answer, the replica's recent prefix
+    keys and the conversation the slot held (as its book knew it) to keep with it, and
+    whether it was saved before another conversation took the slot."""
 
     save: PendingSave
     answer: dict[str, Any]
     keys: list[int] | None
+    conversation: Conversation | None = None
+    displaced: bool = False
 
 
 class Commits:
@@ -111,7 +124,7 @@ class Commits:
     def __init__(self) -> None:
         self._last: dict[str, asyncio.Task[int]] = {}
 
-    def start(self, model_id: str, commit: Callable[[], Awaitable[int]]) -> None:
+    def start(self, model_id: str, commit: Callable[[], Awaitable[int]]) -> asyncio.Task[int]:
         earlier = self._last.get(model_id)
 
         async def in_turn() -> int:
@@ -122,6 +135,7 @@ class Commits:
         task = asyncio.create_task(in_turn(), name=f"keep:{model_id}")
         self._last[model_id] = task
         task.add_done_callback(lambda done: self._ended(model_id, done))
+        return task
 
     def after(self, model_id: str, then: Callable[[], None]) -> bool:
         """Call ``then`` once the model's commits have ended; False (not called) if none is
@@ -167,11 +181,13 @@ async def most_tokens(preset: ModelPreset, io: Io, budget: int) -> int | None:
 
 @dataclass(frozen=True)
 class SlotHolder:
-    """One replica as warm swaps see it: its child, and the prefix keys of the prompts its
-    slots served lately (most recent last; empty where the model is not routed by prefix)."""
+    """One replica as warm swaps see it: its child, the prefix keys of the prompts its
+    slots served lately (most recent last; empty where the model is not routed by prefix),
+    and what its slots hold as the router knows it (None: not known)."""
 
     child: Backend
     recent: tuple[int, ...] = ()
+    book: SlotBook | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +197,8 @@ class Restored:
 
     count: int
     learned: tuple[tuple[int, ...], ...]
+    # per replica: (slot, the conversation its state held, its tokens) for each restored
+    held: tuple[tuple[tuple[int, Conversation | None, int], ...], ...] = ()
 
 
 class WarmSwaps:
@@ -199,7 +217,8 @@ class WarmSwaps:
         self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
         self._keeping = Commits()  # per model: its commit under way
 
-    def _counts(self, model_id: str) -> Counts:
+    def counts_of(self, model_id: str) -> Counts:
+        """The model's counters (made at first use)."""
         return self.counts.setdefault(model_id, Counts())
 
     def usage(self, model_id: str) -> tuple[int, int]:
@@ -266,11 +285,11 @@ class WarmSwaps:
 
     # ----------------------------------------------------------------- saving
 
-    def keep_soon(self, preset: ModelPreset, written: Sequence[Written]) -> None:
+    def keep_soon(self, preset: ModelPreset, written: Sequence[Written]) -> asyncio.Task[int]:
         """``keep`` in the background (after the model's earlier commit, if one is under way):
         the stop that wrote them need not wait, and the model's next load does
-        (``restorable``), as does the router's own stop (``settle``)."""
-        self._keeping.start(preset.id, lambda: self.keep(preset, written))
+        (``restorable``), as does the router's own stop (``settle``); its task."""
+        return self._keeping.start(preset.id, lambda: self.keep(preset, written))
 
     async def settle(self, model_id: str | None = None) -> None:
         """Until the commits under way (of ``model_id``, or all) have ended; the router's stop
@@ -303,10 +322,10 @@ class WarmSwaps:
                 for index, replica in enumerate(replicas):
                     keys = list(replica.recent[-PREFIX_KEYS:]) if preset.prefix_routing \
                         else None
-                    await self._save_child(preset, found, index, replica.child, keys,
-                                           pending, written)
+                    await self._save_child(preset, found, index, replica, keys, pending,
+                                           written)
         except TimeoutError:
-            self._counts(preset.id).slow_saves += 1
+            self.counts_of(preset.id).slow_saves += 1
             log.warning("saving slot states took over %g s; stopping without the rest",
                         SAVE_BOUND_S, extra={"event": "state_save_slow", "model": preset.id})
         finally:
@@ -320,22 +339,25 @@ class WarmSwaps:
         beside the children's stop."""
         model_id = preset.id
         if model_id in self._off:  # turned off since the stop began: its files go
-            for save, _, _ in written:
+            for save, *_ in written:
                 await asyncio.to_thread(self.store.abandon, save)
             return 0
         io = self.io.setdefault(model_id, Io())
-        counts = self._counts(model_id)
+        counts = self.counts_of(model_id)
         kept: list[SavedState] = []
         try:
-            for save, answer, keys in written:
+            for save, answer, keys, conversation, displaced in written:
                 try:
-                    commit = await asyncio.to_thread(self.store.commit, save, answer, keys)
+                    commit = await asyncio.to_thread(
+                        self.store.commit, save, answer, label(conversation, keys),
+                        _replaces(conversation, save.slot))
                 except (OSError, ValueError) as exc:  # never the stop's failure
                     await asyncio.to_thread(self.store.abandon, save)
                     commit = Commit(None, f"cannot keep it ({exc})")
                 if commit.state is not None:
                     kept.append(commit.state)
                     counts.saved += 1
+                    counts.displaced += displaced
                     counts.saved_bytes += commit.state.n_written
                     learn(io, commit.state.n_saved, commit.state.n_written,
                           timing(answer, "save_ms"), "save")
@@ -352,23 +374,26 @@ class WarmSwaps:
                      extra={"event": "state_saved", "model": model_id})
         return len(kept)
 
-    async def _save_child(self, preset: ModelPreset, found: str, index: int, child: Backend,
-                          keys: list[int] | None, pending: list[PendingSave],
-                          written: list[Written]) -> None:
-        """Have ``child`` write the slots worth saving (``choice.worth_saving_of``); a slot
-        of more tokens than the whole budget holds is never asked for (``within_budget``):
-        its file could never be kept."""
+    async def _save_child(self, preset: ModelPreset, found: str, index: int,
+                          replica: SlotHolder, keys: list[int] | None,
+                          pending: list[PendingSave], written: list[Written]) -> None:
+        """Have the replica's child write the slots worth saving (``choice.worth_saving_of``)
+        that its book does not know to be saved already; a slot of more tokens than the whole
+        budget holds is never asked for (``within_budget``): its file could never be kept."""
         model_id = preset.id
+        child, book = replica.child, replica.book
         slots = await self._child.slots(child)
         io = self.io.setdefault(model_id, Io())
         speed = await self._child.prompt_speed(child) if io.cost_ms(1) is not None else None
-        wanted = worth_saving_of(slots, speed, io)
+        wanted = [(slot_id, tokens) for slot_id, tokens in worth_saving_of(slots, speed, io)
+                  if book is None or slot_id >= book.n_slots
+                  or not (book.slots[slot_id].saved and book.slots[slot_id].held)]
         if not wanted:
             return
         fits, over = within_budget(wanted, await most_tokens(preset, io,
                                                              self.store.budget_bytes))
         for slot_id, tokens in over:  # never written, never refused later
-            self._counts(model_id).refused += 1
+            self.counts_of(model_id).refused += 1
             log.info("slot %s not saved: %d tokens, over the whole state budget", slot_id,
                      tokens, extra={"event": "state_over_budget", "model": model_id})
         for slot_id, _ in fits:
@@ -379,7 +404,27 @@ class WarmSwaps:
             if answer is None:
                 continue  # abandoned with the others
             pending.remove(save)
-            written.append(Written(save, answer, keys or None))
+            held = book.slots[slot_id].held if book is not None and slot_id < book.n_slots \
+                else None
+            written.append(Written(save, answer, keys or None, held))
+
+    async def write_slot(self, preset: ModelPreset, child: Backend, slot: int, number: int,
+                         conversation: Conversation) -> Written | None:
+        """Have ``child`` write ``slot`` (labelled ``conversation``, numbered ``number``), for
+        another conversation about to take it; what it wrote, for ``keep_soon``, or None when
+        it wrote nothing. Unbounded: the caller bounds it; cut off, its file goes."""
+        found = self.fingerprint_of(preset)
+        if found is None:
+            return None
+        save = await asyncio.to_thread(self.store.begin_save, preset.id, found, number)
+        answer = None
+        try:
+            answer = await self._child.action(child, slot, "save", save.filename)
+        finally:
+            if answer is None:  # failed, or cut off (a cancel): its temp file goes
+                await asyncio.to_thread(self.store.abandon, save)
+        return None if answer is None else Written(save, answer, None, conversation,
+                                                   displaced=True)
 
     # ----------------------------------------------------------------- restoring
 
@@ -393,7 +438,7 @@ class WarmSwaps:
         await self.settle(preset.id)  # a state its last stop is keeping is among them
         try:
             stale = await asyncio.to_thread(self.store.drop_stale, preset.id, found)
-            self._counts(preset.id).refused += stale  # made with other weights or settings
+            self.counts_of(preset.id).refused += stale  # made with other weights or settings
             return await asyncio.to_thread(self.store.states, preset.id, found)
         except (OSError, ValueError) as exc:  # the load goes on, cold
             log.warning("cannot read the saved slot states: %s", exc, extra={"model": preset.id})
@@ -406,8 +451,9 @@ class WarmSwaps:
         for them included (a commit or a check that stalls never holds the load longer); how
         many were restored, and the prefix keys each replica learned."""
         learned: list[tuple[int, ...]] = [() for _ in replicas]
+        held: list[tuple[tuple[int, Conversation | None, int], ...]] = [() for _ in replicas]
         if self.fingerprint_of(preset) is None or not replicas:
-            return Restored(0, tuple(learned))
+            return Restored(0, tuple(learned), tuple(held))
         restored = 0
         states: list[SavedState] = []
         try:
@@ -416,11 +462,13 @@ class WarmSwaps:
                 n_slots = len(await self._child.slots(replicas[0].child)) if states else 0
                 for index, slot, state in destinations(states, [s.slot for s in states],
                                                        n_slots, len(replicas)):
-                    if await self._restore_one(preset.id, replicas[index].child, slot, state):
+                    if await self.restore_one(preset.id, replicas[index].child, slot, state):
                         restored += 1
                         learned[index] += prefix_keys(state.prefix)
+                        held[index] += ((slot, conversation_of(state.prefix),
+                                         state.n_saved),)
         except TimeoutError:
-            self._counts(preset.id).slow_restores += 1
+            self.counts_of(preset.id).slow_restores += 1
             log.warning("restoring slot states took over %g s; serving without the rest",
                         RESTORE_BOUND_S, extra={"event": "state_restore_slow",
                                                 "model": preset.id})
@@ -429,12 +477,13 @@ class WarmSwaps:
         if restored:
             log.info("restored %d slot states", restored,
                      extra={"event": "state_restored", "model": preset.id})
-        return Restored(restored, tuple(learned))
+        return Restored(restored, tuple(learned), tuple(held))
 
-    async def _restore_one(self, model_id: str, child: Backend, slot: int,
+    async def restore_one(self, model_id: str, child: Backend, slot: int,
                            state: SavedState) -> bool:
+        """Restore ``state`` into ``slot`` of ``child``; one the child refuses is discarded."""
         answer = await self._child.action(child, slot, "restore", state.filename)
-        counts = self._counts(model_id)
+        counts = self.counts_of(model_id)
         if answer is None or answer.get("n_restored") != state.n_saved:
             log.warning("slot state %s refused by the child: discarded", state.filename,
                         extra={"event": "state_refused", "model": model_id})
@@ -447,3 +496,24 @@ class WarmSwaps:
         counts.restored += 1
         counts.restored_tokens += state.n_saved
         return True
+
+
+def conversation_of(prefix: Any) -> Conversation | None:
+    """The conversation a state's label names, as a slot's book holds it: only its last key
+    is known (the earlier ones stand as 0: nothing is taken to be an earlier turn of it)."""
+    found = labelled(prefix)
+    if found is None:
+        return None
+    n, key, owner = found
+    return Conversation((0,) * (n - 1) + (key,), owner)
+
+
+def _replaces(conversation: Conversation | None, number: int
+              ) -> Callable[[SavedState], bool]:
+    """Which older states a new one of ``conversation`` saved as slot ``number`` makes
+    useless: the earlier turns of its conversation, and an unlabelled state of its slot."""
+    def replaces(older: SavedState) -> bool:
+        if labelled(older.prefix) is None:
+            return older.slot == number
+        return conversation is not None and supersedes(conversation, older.prefix)
+    return replaces

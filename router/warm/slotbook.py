@@ -1,0 +1,188 @@
+"""What each slot of one child holds, as far as the router knows, and which slot a request
+takes (pure: no I/O, no clock).
+
+llama-server keeps a conversation's KV cache in the slot that computed it, and its RAM prompt
+cache keeps a few more until the child stops. The router keeps every conversation worth it on
+disk (``conversations``); for that it must know what each slot holds, so it places the
+requests itself (``id_slot``) whenever a slot is free:
+
+* a conversation's next turn goes to the free slot that holds its previous turn (the hot
+  path: nothing to save, nothing to restore, no extra request to the child);
+* a request whose conversation is saved on disk with more of its prompt than any free slot
+  holds gets that state restored into a slot first (``Plan.restore``);
+* any other request takes the free slot that loses least: an empty one, then one whose
+  conversation is saved already or not worth saving, then the least recently used. Taking a
+  slot whose conversation is worth keeping and not saved yet saves it first (``Plan.save``).
+
+With no slot free, the child queues the request and picks its slot itself (``Plan.slot`` is
+None); the router takes it to go, in arrival order, to the slots as they free (``end``), as
+llama-server does. A wrong guess costs a cache miss, never a wrong answer: llama-server
+compares the tokens of what a slot holds with every prompt.
+
+A conversation is named by its prefix keys (``affinity``): a saved or held conversation of
+``n`` keys covers a request whose key ``n - 1`` is its last key.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+EMPTY: Final = 0  # a slot's loss if taken: nothing
+KEPT: Final = 1  # what it holds is on disk, or not worth keeping
+UNSAVED: Final = 2  # a conversation worth keeping would be lost: saved first
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A conversation as a slot holds it: the prefix keys of its last prompt and who may
+    have it restored (an owner's digest; None: anyone)."""
+
+    keys: tuple[int, ...]
+    owner: str | None = None
+
+    def covers(self, keys: Sequence[int], owner: str | None) -> int:
+        """How many of a request's ``keys`` this conversation holds (0: none), for a request
+        of ``owner``: only the owner's own requests match a conversation that has one."""
+        n = len(self.keys)
+        if n == 0 or n > len(keys) or keys[n - 1] != self.keys[-1]:
+            return 0
+        return n if self.owner is None or self.owner == owner else 0
+
+
+@dataclass(slots=True)
+class Slot:
+    """One slot as the router knows it."""
+
+    held: Conversation | None = None  # None: empty, or not known
+    tokens: int = 0  # what it holds, prompt and reply (its last response's timings)
+    saved: bool = True  # what it holds is on disk already (or there is nothing)
+    busy: bool = False
+    used: int = 0  # the book's use counter when it last took a request (least recent: lowest)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where a request goes and what comes first: ``save`` the slot's conversation (of
+    ``save_tokens``), then restore the saved state that covers ``restore_keys`` of the
+    request (0: none), then run it in ``slot`` (None: the child's choice)."""
+
+    slot: int | None
+    save: Conversation | None = None
+    save_tokens: int = 0
+    restore_keys: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Waiting:
+    """A request the child queued (no slot was free): the slot it is taken to have got."""
+
+    conversation: Conversation | None
+    slot: int | None = None
+
+
+@dataclass(eq=False)
+class SlotBook:
+    """One child's slots (``n_slots``) as the router knows them."""
+
+    n_slots: int
+    slots: list[Slot] = field(init=False)
+    waiting: deque[Waiting] = field(default_factory=deque)
+    _uses: int = 0
+
+    def __post_init__(self) -> None:
+        self.slots = [Slot() for _ in range(self.n_slots)]
+
+    def holding(self, slot: int, conversation: Conversation, tokens: int) -> None:
+        """``slot`` holds ``conversation`` as saved on disk (a restore at the child's start)."""
+        self.slots[slot] = Slot(conversation, tokens, saved=True)
+
+    def best_held(self, keys: Sequence[int], owner: str | None) -> int:
+        """How many of the request's keys the free slot that holds most of them holds."""
+        return max((s.held.covers(keys, owner) for s in self.slots
+                    if not s.busy and s.held is not None), default=0)
+
+    def plan(self, keys: Sequence[int], owner: str | None, stored: int,
+             worth: Callable[[int], bool]) -> Plan:
+        """Where a request of prefix ``keys`` from ``owner`` goes, given how many of its keys
+        the best saved state on disk covers (``stored``), and which slot sizes are worth
+        saving (``worth(tokens)``). Takes the slot at once (``end`` frees it)."""
+        conversation = Conversation(tuple(keys), owner) if keys else None
+        free = [i for i, s in enumerate(self.slots) if not s.busy]
+        if not free:
+            self.waiting.append(Waiting(conversation))
+            return Plan(None)
+        matches = [(s.held.covers(keys, owner) if s.held is not None else 0, i)
+                   for i, s in ((i, self.slots[i]) for i in free)]
+        held, holder = max(matches, key=lambda m: (m[0], -self.slots[m[1]].used))
+        if held and held >= stored:  # its next turn, where it is: the hot path
+            return self._take(holder, conversation, Plan(holder))
+        restore = stored if stored > held else 0
+        if held:  # what it holds is a prefix of the state restored over it: nothing lost
+            target, loss = holder, KEPT
+        else:
+            target, loss = min(((self._loss(i, worth), i) for i in free),
+                               key=lambda c: (c[0], self.slots[c[1]].used))[::-1]
+        slot = self.slots[target]
+        if loss == UNSAVED and slot.held is not None:
+            return self._take(target, conversation,
+                              Plan(target, slot.held, slot.tokens, restore))
+        return self._take(target, conversation, Plan(target, restore_keys=restore))
+
+    def _loss(self, index: int, worth: Callable[[int], bool]) -> int:
+        slot = self.slots[index]
+        if slot.held is None or slot.tokens <= 0:
+            return EMPTY
+        return KEPT if slot.saved or not worth(slot.tokens) else UNSAVED
+
+    def _take(self, index: int, conversation: Conversation | None, plan: Plan) -> Plan:
+        self._uses += 1
+        slot = self.slots[index]
+        slot.busy = True
+        slot.used = self._uses
+        if conversation != slot.held:
+            slot.held, slot.saved = conversation, False
+        return plan
+
+    def saved(self, index: int, conversation: Conversation) -> None:
+        """``conversation``, saved from ``index``, is on disk now (a save at a stop, or before
+        a request took its slot)."""
+        slot = self.slots[index]
+        if slot.held == conversation:
+            slot.saved = True
+
+    def restored(self, index: int, tokens: int) -> None:
+        """A saved state of ``tokens`` went into ``index`` (still taken by its request)."""
+        self.slots[index].tokens = tokens
+
+    def end(self, index: int | None, tokens: int | None,
+            waiting: Waiting | None = None) -> None:
+        """A request in ``index`` (None: one the child placed, ``waiting``) ended, its slot
+        holding ``tokens`` (None: not known: nothing worth keeping). The oldest request the
+        child queued is taken to get the slot freed."""
+        if index is None and waiting is not None:
+            index = waiting.slot
+            if waiting in self.waiting:
+                self.waiting.remove(waiting)
+        if index is None:
+            return
+        slot = self.slots[index]
+        slot.tokens = tokens or 0
+        slot.saved = not tokens  # what it holds now is newer than any save of it
+        if self.waiting:
+            queued = self.waiting.popleft()
+            queued.slot = index
+            self._uses += 1
+            slot.used = self._uses
+            slot.held, slot.saved = queued.conversation, False
+            return
+        slot.busy = False
+
+    def unknown(self) -> None:
+        """The child's slots hold what the router cannot tell (a request named its own slot):
+        every free slot is taken to hold nothing worth keeping."""
+        for slot in self.slots:
+            if not slot.busy:
+                slot.held, slot.tokens, slot.saved = None, 0, True

@@ -1,0 +1,190 @@
+"""Every conversation keeps its cache, against the real llama-server (``warm/conversations.py``):
+with ``--state-dir``, a model with fewer slots than conversations saves the one a new
+conversation displaces, and restores a conversation by its prompt's longest saved prefix when
+its next turn comes, after slot churn, a swap and a router restart, so that its next turn comes
+from the cache (``timings.cache_n``). A state of another API key is never restored; a model
+whose restores do not hit stops keeping conversations and says why; the budget holds; a child
+killed during a displacement save loses that state, never the router.
+
+The children run with ``cache-ram = 0``: llama-server's own RAM prompt cache would otherwise
+keep the displaced conversations warm inside one child, and hide what the router restores.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import RouterProcess, start_router, wait_until, write_presets
+
+pytestmark = pytest.mark.real
+
+GUARD_S = 120.0  # a hang guard, never a measurement
+# Three conversations, each a prompt of a few hundred tokens over whole 512-character blocks.
+OPENINGS = {name: (f"Conversation {name}: " + f"the {name} fox jumps over the lazy dog. " * 40)
+            for name in ("A", "B", "C")}
+MORE = " And then it ran into the forest, far away from the farm. " * 4
+
+
+def presets(tmp_path: Path, tiny_models: dict[str, Path], extra: str = "") -> Path:
+    return write_presets(tmp_path / "models.ini",
+                         f"[*]\nctx-size = 4096\nparallel = 1\ncache-ram = 0\n{extra}"
+                         f"[alpha]\nmodel = {tiny_models['alpha']}\n"
+                         f"[beta]\nmodel = {tiny_models['beta']}\n")
+
+
+def turn(client: httpx.Client, prompt: str, model: str = "alpha", key: str | None = None
+         ) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = client.post("/completion", json={"model": model, "prompt": prompt,
+                                                "n_predict": 4, "temperature": 0,
+                                                "cache_prompt": True},
+                           headers=headers, timeout=GUARD_S)
+    assert response.status_code == 200, response.text
+    timings: dict[str, Any] = response.json()["timings"]
+    return timings
+
+
+def states_of(router: RouterProcess, key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with router.client(headers=headers) as client:
+        data = client.get("/models").json()["data"]
+    found: dict[str, Any] = next(m for m in data if m["id"] == "alpha")["status"]["states"]
+    return found
+
+
+def warm(first: dict[str, Any], again: dict[str, Any]) -> bool:
+    """The next turn took at least the first turn's prompt from the cache."""
+    return again["cache_n"] >= first["prompt_n"] - 8
+
+
+def router_args(tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path],
+                *more: str, extra: str = "") -> list[str]:
+    return ["--presets", str(presets(tmp_path, tiny_models, extra)), "--llama-server",
+            str(llama_server), "--models-max", "1", "--state-dir", str(tmp_path / "states"),
+            *more]
+
+
+def test_slot_churn_a_swap_and_a_restart_keep_every_conversation_warm(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    args = router_args(tmp_path, llama_server, tiny_models)
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        first = {name: turn(client, opening) for name, opening in OPENINGS.items()}
+        assert all(t["cache_n"] < 64 and t["prompt_n"] > 200 for t in first.values()), first
+        # One slot, three conversations: A and B were saved as the next took the slot.
+        churned = turn(client, OPENINGS["A"] + MORE)
+        assert warm(first["A"], churned), (first["A"], churned)
+        states = states_of(router)
+        assert states["displaced"] >= 2 and states["on_demand"] == 1 and states["hits"] == 1
+        turn(client, OPENINGS["B"], model="beta")  # a swap: alpha's slot saved at its stop
+        assert wait_until(lambda: router.models()["alpha"]["status"]["value"] == "unloaded",
+                          GUARD_S)
+        swapped = {name: turn(client, OPENINGS[name] + MORE) for name in ("B", "C")}
+        assert all(warm(first[n], swapped[n]) for n in swapped), (first, swapped)
+        metrics = client.get("/metrics").text
+    assert 'llamarouter_state_restores_on_demand_total{model="alpha"}' in metrics, metrics
+    assert 'llamarouter_state_restore_hits_total{model="alpha"}' in metrics
+    # A restart on the same state directory: every conversation comes back warm.
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        again = {name: turn(client, OPENINGS[name] + MORE + MORE) for name in OPENINGS}
+        states = states_of(router)
+    assert all(warm(first[n], again[n]) for n in OPENINGS), (first, again)
+    assert states["misses"] == 0 and "off" not in states, states
+
+
+def test_a_conversation_of_another_key_is_never_restored(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\nsk-bob\n")
+    args = router_args(tmp_path, llama_server, tiny_models, "--api-key-file", str(keys))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        first = turn(client, OPENINGS["A"], key="sk-alice")
+        turn(client, OPENINGS["B"], key="sk-alice")  # A saved, owned by alice
+        stolen = turn(client, OPENINGS["A"] + MORE, key="sk-bob")
+        assert stolen["cache_n"] < 64, stolen  # bob computes it all: nothing of alice's
+        assert states_of(router, "sk-alice")["on_demand"] == 0
+        own = turn(client, OPENINGS["A"] + MORE, key="sk-alice")
+        assert warm(first, own), (first, own)
+        assert states_of(router, "sk-alice")["on_demand"] == 1
+        manifests = [p.read_text() for p in (tmp_path / "states").rglob("slot-*.json")]
+    assert manifests and not any("sk-alice" in m or "sk-bob" in m for m in manifests)
+
+
+def test_a_model_whose_restores_do_not_hit_stops_keeping_conversations(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    args = router_args(tmp_path, llama_server, tiny_models)
+    openings = {**OPENINGS, "D": OPENINGS["C"].replace("C", "D")}
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        for opening in openings.values():
+            turn(client, opening)  # A, B, C saved as the next took the slot; D at the stop
+    # Each of A's, B's and C's states now says it holds the next one's conversation, and D's
+    # (restored into the slot as the child starts) none asked for: every restore misses.
+    manifests = sorted((tmp_path / "states").rglob("slot-*.json"),
+                       key=lambda p: json.loads(p.read_text())["saved_at"])
+    documents = [json.loads(p.read_text()) for p in manifests]
+    assert len(documents) == 4, documents
+    labels = [d["prefix"] for d in documents]
+    nobody = {"conversation": {"n": 1, "key": 0, "owner": None}}
+    for path, document, other in zip(manifests, documents,
+                                     [labels[1], labels[2], labels[0], nobody], strict=True):
+        path.write_text(json.dumps({**document, "prefix": other}))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        for name in ("A", "B", "C"):
+            turn(client, openings[name] + MORE)
+        states = states_of(router)
+        log = router.log()
+    assert states["misses"] == 3 and states["hits"] == 0, states
+    assert "do not restore" in states["off"], states
+    assert log.count("event=conversations_off") == 1, log
+
+
+def test_the_budget_keeps_the_most_recent_conversations(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    probe = tmp_path / "probe"  # a router of its own measures one state's size
+    probe.mkdir()
+    with start_router(probe, *router_args(probe, llama_server, tiny_models)) as router, \
+            router.client() as client:
+        turn(client, OPENINGS["A"])
+        turn(client, OPENINGS["B"])  # A saved
+        size = states_of(router)["bytes"]
+    assert size > 0
+    args = router_args(tmp_path, llama_server, tiny_models, "--state-budget",
+                       str(int(size * 1.5)))
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        for opening in OPENINGS.values():
+            turn(client, opening)  # A saved, then B: A is dropped
+        states = states_of(router)
+        kept_b = turn(client, OPENINGS["B"] + MORE)
+        lost_a = turn(client, OPENINGS["A"] + MORE)
+    assert states["count"] == 1 and states["bytes"] <= size * 1.5, states
+    assert kept_b["cache_n"] > 200 and lost_a["cache_n"] < 64, (kept_b, lost_a)
+
+
+def test_a_child_killed_during_a_displacement_save_loses_only_that_state(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    args = router_args(tmp_path, llama_server, tiny_models)
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        turn(client, OPENINGS["A"])
+        (child,) = router.children()
+        child.send_signal(signal.SIGSTOP)  # the save of A waits on a frozen child
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answers.append(client.post(
+            "/completion", json={"model": "alpha", "prompt": OPENINGS["B"], "n_predict": 4},
+            timeout=GUARD_S)))
+        sender.start()
+        assert wait_until(lambda: "event=state_displacing" in router.log(), GUARD_S)
+        child.kill()
+        sender.join(GUARD_S)
+        assert answers, "the request never ended"
+        answer = answers[0]
+        assert answer.status_code in (200, 502, 503), answer.text
+        if answer.status_code != 200:
+            assert answer.json()["error"]["message"], answer.text
+        after = turn(client, OPENINGS["C"])  # the model serves again
+        assert after["prompt_n"] > 200
+        assert client.get("/health").status_code == 200
