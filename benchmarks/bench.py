@@ -268,6 +268,13 @@ def run_bench(cfg: Config) -> dict[str, Any]:
                 reps=cfg.warmswap_reps)
             phases["warmswap"] = warmswap.run_phase(bench, swaps)
             took("warmswap")
+        if "keptcache" in cfg.phases and cfg.keptcache:
+            from . import keptcache
+
+            kept = keptcache.Settings.quick() if cfg.quick else keptcache.Settings(
+                long_words=cfg.keptcache_long_words)
+            phases["keptcache"] = keptcache.run_phase(bench, kept)
+            took("keptcache")
         if "bodies" in cfg.phases:
             from . import bodies
 
@@ -350,6 +357,9 @@ def print_report(report: dict[str, Any]) -> None:
                         ("multiturn", "Multi-turn conversations, replicas = 2 (SmolLM2):"),
                         ("warmswap", "A conversation's next turn after its model was swapped "
                                      "out (SmolLM2, ~2,000 tokens):"),
+                        ("keptcache", "Every conversation keeps its cache: more "
+                                      "conversations than slots, through churn, a swap and a "
+                                      "restart (SmolLM2):"),
                         ("bodies", "The largest request bodies, while /health is asked every "
                                    "10 ms (tiny model):")):
         phase = report.get(name)
@@ -425,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmswap-reps", type=int,
                         help="repetitions of the warm-swap phase per target (default 3; 0 "
                         "skips it)")
+    parser.add_argument("--keptcache-long-words", type=int,
+                        help="words of the kept-cache phase's long conversation (7200: ~8,000 "
+                        "tokens; default 0: none)")
+    parser.add_argument("--no-keptcache", dest="keptcache", action="store_false",
+                        default=None, help="skip the kept-cache phase")
     parser.add_argument("--multiturn-saturated", action="store_true",
                         help="the multi-turn phase's saturated configuration: 8 conversations "
                         "of ~1,000 tokens at once, shuffled each turn, two one-slot replicas")
@@ -483,11 +498,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--phases: unknown {', '.join(unknown) or 'empty list'}; "
                      f"choose from {', '.join(PHASES)}")
     cfg.phases = ("sharing",) if args.only_sharing else phases
-    for name in ("real_rounds", "conversations", "turns", "multiturn_reps", "warmswap_reps"):
+    if args.keptcache is not None:
+        cfg.keptcache = args.keptcache
+    for name in ("real_rounds", "conversations", "turns", "multiturn_reps", "warmswap_reps",
+                 "keptcache_long_words"):
         value = getattr(args, name)
         if value is not None:
-            if value < (0 if name in ("real_rounds", "multiturn_reps", "warmswap_reps")
-                        else 1):
+            if value < (0 if name in ("real_rounds", "multiturn_reps", "warmswap_reps",
+                                      "keptcache_long_words") else 1):
                 parser.error(f"--{name.replace('_', '-')} is out of range")
             setattr(cfg, name, value)
     if args.relay_streams is not None:

@@ -52,7 +52,7 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
-PHASES = ("main", "relay", "real", "multiturn", "warmswap", "bodies", "sharing")
+PHASES = ("main", "relay", "real", "multiturn", "warmswap", "keptcache", "bodies", "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
@@ -147,6 +147,8 @@ class Config:
     turns: int = 3  # turns per conversation (the first one is not a follow-up)
     multiturn_reps: int = 1  # runs of the multi-turn workload per target
     warmswap_reps: int = 3  # repetitions of the warm-swap scenario per target
+    keptcache: bool = True  # the kept-cache phase (benchmarks.keptcache)
+    keptcache_long_words: int = 0  # its long conversation's words (7200: ~8,000 tokens)
     # The multi-turn phase's saturated configuration instead (benchmarks.multiturn), and a
     # llama-router source tree whose prefix routing it also runs (before/after in one run)
     multiturn_saturated: bool = False

@@ -271,8 +271,9 @@ class HangingSaves(WarmSwaps):
         self.hung += 1
         await asyncio.Event().wait()
 
-    async def write_slot(self, preset: ModelPreset, child: Backend, slot: int, number: int,
-                         conversation: Conversation) -> Written | None:
+    async def write_slot(self, preset: ModelPreset, found: str | None, child: Backend,
+                         slot: int, number: int, conversation: Conversation
+                         ) -> Written | None:
         self.hung += 1  # a displacement save: only the request's own bound ends it
         await asyncio.Event().wait()
         return None

@@ -214,3 +214,21 @@ def test_bodies_phase_reports_each_shape(tmp_path: Path, llama_server: Path) -> 
         assert r["probes"] > 0 and r["health_max_ms"] > 0 and r["growth_bytes"] >= 0
     assert set(report["bodies"]["targets"]) == {"bodies_stall", "bodies_memory"}
     assert "The largest request bodies" in result.stdout
+
+
+@pytest.mark.real
+def test_kept_cache_phase_reports_every_stage(tmp_path: Path, llama_server: Path) -> None:
+    """The kept-cache phase at quick settings (3 conversations on one slot of SmolLM2): every
+    stage counted for both targets, and its four goals reported. Kept, the conversations come
+    back warm after the swap and the restart; without a state directory, none does."""
+    result, report = run_quick_bench(tmp_path, 400, "--phases", "keptcache")
+    rows = report["keptcache"]["rows"]
+    for target in ("kept", "slots"):
+        for stage in ("first", "churn", "swap", "restart"):
+            assert rows[target][stage]["of"] == 3, (target, stage)
+    assert rows["kept"]["swap"]["warm"] == 3 and rows["kept"]["restart"]["warm"] == 3
+    assert rows["slots"]["swap"]["warm"] == 0 and rows["slots"]["restart"]["warm"] == 0
+    assert rows["kept"]["displace_wait_ms"] is not None  # one slot: every first turn displaced
+    assert {"warm_after_swap", "warm_after_restart", "displacement_save", "hot_path"} <= set(
+        report["targets"])
+    assert "Every conversation keeps its cache" in result.stdout

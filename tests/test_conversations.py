@@ -213,14 +213,14 @@ def preset(tmp_path: Path) -> ModelPreset:
 def test_the_longest_saved_conversation_of_the_owner_is_found(tmp_path: Path,
                                                               preset: ModelPreset) -> None:
     found = conversations(tmp_path / "s", preset)
-    assert found.stored(preset, A5, None) == (None, 0)
+    assert found.stored(preset, "0" * 64, A5, None) == (None, 0)
     saved(found, preset, Conversation(A[:2], "o"))
     saved(found, preset, Conversation(A, "o"), slot=1)
     saved(found, preset, Conversation(A5, "x"), slot=2)
-    state, n = found.stored(preset, (*A5, 16), "o")
+    state, n = found.stored(preset, "0" * 64, (*A5, 16), "o")
     assert n == 3 and state is not None and labelled(state.prefix) == (3, 13, "o")
-    assert found.stored(preset, (*A5, 16), "x")[1] == 5
-    assert found.stored(preset, (*A5, 16), "y") == (None, 0)
+    assert found.stored(preset, "0" * 64, (*A5, 16), "x")[1] == 5
+    assert found.stored(preset, "0" * 64, (*A5, 16), "y") == (None, 0)
 
 
 def test_an_owner_is_a_digest_kept_across_restarts(tmp_path: Path, preset: ModelPreset) -> None:
@@ -241,7 +241,7 @@ def test_an_owner_is_a_digest_kept_across_restarts(tmp_path: Path, preset: Model
 def test_restores_that_keep_missing_turn_the_model_off(tmp_path: Path,
                                                        preset: ModelPreset) -> None:
     found = conversations(tmp_path / "s", preset)
-    book = SlotBook(1)
+    book = SlotBook(1, "0" * 64)
     placement = found.plan(preset, book, A, None)
     placement.restored = 400
     found.learn(preset, placement, 10, 390, 5)
@@ -269,7 +269,7 @@ async def test_a_displacement_save_that_hangs_holds_the_request_only_its_bound(
         await asyncio.Event().wait()
 
     monkeypatch.setattr(found.swaps, "write_slot", hang)
-    book = SlotBook(1)
+    book = SlotBook(1, "0" * 64)
     book.end(book.plan(A, None, 0, always).slot, 500)
     placement = found.plan(preset, book, B, None)
     assert placement.plan is not None and placement.plan.save == Conversation(A)

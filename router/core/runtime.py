@@ -145,7 +145,7 @@ def books(runtime: ModelRuntime, warm: WarmSwaps | None,
     slot, conversation, tokens)."""
     if warm is None or not warm.covers(runtime.preset):
         return None
-    book = SlotBook(runtime.slots)
+    book = SlotBook(runtime.slots, warm.fingerprint_of(runtime.preset))
     for slot, conversation, tokens in held:
         if conversation is not None and 0 <= slot < book.n_slots:
             book.holding(slot, conversation, tokens)

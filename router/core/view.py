@@ -208,7 +208,8 @@ class ModelView:
         if counts is not None:
             states.update(saved=counts.saved, displaced=counts.displaced,
                           restored=counts.restored, on_demand=counts.on_demand,
-                          hits=counts.hits, misses=counts.misses)
+                          hits=counts.hits, misses=counts.misses,
+                          displace_wait_ms=counts.wait_ms_p50())
         conversations = self._sup.leases.conversations
         off = conversations.off.get(model_id) if conversations is not None else None
         if off is not None:

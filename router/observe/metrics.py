@@ -203,6 +203,8 @@ class _WarmSwaps(Collector):
                  "Restores whose next response computed their tokens again"),
                 ("spared_tokens", "llamarouter_state_spared_tokens",
                  "Prompt tokens the restores that hit took from the cache"),
+                ("displace_wait_s", "llamarouter_state_displacement_wait_seconds",
+                 "What displacement saves held the requests that took their slots"),
                 ("saved_bytes", "llamarouter_state_saved_bytes", "Bytes of slot states saved"),
                 ("restored", "llamarouter_state_restores",
                  "Slot states restored: into a new child, or for a conversation's next turn"),

@@ -40,6 +40,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,11 +103,14 @@ class Conversations:
             self._secret = _secret(self.swaps.store.root)
         return hmac.new(self._secret, credential, hashlib.sha256).hexdigest()[:32]
 
-    def stored(self, preset: ModelPreset, keys: Sequence[int], owner: str | None
-               ) -> tuple[SavedState | None, int]:
-        """The saved state that covers most of a request's ``keys`` for ``owner`` (most
-        recently used first among equals), and how many keys; (None, 0) when none does."""
-        index = self._states(preset)
+    def stored(self, preset: ModelPreset, fingerprint: str | None, keys: Sequence[int],
+               owner: str | None) -> tuple[SavedState | None, int]:
+        """The saved state of ``fingerprint`` (a child's: ``SlotBook.fingerprint``) that
+        covers most of a request's ``keys`` for ``owner`` (most recently used first among
+        equals), and how many keys; (None, 0) when none does."""
+        if fingerprint is None:
+            return None, 0
+        index = self._states(preset.id, fingerprint)
         for position in range(len(keys) - 1, -1, -1):
             for state in index.get(keys[position], ()):
                 if covers(state.prefix, keys, owner):
@@ -125,29 +129,28 @@ class Conversations:
                 best = (task, n)
         return best
 
-    def _states(self, preset: ModelPreset) -> dict[int, list[SavedState]]:
-        """The model's states by the last key of their conversation, as the store holds them
-        now (rebuilt when the store changed)."""
-        found = self.swaps.fingerprint_of(preset)
-        version = (self.swaps.store.version, found)
-        cached = self._index.get(preset.id)
+    def _states(self, model_id: str, fingerprint: str) -> dict[int, list[SavedState]]:
+        """The model's states of ``fingerprint`` by the last key of their conversation, as the
+        store holds them now (rebuilt when the store changed)."""
+        version = (self.swaps.store.version, fingerprint)
+        cached = self._index.get(model_id)
         if cached is not None and cached[0] == version:
             return cached[1]
         index: dict[int, list[SavedState]] = {}
-        if found is not None:
-            for state in sorted(self.swaps.store.listed(preset.id, found),
-                                key=lambda s: -s.last_used):
-                label = labelled(state.prefix)
-                if label is not None:
-                    index.setdefault(label[1], []).append(state)
-        self._index[preset.id] = (version, index)
+        for state in sorted(self.swaps.store.listed(model_id, fingerprint),
+                            key=lambda s: -s.last_used):
+            label = labelled(state.prefix)
+            if label is not None:
+                index.setdefault(label[1], []).append(state)
+        self._index[model_id] = (version, index)
         return index
 
     def plan(self, preset: ModelPreset, book: SlotBook, keys: Sequence[int],
              owner: str | None) -> Placement:
         """A request's slot, taken at once (no await: nothing can take it meanwhile), and
         what must happen before it runs there (``prepare``)."""
-        state, stored = self.stored(preset, keys, owner) if keys else (None, 0)
+        state, stored = self.stored(preset, book.fingerprint, keys, owner) if keys \
+            else (None, 0)
         keeping, kept = self._being_kept(preset, keys, owner) if keys else (None, 0)
         io = self.swaps.io.get(preset.id) or Io()
         plan = book.plan(keys, owner, max(stored, kept),
@@ -174,10 +177,15 @@ class Conversations:
             log.info("saving slot %d before another conversation takes it (%d tokens, "
                      "%.3g s at most)", slot, plan.save_tokens, bound,
                      extra={"event": "state_displacing", "model": preset.id})
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(bound):
-                    written = await self.swaps.write_slot(preset, child, slot, number + slot,
-                                                          plan.save)
+            began = time.perf_counter()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(bound):
+                        written = await self.swaps.write_slot(
+                            preset, placement.book.fingerprint, child, slot, number + slot,
+                            plan.save)
+            finally:
+                self.swaps.counts_of(preset.id).waited(time.perf_counter() - began)
         try:
             await self._restore_for(preset, placement, child, slot)
         finally:  # kept once the restore read its own state: its budget may drop that one
@@ -191,7 +199,8 @@ class Conversations:
         state = placement.state
         if placement.keeping is not None:  # its own state, saved a moment ago
             await asyncio.wait([placement.keeping], timeout=RESTORE_BOUND_S)
-            state, _ = self.stored(preset, placement.keys, placement.owner)
+            state, _ = self.stored(preset, placement.book.fingerprint, placement.keys,
+                                   placement.owner)
         if state is not None and await self._bounded(
                 self._restore(preset, child, slot, state), RESTORE_BOUND_S):
             placement.restored = state.n_saved

@@ -88,6 +88,9 @@ class SlotBook:
     """One child's slots (``n_slots``) as the router knows them."""
 
     n_slots: int
+    # the directory of its child's saved states (``statestore``: the fingerprint of what
+    # its KV cache was made with, as the child started); None: it keeps none
+    fingerprint: str | None = None
     slots: list[Slot] = field(init=False)
     waiting: deque[Waiting] = field(default_factory=deque)
     _uses: int = 0

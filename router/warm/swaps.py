@@ -49,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -84,6 +85,7 @@ log = logging.getLogger("router.warm")
 SAVE_BOUND_S = 10.0  # all the saves of one stop together
 RESTORE_BOUND_S = 10.0  # all the restores of one load together, with waiting for its states
 COMMIT_BOUND_S = 30.0  # the router's stop waits for the commits under way
+RECENT_WAITS = 64  # displacement waits kept per model, for their median
 
 
 @dataclass
@@ -103,6 +105,21 @@ class Counts:
     hits: int = 0  # restores whose next request found its tokens in the cache
     misses: int = 0  # restores whose next request did not (the child recomputed them)
     spared_tokens: int = 0  # prompt tokens the hits took from the cache
+    displace_wait_s: float = 0.0  # what displacement saves held their requests, in all
+    # the last ``RECENT_WAITS`` of those waits, in seconds (for their median in ``/models``)
+    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_WAITS))
+
+    def waited(self, seconds: float) -> None:
+        """A displacement save held its request ``seconds``."""
+        self.displace_wait_s += seconds
+        self.recent_waits.append(seconds)
+
+    def wait_ms_p50(self) -> float | None:
+        """The median of the recent displacement waits, in milliseconds; None: none yet."""
+        if not self.recent_waits:
+            return None
+        ordered = sorted(self.recent_waits)
+        return round(ordered[len(ordered) // 2] * 1000.0, 1)
 
 
 class Written(NamedTuple):
@@ -408,12 +425,13 @@ class WarmSwaps:
                 else None
             written.append(Written(save, answer, keys or None, held))
 
-    async def write_slot(self, preset: ModelPreset, child: Backend, slot: int, number: int,
-                         conversation: Conversation) -> Written | None:
-        """Have ``child`` write ``slot`` (labelled ``conversation``, numbered ``number``), for
-        another conversation about to take it; what it wrote, for ``keep_soon``, or None when
-        it wrote nothing. Unbounded: the caller bounds it; cut off, its file goes."""
-        found = self.fingerprint_of(preset)
+    async def write_slot(self, preset: ModelPreset, found: str | None, child: Backend,
+                         slot: int, number: int, conversation: Conversation
+                         ) -> Written | None:
+        """Have ``child`` (whose states are of fingerprint ``found``, as it started) write
+        ``slot`` (labelled ``conversation``, numbered ``number``), for another conversation
+        about to take it; what it wrote, for ``keep_soon``, or None when it wrote nothing.
+        Unbounded: the caller bounds it; cut off, its file goes."""
         if found is None:
             return None
         save = await asyncio.to_thread(self.store.begin_save, preset.id, found, number)
