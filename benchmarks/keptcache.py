@@ -90,7 +90,7 @@ class Conversation:
         return answer
 
 
-class ConversationsBench:
+class KeptCacheBench:
     def __init__(self, bench: Bench, settings: Settings) -> None:
         self.bench = bench
         self.s = settings
@@ -187,7 +187,7 @@ class ConversationsBench:
         return {"settings": vars(self.s), "targets": {t: self.run_target(t) for t in TARGETS}}
 
 
-def summarize(target: dict[str, Any], slots: int) -> dict[str, Any]:
+def summarize(target: dict[str, Any]) -> dict[str, Any]:
     stages = target["stages"]
     row: dict[str, Any] = {}
     for stage in STAGES:
@@ -253,7 +253,7 @@ def render(rows: dict[str, dict[str, Any]]) -> str:
 def run_phase(bench: Bench, settings: Settings) -> dict[str, Any]:
     if find_smollm2() is None:
         return {"skipped": f"SmolLM2 is not installed: {INSTALL_HINT}", "targets": {}}
-    results = ConversationsBench(bench, settings).run()
-    rows = {t: summarize(results["targets"][t], settings.slots) for t in TARGETS}
+    results = KeptCacheBench(bench, settings).run()
+    rows = {t: summarize(results["targets"][t]) for t in TARGETS}
     return {"results": results, "rows": rows, "targets": evaluate(rows),
             "table": render(rows)}

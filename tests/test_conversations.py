@@ -250,12 +250,13 @@ def test_restores_that_keep_missing_turn_the_model_off(tmp_path: Path,
     for _ in range(MISSES_TO_STOP):
         placement.restored = 400
         found.learn(preset, placement, 410, 0, 5)
-    assert found.keeps(preset)  # it hit once: a miss may be a changed prompt
+    assert found.keeps(preset, "0" * 64)  # it hit once: a miss may be a changed prompt
     fresh = conversations(tmp_path / "t", preset)
     for _ in range(MISSES_TO_STOP):
         placement.restored = 400
         fresh.learn(preset, placement, 410, 0, 5)
-    assert not fresh.keeps(preset) and "do not restore" in fresh.off["m"]
+    assert not fresh.keeps(preset, "0" * 64) and "do not restore" in (fresh.off("m") or "")
+    assert fresh.keeps(preset, "1" * 64)  # another configuration tries again
     assert fresh.swaps.counts["m"].misses == MISSES_TO_STOP
 
 

@@ -188,3 +188,29 @@ def test_a_child_killed_during_a_displacement_save_loses_only_that_state(
         after = turn(client, OPENINGS["C"])  # the model serves again
         assert after["prompt_n"] > 200
         assert client.get("/health").status_code == 200
+
+
+def test_a_flood_of_conversations_on_one_slot_and_a_slot_named_by_the_client(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """Eight conversations at once on one slot: the child queues what finds no free slot and
+    the router follows; every request is answered and the model serves on. A request naming
+    its own ``id_slot`` keeps it: the router places nothing for it."""
+    args = router_args(tmp_path, llama_server, tiny_models)
+    prompts = [f"Flood {i}: " + OPENINGS["A"] for i in range(8)]
+    with start_router(tmp_path, *args) as router, router.client() as client:
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda p=p: answers.append(
+            client.post("/completion", json={"model": "alpha", "prompt": p, "n_predict": 4},
+                        timeout=GUARD_S).status_code)) for p in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(GUARD_S)
+        assert answers == [200] * 8, answers
+        again = turn(client, prompts[0] + MORE)  # the router's book still holds together
+        assert again["prompt_n"] + again["cache_n"] > 200
+        before = states_of(router).get("displaced", 0)
+        own = client.post("/completion", json={"model": "alpha", "prompt": OPENINGS["B"],
+                                               "n_predict": 4, "id_slot": 0}, timeout=GUARD_S)
+        assert own.status_code == 200, own.text
+        assert states_of(router).get("displaced", 0) == before  # nothing saved for it

@@ -171,3 +171,31 @@ async def test_the_largest_body_holds_neither_the_loop_nor_memory(make: Any) -> 
     assert scanned is not None or make is many_values
     assert peak < 1 << 20, peak  # bytes: no copy of the body, no value built
     assert len(gaps) > 1 and max(gaps) < 2.0, max(gaps)  # a hang guard on a busy machine
+
+
+# -- a key added at the object's end (a completion's id_slot) ---------------------------------
+
+@pytest.mark.parametrize("value", [
+    {}, {"a": 1}, {"messages": [{"role": "user", "content": "}{\"}"}]}, {"x": {"y": {}}},
+    {"prompt": "ends with a brace }"}, {"ünï": "cödé ☃", "n": [1, 2, {"}": "{"}]}])
+@pytest.mark.parametrize("spacing", ["", " \n\t", "\r\n"])
+def test_a_key_added_at_the_end_keeps_every_other_byte(value: dict[str, Any],
+                                                       spacing: str) -> None:
+    body = (spacing + json.dumps(value, ensure_ascii=False) + spacing).encode()
+    end = jsonscan.object_end(body)
+    assert end is not None and body[end:end + 1] == b"}"
+    added = jsonscan.add_key(body, end, not value, "id_slot", b"3")
+    assert json.loads(added) == {**value, "id_slot": 3}
+    assert added.replace(b', "id_slot": 3', b"").replace(b'"id_slot": 3', b"") == body
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_not_in_utf8_gets_no_key(encoding: str) -> None:
+    body = json.dumps({"prompt": "x"}).encode(encoding)
+    assert json.loads(body) == {"prompt": "x"}  # it reads as JSON all the same
+    assert jsonscan.object_end(body) is None
+
+
+def test_what_is_no_object_gets_no_key() -> None:
+    for body in (b"", b"  ", b"[1]", b"}", b"{", b'"{}"'):
+        assert jsonscan.object_end(body) is None, body

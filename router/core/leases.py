@@ -103,10 +103,12 @@ class Leases:
         ``Conversations.prepare``'s. None: the child chooses its slot."""
         conversations, replica = self.conversations, lease.replica
         preset = lease.runtime.preset
-        if conversations is None or replica.book is None or not conversations.keeps(preset):
+        book = replica.book
+        if conversations is None or book is None or not conversations.keeps(preset,
+                                                                            book.fingerprint):
             return None
         lease.placement = conversations.plan(
-            preset, replica.book, keys, conversations.owner_of(credential, preset))
+            preset, book, keys, conversations.owner_of(credential, preset))
         return lease.placement
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,
              prefix: Prefix | None = None) -> Lease:

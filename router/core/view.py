@@ -211,7 +211,7 @@ class ModelView:
                           hits=counts.hits, misses=counts.misses,
                           displace_wait_ms=counts.wait_ms_p50())
         conversations = self._sup.leases.conversations
-        off = conversations.off.get(model_id) if conversations is not None else None
+        off = conversations.off(model_id) if conversations is not None else None
         if off is not None:
             states["off"] = off
         return states

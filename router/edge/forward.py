@@ -27,6 +27,7 @@ from ..errors import (
     send_error,
     send_unexpected,
 )
+from ..http.jsonscan import add_key, object_end
 from ..http.paths import (
     ADMIN_PROXIED_PREFIXES,
     API_ROOTS,
@@ -232,12 +233,14 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
     ``id_slot``, ``conversations``), once what that needs first is done; unchanged where the
     child chooses: for a model that keeps none, a request naming its own ``id_slot``, or a
     body not read as a JSON object."""
-    parsed, scanned = request.parsed, request.json_scan()
-    if parsed is None or scanned is None or "id_slot" in parsed:
+    parsed = request.parsed
+    end = object_end(body) if type(parsed) is dict and "id_slot" not in parsed else None
+    if end is None:
         return body
     credential = request.credential() if request.key_hash else b""  # the key it matched
     slot = await state.models.place(lease, prefix, credential)
-    return body if slot is None else scanned.with_key(body, "id_slot", str(slot).encode())
+    return body if slot is None else add_key(body, end, not parsed, "id_slot",
+                                             str(slot).encode())
 
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,

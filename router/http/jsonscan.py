@@ -77,6 +77,27 @@ class Scanned:
             + body[self.close:]
 
 
+_WHITESPACE = b" \t\r\n"  # JSON's whitespace
+
+
+def object_end(body: bytes) -> int | None:
+    """Where the closing brace of ``body``, a JSON object already read as one
+    (``requests.parse_json``), lies: its last byte but whitespace, so nothing is scanned.
+    None for a body not in UTF-8 (UTF-16 and UTF-32 read as JSON too)."""
+    end = len(body.rstrip(_WHITESPACE)) - 1
+    if end < 1 or body[end] != 0x7D or body.lstrip(_WHITESPACE)[:1] != b"{":
+        return None
+    return end
+
+
+def add_key(body: bytes, end: int, empty: bool, name: str, value: bytes) -> bytes:
+    """``body`` with the key ``name`` (which it must not have) added as the last of the
+    object closing at ``end`` (``object_end``; ``empty``: it has no key), ``value`` JSON
+    already; every other byte kept."""
+    return body[:end] + (b"" if empty else b", ") + json.dumps(name).encode() + b": " \
+        + value + body[end:]
+
+
 async def scan(body: bytes) -> Scanned:
     """``body`` read as a JSON object (see the module docstring), the event loop given a turn
     every ``SLICE_BYTES``."""

@@ -88,11 +88,22 @@ class Conversations:
         self._missed: dict[str, int] = {}  # restores in a row that missed, per model
         # per model: the conversations saved on displacement whose commit is under way
         self._keeping: dict[str, dict[Conversation, asyncio.Task[int]]] = {}
-        self.off: dict[str, str] = {}  # models that keep no conversations, and why
+        # the models that keep no conversations: the fingerprint whose restores missed, why
+        self._off: dict[str, tuple[str | None, str]] = {}
 
-    def keeps(self, preset: ModelPreset) -> bool:
-        """Whether the model keeps its conversations (warm swaps, restores that hit)."""
-        return preset.id not in self.off and self.swaps.covers(preset)
+    def keeps(self, preset: ModelPreset, fingerprint: str | None = None) -> bool:
+        """Whether the model can keep its conversations (warm swaps cover it), and with a
+        child's ``fingerprint``, whether that child does: not when the restores of that
+        configuration did not hit (another configuration, a reload, tries again)."""
+        if not self.swaps.covers(preset):
+            return False
+        off = self._off.get(preset.id)
+        return fingerprint is None or off is None or off[0] != fingerprint
+
+    def off(self, model_id: str) -> str | None:
+        """Why the model keeps no conversations now, if so."""
+        found = self._off.get(model_id)
+        return None if found is None else found[1]
 
     def owner_of(self, credential: bytes, preset: ModelPreset) -> str | None:
         """Who may have a request's conversation restored: None (anyone) without a key or
@@ -254,11 +265,13 @@ class Conversations:
             return
         counts.misses += 1
         missed = self._missed[preset.id] = self._missed.get(preset.id, 0) + 1
-        if missed >= MISSES_TO_STOP and counts.hits == 0 and preset.id not in self.off:
-            self.off[preset.id] = (f"{missed} restores in a row found none of their tokens "
-                                   "cached: this model's states do not restore (llama.cpp: "
-                                   "sliding-window or hybrid models)")
-            log.warning("conversations not kept: %s", self.off[preset.id],
+        fingerprint = placement.book.fingerprint
+        if missed >= MISSES_TO_STOP and counts.hits == 0 \
+                and self.keeps(preset, fingerprint):
+            why = (f"{missed} restores in a row found none of their tokens cached: this "
+                   "model's states do not restore (llama.cpp: sliding-window or hybrid models)")
+            self._off[preset.id] = (fingerprint, why)
+            log.warning("conversations not kept: %s", why,
                         extra={"event": "conversations_off", "model": preset.id})
 
     @staticmethod
@@ -270,7 +283,7 @@ class Conversations:
         """A model removed, or loaded again in another configuration: what was learned of it."""
         self._index.pop(model_id, None)
         self._missed.pop(model_id, None)
-        self.off.pop(model_id, None)
+        self._off.pop(model_id, None)
 
 
 def _secret(root: Path) -> bytes:
