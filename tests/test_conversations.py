@@ -279,3 +279,17 @@ async def test_a_displacement_save_that_hangs_holds_the_request_only_its_bound(
     assert hung.is_set() and not found._keeping  # A lost (nothing kept), the request goes on
     Conversations.end(placement)
     assert not book.slots[0].busy
+
+
+def test_a_slot_of_another_owner_is_erased_before_a_request_runs_there() -> None:
+    book = SlotBook(1)
+    book.end(book.plan(A, "alice", 0, always).slot, 10)  # not worth saving
+    plan = book.plan(A5, "bob", 0, always)
+    assert plan.slot == 0 and plan.erase and plan.save is None
+    book.end(plan.slot, 500)
+    plan = book.plan(B, "alice", 0, always)  # bob's is worth keeping: saved, then erased
+    assert plan.save == Conversation(A5, "bob") and plan.erase
+    book.end(plan.slot, 500)
+    assert not book.plan((21, 22, 23), "alice", 0, always).erase  # her own
+    book.end(0, 500)
+    assert not book.plan(A5, "alice", 3, always).erase  # a restore overwrites it anyway

@@ -214,3 +214,29 @@ def test_a_flood_of_conversations_on_one_slot_and_a_slot_named_by_the_client(
                                                "n_predict": 4, "id_slot": 0}, timeout=GUARD_S)
         assert own.status_code == 200, own.text
         assert states_of(router).get("displaced", 0) == before  # nothing saved for it
+
+
+def test_one_keys_conversation_never_serves_another_from_a_slot_or_the_ram_cache(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """With API keys, a slot holding one key's conversation is erased before another key's
+    request runs there, and the children keep no RAM prompt cache (``--cache-ram 0``): both
+    would serve a cached prefix, and its speed would tell the other key what was sent."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\nsk-bob\n")
+    preset_file = write_presets(tmp_path / "models.ini",  # llama-server's own cache-ram
+                                f"[*]\nctx-size = 4096\nparallel = 1\n"
+                                f"[alpha]\nmodel = {tiny_models['alpha']}\n")
+    with start_router(tmp_path, "--presets", str(preset_file), "--llama-server",
+                      str(llama_server), "--state-dir", str(tmp_path / "states"),
+                      "--api-key-file", str(keys)) as router, router.client() as client:
+        turn(client, OPENINGS["A"], key="sk-alice")
+        (child,) = router.children()
+        argv = child.cmdline()
+        in_slot = turn(client, OPENINGS["A"] + MORE, key="sk-bob")  # alice's is in the slot
+        turn(client, OPENINGS["B"], key="sk-alice")  # alice's B in the slot, A on disk
+        elsewhere = " Then something else happened, somewhere else entirely. " * 4
+        from_ram = turn(client, OPENINGS["A"] + elsewhere, key="sk-bob")
+        own = turn(client, OPENINGS["A"] + MORE, key="sk-alice")
+    assert argv[argv.index("--cache-ram") + 1] == "0", argv
+    assert in_slot["cache_n"] < 64 and from_ram["cache_n"] < 64, (in_slot, from_ram)
+    assert own["cache_n"] > 200, own  # alice's own, restored from disk

@@ -82,7 +82,7 @@ class Spawner:
                  gpus: list[GpuDevice], models: Callable[[], Iterable[ModelRuntime]],
                  upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT_S,
                  slot_dir: Callable[[ModelPreset], Path | None] | None = None,
-                 other_work: OtherWork | None = None) -> None:
+                 other_work: OtherWork | None = None, private: bool = False) -> None:
         self.binary = binary
         self.upstream_timeout = upstream_timeout  # each pool's response-head deadline
         self.table = table
@@ -95,6 +95,10 @@ class Spawner:
         self._argv_cache: dict[str, tuple[ModelPreset, int | None, list[str]]] = {}
         # The ``--slot-save-path`` of a preset's children, when it has warm swaps (``warm``).
         self.slot_dir = slot_dir
+        # With API keys, a child whose conversations are kept (a slot directory) and not shared
+        # among keys gets no RAM prompt cache (``--cache-ram 0``, unless its preset sets one):
+        # llama-server would serve one key's cached prefix to another (``conversations``).
+        self.private = private
         self._other_work = other_work  # the machine's other work (sampled by the accounting)
 
     # ----------------------------------------------------------------- argv
@@ -218,8 +222,12 @@ class Spawner:
             try:
                 port = free_port()
                 cpu = self.at_spawn(runtime, cpu)  # no await from here to ChildStarted
-                argv = self.child_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
-                slot_dir = self.slot_dir(runtime.preset) if self.slot_dir else None
+                preset = runtime.preset
+                slot_dir = self.slot_dir(preset) if self.slot_dir else None
+                private = self.private and slot_dir is not None \
+                    and not preset.shared_conversations
+                argv = self.child_argv(preset, port, 0 if private else runtime.cache_ram_mib,
+                                       cpu)
                 if slot_dir is not None:
                     argv += ["--slot-save-path", str(slot_dir)]
                 env = {**child_environment(), **(cpu.environment() if cpu is not None

@@ -107,7 +107,9 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                                  cores=shared, gpus=devices, models=models.values,
                                  other_work=other_work,
                                  upstream_timeout=settings.upstream_timeout,
-                                 slot_dir=warm.slot_dir if warm is not None else None)
+                                 slot_dir=warm.slot_dir if warm is not None else None,
+                                 private=bool(settings.api_key)
+                                 or settings.api_key_file is not None)
 
     def loading(executor: Executor) -> Loader:  # the executor's loads, with their admission
         evict, drain, undrain = _room_makers(models, executor)

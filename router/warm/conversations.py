@@ -198,6 +198,8 @@ class Conversations:
             finally:
                 self.swaps.counts_of(preset.id).waited(time.perf_counter() - began)
         try:
+            if plan.erase:  # another owner's conversation: its prefix must not serve this one
+                await self._bounded(self.swaps.erase_slot(child, slot), RESTORE_BOUND_S)
             await self._restore_for(preset, placement, child, slot)
         finally:  # kept once the restore read its own state: its budget may drop that one
             if written is not None:

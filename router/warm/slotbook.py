@@ -67,12 +67,15 @@ class Slot:
 class Plan:
     """Where a request goes and what comes first: ``save`` the slot's conversation (of
     ``save_tokens``), then restore the saved state that covers ``restore_keys`` of the
-    request (0: none), then run it in ``slot`` (None: the child's choice)."""
+    request (0: none), or else ``erase`` the slot (it holds another owner's conversation: a
+    cached prefix would tell the request's key what another sent), then run it in ``slot``
+    (None: the child's choice)."""
 
     slot: int | None
     save: Conversation | None = None
     save_tokens: int = 0
     restore_keys: int = 0
+    erase: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -129,10 +132,11 @@ class SlotBook:
             target, loss = min(((self._loss(i, worth), i) for i in free),
                                key=lambda c: (c[0], self.slots[c[1]].used))[::-1]
         slot = self.slots[target]
+        erase = not restore and slot.held is not None and slot.held.owner != owner
         if loss == UNSAVED and slot.held is not None:
             return self._take(target, conversation,
-                              Plan(target, slot.held, slot.tokens, restore))
-        return self._take(target, conversation, Plan(target, restore_keys=restore))
+                              Plan(target, slot.held, slot.tokens, restore, erase))
+        return self._take(target, conversation, Plan(target, restore_keys=restore, erase=erase))
 
     def _loss(self, index: int, worth: Callable[[int], bool]) -> int:
         slot = self.slots[index]

@@ -444,6 +444,10 @@ class WarmSwaps:
         return None if answer is None else Written(save, answer, None, conversation,
                                                    displaced=True)
 
+    async def erase_slot(self, child: Backend, slot: int) -> bool:
+        """Have ``child`` forget what ``slot`` holds (``action=erase``); whether it did."""
+        return await self._child.action(child, slot, "erase", "") is not None
+
     # ----------------------------------------------------------------- restoring
 
     async def restorable(self, preset: ModelPreset) -> list[SavedState]:
