@@ -198,9 +198,10 @@ class Conversations:
             finally:
                 self.swaps.counts_of(preset.id).waited(time.perf_counter() - began)
         try:
-            if plan.erase:  # another owner's conversation: its prefix must not serve this one
-                await self._bounded(self.swaps.erase_slot(child, slot), RESTORE_BOUND_S)
             await self._restore_for(preset, placement, child, slot)
+            if plan.erase and not placement.restored:  # another owner's conversation: its
+                await self._bounded(self.swaps.erase_slot(child, slot),  # prefix must not
+                                    RESTORE_BOUND_S)  # serve this request
         finally:  # kept once the restore read its own state: its budget may drop that one
             if written is not None:
                 self._keep(preset, written)

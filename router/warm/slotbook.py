@@ -67,9 +67,9 @@ class Slot:
 class Plan:
     """Where a request goes and what comes first: ``save`` the slot's conversation (of
     ``save_tokens``), then restore the saved state that covers ``restore_keys`` of the
-    request (0: none), or else ``erase`` the slot (it holds another owner's conversation: a
-    cached prefix would tell the request's key what another sent), then run it in ``slot``
-    (None: the child's choice)."""
+    request (0: none), or, when nothing was restored, ``erase`` the slot (it holds another
+    owner's conversation: a cached prefix would tell the request's key what another sent),
+    then run it in ``slot`` (None: the child's choice)."""
 
     slot: int | None
     save: Conversation | None = None
@@ -132,7 +132,7 @@ class SlotBook:
             target, loss = min(((self._loss(i, worth), i) for i in free),
                                key=lambda c: (c[0], self.slots[c[1]].used))[::-1]
         slot = self.slots[target]
-        erase = not restore and slot.held is not None and slot.held.owner != owner
+        erase = slot.held is not None and slot.held.owner != owner
         if loss == UNSAVED and slot.held is not None:
             return self._take(target, conversation,
                               Plan(target, slot.held, slot.tokens, restore, erase))
