@@ -64,19 +64,18 @@ class Lease:
         """Teach what the child's ``timings`` at the end of the response say: for a request
         routed by prefix, its replica's ``Pace``; for one placed in a slot, what the slot
         holds now (``conversations``). Call before ``release``."""
-        if self._released:
+        conversations = self._leases.conversations
+        if self._released or (self.ticket is None and (self.placement is None
+                                                       or conversations is None)):
+            return
+        timings = tail.timings  # read once
+        if timings is None:
             return
         if self.ticket is not None:
-            timings = tail.timings
-            if timings is not None:
-                self.replica.pace.learn(timings, self.ticket.chars,
-                                        self.ticket.cached_chars)
-        if self.placement is not None and self._leases.conversations is not None:
-            timings = tail.timings
-            if timings is not None:
-                self._leases.conversations.learn(self.runtime.preset, self.placement,
-                                                 timings.prompt_n, timings.cache_n,
-                                                 timings.predicted_n)
+            self.replica.pace.learn(timings, self.ticket.chars, self.ticket.cached_chars)
+        if self.placement is not None and conversations is not None:
+            conversations.learn(self.runtime.preset, self.placement, timings.prompt_n,
+                                timings.cache_n, timings.predicted_n)
 
     def release(self) -> None:
         if not self._released:
@@ -110,6 +109,7 @@ class Leases:
         lease.placement = conversations.plan(
             preset, book, keys, conversations.owner_of(credential, preset))
         return lease.placement
+
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,
              prefix: Prefix | None = None) -> Lease:
         """Hold ``replica`` of a serving model for one request; default: by the prompt's
