@@ -95,7 +95,7 @@ class KeptCacheBench:
         self.bench = bench
         self.s = settings
 
-    def _router(self, target: str, name: str, parallel: int, states: Path | None
+    def _router(self, name: str, parallel: int, states: Path | None
                 ) -> tuple[Managed, str]:
         smol = find_smollm2()
         assert smol is not None
@@ -115,7 +115,7 @@ class KeptCacheBench:
         s = self.s
         talks = [Conversation(f"{target}-{i}", s.system_words) for i in range(s.conversations)]
         stages: dict[str, list[dict[str, Any]]] = {}
-        item, url = self._router(target, target, s.slots, states)
+        item, url = self._router(target, s.slots, states)
         try:
             stages["first"] = self._turns(url, talks)
             stages["churn"] = self._turns(url, talks)
@@ -124,7 +124,7 @@ class KeptCacheBench:
             waits = self._states(url).get("displace_wait_ms")
         finally:
             self.bench.procs.stop(item)
-        item, url = self._router(target, f"{target}-again", s.slots, states)
+        item, url = self._router(f"{target}-again", s.slots, states)
         try:
             stages["restart"] = self._turns(url, talks)
             hot = self._hot(url)
@@ -157,7 +157,7 @@ class KeptCacheBench:
         """One long conversation on one slot: its cold turn, a swap, its next turn."""
         states = self.bench.workdir / f"conversations-{target}-long" if target == KEPT \
             else None
-        item, url = self._router(target, f"{target}-long", 1, states)
+        item, url = self._router(f"{target}-long", 1, states)
         try:
             talk = Conversation(f"{target}-long", self.s.long_words)
 

@@ -67,14 +67,7 @@ class Scanned:
         if self.model_span is not None:
             start, end = self.model_span
             return body[:start] + value + body[end:]
-        return self.with_key(body, "model", value)
-
-    def with_key(self, body: bytes, name: str, value: bytes) -> bytes:
-        """``body`` with the key ``name`` (which it must not have) added as the object's last,
-        its ``value`` JSON already; every other byte kept."""
-        comma = b"" if self.empty else b", "
-        return body[:self.close] + comma + json.dumps(name).encode() + b": " + value \
-            + body[self.close:]
+        return add_key(body, self.close, self.empty, "model", value)
 
 
 _WHITESPACE = b" \t\r\n"  # JSON's whitespace

@@ -282,12 +282,6 @@ class Conversations:
         """The request's response ended: its slot is free (or taken by the oldest queued)."""
         placement.book.end(placement.slot, placement.tokens, placement.waiting)
 
-    def forget(self, model_id: str) -> None:
-        """A model removed, or loaded again in another configuration: what was learned of it."""
-        self._index.pop(model_id, None)
-        self._missed.pop(model_id, None)
-        self._off.pop(model_id, None)
-
 
 def _secret(root: Path) -> bytes:
     """The state directory's secret for owners' digests (made once, 0600, never a link)."""

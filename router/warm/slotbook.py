@@ -105,11 +105,6 @@ class SlotBook:
         """``slot`` holds ``conversation`` as saved on disk (a restore at the child's start)."""
         self.slots[slot] = Slot(conversation, tokens, saved=True)
 
-    def best_held(self, keys: Sequence[int], owner: str | None) -> int:
-        """How many of the request's keys the free slot that holds most of them holds."""
-        return max((s.held.covers(keys, owner) for s in self.slots
-                    if not s.busy and s.held is not None), default=0)
-
     def plan(self, keys: Sequence[int], owner: str | None, stored: int,
              worth: Callable[[int], bool]) -> Plan:
         """Where a request of prefix ``keys`` from ``owner`` goes, given how many of its keys
@@ -186,10 +181,3 @@ class SlotBook:
             slot.held, slot.saved = queued.conversation, False
             return
         slot.busy = False
-
-    def unknown(self) -> None:
-        """The child's slots hold what the router cannot tell (a request named its own slot):
-        every free slot is taken to hold nothing worth keeping."""
-        for slot in self.slots:
-            if not slot.busy:
-                slot.held, slot.tokens, slot.saved = None, 0, True
