@@ -212,3 +212,10 @@ async def send_unexpected(send: Send, scope: Scope, exc: Exception) -> None:
     logging.getLogger("router.edge").exception(
         "unhandled error on %s %s", scope["method"], scope["path"], exc_info=exc)
     await send_error(send, InternalError(exc))
+
+
+class QuotaExceeded(RouterError):
+    """A request over its team's quota (``teams.quotas``): 429 with ``Retry-After``."""
+
+    status = 429
+    type = "rate_limit_error"

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import socket
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from .llama.webui import MissingWebUI, StaticUI, WebUI
 from .logs import FORMAT, KeyValueFormatter, LogRing, RingHandler
 from .observe.metrics import RouterMetrics
 from .peers.registry import PeerError, Peers, default_node_name, dns_target, peer_url, read_peer_key
+from .teams.usage import FILE_NAME as USAGE_FILE
+from .teams.usage import Usage, UsageStore
 from .warm.statestore import StateStore, claim_root
 
 log = logging.getLogger("router.server")
@@ -81,6 +84,7 @@ class Prepared:
     webui: Path | None = None  # the web UI folder to serve; None: none (see settings.webui)
     peer_key: str | None = None  # sent to peers (--peer-api-key-file); never logged
     states: StateStore | None = None  # warm swaps' saved slot states (--state-dir); None: off
+    usage: Usage = field(default_factory=Usage)  # the teams' usage, in --state-dir if given
 
 
 def _check_peers(settings: Settings) -> str | None:
@@ -133,7 +137,8 @@ def prepare(settings: Settings) -> Prepared:
                  format_size(budget) if budget is not None else "off")
     return Prepared(settings, binary, table, overrides, catalogue, api_keys,
                     load_build(binary, cache_root() / "flags"), devices, gpu_budgets,
-                    _webui_folder(settings), peer_key, _state_store(settings))
+                    _webui_folder(settings), peer_key, _state_store(settings),
+                    _usage(settings.state_dir))
 
 
 def _state_store(settings: Settings) -> StateStore | None:
@@ -212,8 +217,10 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
                           timeout=settings.liveness_timeout, misses=settings.liveness_misses,
                           head_timeout=settings.upstream_timeout)
             peers.start()
+            usage = prepared.usage
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
-                                     router_log, reloader, peers)
+                                     router_log, reloader, peers, usage)
+            usage_writer = asyncio.create_task(usage.run(), name="usage-writer")
             app.state.supervisor = supervisor  # the server's own: startup models, a kill
             watcher = asyncio.create_task(reloader.watch(), name="config-watch")
             atexit.register(supervisor.kill_all_now)
@@ -224,6 +231,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
             finally:
                 watcher.cancel()
                 startup.cancel()
+                usage_writer.cancel()
                 await peers.close()
                 await supervisor.close()
                 atexit.unregister(supervisor.kill_all_now)
@@ -231,6 +239,19 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
 
     return create_app(lifespan, prepared.api_keys, metrics, webui=_webui(prepared),
                       cors=CorsPolicy.parse(prepared.settings.cors_origins))
+
+
+def _usage(state_dir: Path | None) -> Usage:
+    """The teams' usage ledger: kept in the state directory's SQLite file when there is one
+    (read back from it now), else in memory only."""
+    if state_dir is None:
+        return Usage()
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        return Usage(UsageStore(state_dir / USAGE_FILE))
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigurationError(f"--state-dir {state_dir}: cannot keep the usage in "
+                                 f"{USAGE_FILE}: {exc}") from None
 
 
 def _log_startup_failure(task: asyncio.Task[None]) -> None:

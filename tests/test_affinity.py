@@ -41,11 +41,13 @@ from router.core.cpugate import CpuGate
 from router.core.leases import Leases
 from router.core.runtime import ModelRuntime, Replica
 from router.edge import forward
+from router.edge.metering import Meter
 from router.errors import ModelNotLoaded
 from router.http.shutdown import Shutdown
 from router.llama.flags import FlagTable
 from router.logs import LogRing
 from router.observe.metrics import RouterMetrics
+from router.teams.usage import Usage
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -358,7 +360,8 @@ class KeySupervisor:
     def keeps_conversations(self, model: SimpleNamespace) -> bool:
         return False
 
-    def lease_now(self, model: SimpleNamespace, prefix: Prefix | None = None) -> None:
+    def lease_now(self, model: SimpleNamespace, prefix: Prefix | None = None,
+                  turn: object = None) -> None:
         self.keys.append(prefix)
         raise ModelNotLoaded(model.id)
 
@@ -367,7 +370,7 @@ async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> Prefix | Non
     sup = KeySupervisor(preset)
     app = SimpleNamespace(state=SimpleNamespace(
         router=SimpleNamespace(models=sup, default=None, shutdown=Shutdown(30.0),
-                               peers=None),
+                               peers=None, meter=Meter(Usage())),
         webui=None))
     raw = json.dumps({"model": preset.id, **body}).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",

@@ -22,11 +22,13 @@ import pytest
 from support import proxy_in_uvicorn, start_router, write_presets
 
 from router.edge.forward import proxy
+from router.edge.metering import Meter
 from router.http.proxy import RESPONSE_DROP, upstream_headers
 from router.http.requests import RequestContext
 from router.http.shutdown import Shutdown
 from router.http.upstream import ChildConnections
 from router.peers import hop
+from router.teams.usage import Usage
 
 # A scripted child: called with the request head it read (the body, if any, is left unread).
 Child = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
@@ -82,9 +84,11 @@ class FakeSupervisor:
     def keeps_conversations(self, model: object) -> bool:
         return False
 
-    def lease_now(self, model: SimpleNamespace, prefix: object = None) -> SimpleNamespace:
+    def lease_now(self, model: SimpleNamespace, prefix: object = None, turn: object = None
+                  ) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None, learn=lambda tail: None)
+                               release=lambda: None, learn=lambda tail: None,
+                               spent=lambda cost: None)
 
 
 @contextlib.asynccontextmanager
@@ -115,7 +119,7 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
         state = SimpleNamespace(router=SimpleNamespace(models=FakeSupervisor(pool),
                                                        default=None,
                                                        shutdown=Shutdown(30.0),
-                                                       peers=None),
+                                                       peers=None, meter=Meter(Usage())),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
@@ -204,7 +208,7 @@ async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_i
                         (b"x-note", b"a\r\nx-injected: 1")],
             "app": SimpleNamespace(state=SimpleNamespace(
                 router=SimpleNamespace(models=FakeSupervisor(pool), default=None,
-                                       shutdown=Shutdown(30.0), peers=None),
+                                       shutdown=Shutdown(30.0), peers=None, meter=Meter(Usage())),
                 webui=None))}
         messages: list[dict[str, Any]] = []
 

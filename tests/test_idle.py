@@ -1,4 +1,4 @@
-"""The idle TTL rule (router.core.idle.idle_expired), on plain run state."""
+"""The idle TTL rule (router.core.liveness.idle_expired), on plain run state."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
-from router.core.idle import idle_expired
+from router.core.liveness import idle_expired
 from router.core.lifecycle import ModelState, Status
 from router.core.runtime import ModelRuntime, Replica
 from router.logs import LogRing

@@ -32,8 +32,10 @@ from support import (
 )
 
 from router.core.wait import NOTHING_ELSE, Ends, raise_if_ended, start_watchers
+from router.edge.metering import Meter
 from router.http.shutdown import Shutdown
 from router.http.upstream import ChildConnections
+from router.teams.usage import Usage
 
 TIMEOUT = 10.0  # a hang guard, never a measurement
 GRACE_S = 1.0
@@ -89,16 +91,18 @@ class FakeSupervisor:
     def keeps_conversations(self, model: object) -> bool:
         return False
 
-    def lease_now(self, model: SimpleNamespace, prefix: object = None
+    def lease_now(self, model: SimpleNamespace, prefix: object = None, turn: object = None
                   ) -> SimpleNamespace | None:
         return None if model.id == "loading" else self._lease()
 
     def _lease(self) -> SimpleNamespace:
         return SimpleNamespace(child=SimpleNamespace(connections=self.pool),
-                               release=lambda: None, learn=lambda tail: None)
+                               release=lambda: None, learn=lambda tail: None,
+                               spent=lambda cost: None)
 
     async def acquire(self, model: SimpleNamespace, *, autoload: bool, budget: float | None,
-                      prefix: object = None, ends: Ends = NOTHING_ELSE) -> SimpleNamespace:
+                      prefix: object = None, ends: Ends = NOTHING_ELSE, turn: object = None
+                      ) -> SimpleNamespace:
         if model.id == "loading":  # the load never ends: only what ``ends`` names ends the wait
             self.waiting += 1
             self.waits.set()
@@ -137,7 +141,7 @@ async def proxy_before(child: Child, shutdown: Shutdown
         supervisor = FakeSupervisor(pool)
         state = SimpleNamespace(router=SimpleNamespace(models=supervisor, default=None,
                                                        shutdown=shutdown,
-                                                       peers=None),
+                                                       peers=None, meter=Meter(Usage())),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
@@ -285,7 +289,7 @@ def test_requests_waiting_for_a_load_get_the_503_when_the_grace_period_ends(
 
 
 @pytest.mark.fake
-def test_a_fake_stream_and_a_request_queued_in_the_child_end_with_the_envelope(
+def test_a_fake_stream_and_a_request_queued_for_the_slot_end_with_the_envelope(
         tmp_path: Path) -> None:
     binary = fake_binary(tmp_path, "--token-delay", "0.01")
     model = tmp_path / "model.gguf"
@@ -298,9 +302,9 @@ def test_a_fake_stream_and_a_request_queued_in_the_child_end_with_the_envelope(
 
 
 def stream_and_queued(router: RouterProcess, request: dict[str, Any]) -> None:
-    """A stream running and a second request queued behind it in the child (one slot) when
-    the router gets SIGTERM: the stream ends with the error event, the queued request gets
-    the 503, the router exits 0."""
+    """A stream running and a second request queued behind it for the one slot (in the
+    router's slot queue) when the router gets SIGTERM: the stream ends with the error event,
+    the queued request gets the 503, the router exits 0."""
     body = {**request, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     with router.client() as client, router.client() as other, in_threads() as pool, \
             client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -311,7 +315,9 @@ def stream_and_queued(router: RouterProcess, request: dict[str, Any]) -> None:
             other.post, "/v1/chat/completions",
             json={**request, "max_tokens": 4, "messages": [{"role": "user", "content": "y"}]})
         model = str(request["model"])
-        assert wait_until(lambda: router.models()[model]["status"]["in_flight"] == 2, TIMEOUT)
+        status = lambda: router.models()[model]["status"]  # noqa: E731
+        assert wait_until(lambda: (status()["in_flight"], status()["waiting"]) == (1, 1),
+                          TIMEOUT)
         stop_in_background = pool.submit(stop, router)
         for chunk in chunks:
             received += chunk

@@ -19,6 +19,17 @@ whose first key is the one sent to peers), so the two files follow one syntax.
 aliases. ``role=`` ``admin`` (default: every endpoint), or a comma list of ``infer``
 (inference and read-only model listing) and ``metrics`` (``/metrics``).
 
+A key's policy among the teams sharing the router (``KeyPolicy``, enforced by ``teams``)::
+
+    sk-alice  name=alice  priority=interactive
+    sk-batch  name=etl    priority=batch  max-concurrent=4  tokens-per-minute=20000
+
+``name=`` what every view shows instead of the key (letters, digits, ``.``, ``_``, ``-``;
+default ``key-N``, N the line); keys sharing a name are one team: one fair share, one quota,
+so they must give the same policy. ``priority=`` ``interactive``, ``default`` (the default)
+or ``batch``: the highest class its requests may ask for. ``max-concurrent=`` requests of the
+team queued or running at once; ``tokens-per-minute=`` prompt and generated tokens a minute.
+
 Each key's scope is parsed once into an immutable ``KeyScope``. Whether a scope allows a model
 is cached per (scope, model). The messages here name the file line, never the key, and an
 ``ApiKey``'s repr hides it.
@@ -32,8 +43,39 @@ from functools import lru_cache
 
 ADMIN, INFER, METRICS = "admin", "infer", "metrics"
 ROLES = (ADMIN, INFER, METRICS)
-FIELDS = ("models", "role")
+FIELDS = ("models", "role", "name", "priority", "max-concurrent", "tokens-per-minute")
 _FIELD_NAME = re.compile(r"[a-z][a-z_-]{0,15}")
+# The priority classes, highest first (``KeyPolicy.priority``: the class's rank, 0 highest).
+PRIORITIES = ("interactive", "default", "batch")
+DEFAULT_PRIORITY = 1
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ADMIN_NAME = "admin"  # the name of the keys given with --api-key
+ANONYMOUS = "anonymous"  # the one team of requests to a router without keys
+_LIMIT_MAX = 10**12
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """A key's place among the teams: its ``name``, the highest ``priority`` class its
+    requests may ask for (an index of ``PRIORITIES``), its quotas (None: no limit)."""
+
+    name: str = ANONYMOUS
+    priority: int = DEFAULT_PRIORITY
+    max_concurrent: int | None = None
+    tokens_per_minute: int | None = None
+
+    def describe(self) -> str:
+        """``name=etl priority=batch max-concurrent=4`` (never the key)."""
+        text = f"name={self.name} priority={PRIORITIES[self.priority]}"
+        if self.max_concurrent is not None:
+            text += f" max-concurrent={self.max_concurrent}"
+        if self.tokens_per_minute is not None:
+            text += f" tokens-per-minute={self.tokens_per_minute}"
+        return text
+
+
+UNLIMITED = KeyPolicy()
+ADMIN_POLICY = KeyPolicy(ADMIN_NAME)
 
 
 @dataclass(frozen=True)
@@ -76,17 +118,20 @@ FULL = KeyScope(frozenset({ADMIN}))
 
 
 class ApiKey(str):
-    """A key (the string itself) with its scope; its repr hides the key."""
+    """A key (the string itself) with its scope and its policy; its repr hides the key."""
 
     scope: KeyScope
+    policy: KeyPolicy
 
-    def __new__(cls, key: str, scope: KeyScope = FULL) -> ApiKey:
+    def __new__(cls, key: str, scope: KeyScope = FULL, policy: KeyPolicy = ADMIN_POLICY
+                ) -> ApiKey:
         self = super().__new__(cls, key)
         self.scope = scope
+        self.policy = policy
         return self
 
     def __repr__(self) -> str:
-        return f"ApiKey(<hidden>, {self.scope.describe()})"
+        return f"ApiKey(<hidden>, {self.scope.describe()}, {self.policy.describe()})"
 
 
 def scope_of(key: str) -> KeyScope:
@@ -94,11 +139,17 @@ def scope_of(key: str) -> KeyScope:
     return key.scope if isinstance(key, ApiKey) else FULL
 
 
+def policy_of(key: str) -> KeyPolicy:
+    """The policy of a key: ``admin``'s, unlimited, unless it is an ``ApiKey`` with its own."""
+    return key.policy if isinstance(key, ApiKey) else ADMIN_POLICY
+
+
 # ------------------------------------------------------------------------------- parsing
 
-def parse_line(line: str) -> ApiKey | None:
-    """One line of a key file: None for a blank or comment line; ValueError with the problem
-    (never quoting the key, nor anything that may be part of one) for a bad line."""
+def parse_line(line: str, number: int = 1) -> ApiKey | None:
+    """One line of a key file (its ``number``, for the default name): None for a blank or
+    comment line; ValueError with the problem (never quoting the key, nor anything that may
+    be part of one) for a bad line."""
     words = _words(line)
     if not words:
         return None
@@ -121,7 +172,29 @@ def parse_line(line: str) -> ApiKey | None:
         values[name] = value
     models = _parse_models(values["models"]) if "models" in values else None
     roles = _parse_roles(values["role"]) if "role" in values else frozenset({ADMIN})
-    return ApiKey(key, KeyScope(roles, models))
+    return ApiKey(key, KeyScope(roles, models), _parse_policy(values, number))
+
+
+def _parse_policy(values: dict[str, str], number: int) -> KeyPolicy:
+    name = values.get("name", f"key-{number}")
+    if not NAME.fullmatch(name):
+        raise ValueError("name= needs 1 to 64 letters, digits, '.', '_' or '-', starting with "
+                         "a letter or digit")
+    priority = values.get("priority", PRIORITIES[DEFAULT_PRIORITY])
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority= must be one of {', '.join(PRIORITIES)}")
+    return KeyPolicy(name, PRIORITIES.index(priority), _limit(values, "max-concurrent"),
+                     _limit(values, "tokens-per-minute"))
+
+
+def _limit(values: dict[str, str], field_name: str) -> int | None:
+    value = values.get(field_name)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or not 0 < int(value) <= _LIMIT_MAX:
+        raise ValueError(f"{field_name}= must be a whole number from 1 to {_LIMIT_MAX} "
+                         "(leave it out for no limit)")
+    return int(value)
 
 
 def _words(line: str) -> list[str]:
@@ -161,17 +234,27 @@ def parse_file(text: str) -> list[ApiKey]:
     """Every key of a key file; ValueError ``line N: problem`` for the first bad line, or a
     key given twice with different scopes."""
     keys: list[ApiKey] = []
-    seen: dict[str, tuple[int, KeyScope]] = {}
+    seen: dict[str, tuple[int, KeyScope, KeyPolicy]] = {}
+    teams: dict[str, tuple[int, KeyPolicy]] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         try:
-            key = parse_line(line)
+            key = parse_line(line, number)
         except ValueError as exc:
             raise ValueError(f"line {number}: {exc}") from None
         if key is None:
             continue
-        earlier = seen.setdefault(str(key), (number, key.scope))
-        if earlier[1] != key.scope:
+        earlier = seen.setdefault(str(key), (number, key.scope, key.policy))
+        if earlier[1:] != (key.scope, key.policy):
             raise ValueError(f"line {number}: the key of line {earlier[0]} again, with another "
-                             "scope: give each key once")
+                             "scope or policy: give each key once")
+        team = teams.setdefault(key.policy.name, (number, key.policy))
+        if team[1] != key.policy:
+            raise ValueError(f"line {number}: name={key.policy.name} is also the name of line "
+                             f"{team[0]} with another policy: keys sharing a name share one "
+                             "fair share and one quota, so give them the same priority= and "
+                             "limits")
         keys.append(key)
+    if ADMIN_NAME in teams:
+        raise ValueError(f"line {teams[ADMIN_NAME][0]}: name={ADMIN_NAME} is the name of the "
+                         "keys given with --api-key: choose another")
     return keys

@@ -14,6 +14,10 @@ prefix is counted by ``on_routed`` (the metrics), when set.
 A request routed by prefix also holds a ``pace.Ticket`` in its replica's backlog (its expected
 work); when its response has ended, the child's ``timings`` in its last chunks (as the request's
 context kept them) teach the replica's ``Pace`` (``Lease.learn``).
+
+A request that takes one of its model's slots holds a ``fairshare.Turn`` (``wait``: the slot
+queue); when its lease is released, what it really cost (``Lease.spent``, told by the edge)
+goes to ``on_turn_end``, which gives the freed slot to the next request waiting for one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Protocol
 from .. import clock
 from ..children.backend import Backend
 from ..http.tail import ResponseTail
+from ..teams.fairshare import Turn
 from ..warm.conversations import Conversations, Placement
 from .affinity import Prefix
 from .lifecycle import Event, Idle
@@ -32,6 +37,7 @@ from .runtime import ModelRuntime, Replica
 
 RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
 Apply = Callable[[ModelRuntime, Event], object]  # ``Executor.apply``
+TurnEnd = Callable[[ModelRuntime, Turn, float], None]  # (model, turn, its cost's correction)
 
 
 class Gate(Protocol):
@@ -45,20 +51,29 @@ class Gate(Protocol):
 class Lease:
     """A request's hold on one replica; ``release()`` exactly once when the response ends."""
 
-    __slots__ = ("_leases", "_released", "placement", "replica", "runtime", "ticket")
+    __slots__ = ("_leases", "_released", "correction", "placement", "replica", "runtime",
+                 "ticket", "turn")
 
     def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica,
-                 ticket: Ticket | None = None) -> None:
+                 ticket: Ticket | None = None, turn: Turn | None = None) -> None:
         self._leases = leases
         self.runtime = runtime
         self.replica = replica
         self.ticket = ticket
+        self.turn = turn  # its place in the slot queue, for a request that takes a slot
+        self.correction = 0.0  # what its turn really cost less what it was expected to
         self.placement: Placement | None = None  # its slot, where the router chose it
         self._released = False
 
     @property
     def child(self) -> Backend:
         return self.replica.child
+
+    def spent(self, weighted_tokens: float) -> None:
+        """What the request really cost, in weighted tokens (its prompt as the child counted
+        it, its generated tokens weighted): its turn's charge is corrected at release."""
+        if self.turn is not None:
+            self.correction = weighted_tokens - self.turn.cost
 
     def learn(self, tail: ResponseTail) -> None:
         """Teach what the child's ``timings`` at the end of the response say: for a request
@@ -82,18 +97,23 @@ class Lease:
             self._released = True
             if self.placement is not None:
                 Conversations.end(self.placement)
+            # Its slot goes to the next request first: the model is never idle in between.
+            if self.turn is not None and self._leases.on_turn_end is not None:
+                self._leases.on_turn_end(self.runtime, self.turn, self.correction)
             self._leases.release(self.runtime, self.replica, self.ticket)
 
 
 class Leases:
     def __init__(self, *, gate: Gate, apply: Apply,
                  on_replica_done: Callable[[Replica], None],
-                 conversations: Conversations | None = None) -> None:
+                 conversations: Conversations | None = None,
+                 on_turn_end: TurnEnd | None = None) -> None:
         self._gate = gate
         self._apply = apply
         self._on_replica_done = on_replica_done
         self.conversations = conversations  # slots placed for the conversations kept
         self.on_routed: RoutedCallback | None = None
+        self.on_turn_end = on_turn_end  # the slot queue's (``slotqueue.Slots.ended``)
 
     def place(self, lease: Lease, keys: tuple[int, ...], credential: bytes
               ) -> Placement | None:
@@ -111,9 +131,10 @@ class Leases:
         return lease.placement
 
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,
-             prefix: Prefix | None = None) -> Lease:
-        """Hold ``replica`` of a serving model for one request; default: by the prompt's
-        ``prefix`` (``affinity``, ``pace``) when given, else the least busy."""
+             prefix: Prefix | None = None, turn: Turn | None = None) -> Lease:
+        """Hold ``replica`` of a serving model for one request (with its slot's ``turn``, for
+        one that takes a slot); default: by the prompt's ``prefix`` (``affinity``, ``pace``)
+        when given, else the least busy."""
         ticket = None
         now = clock.now()
         if replica is None:
@@ -130,7 +151,7 @@ class Leases:
         counters.used_at = now
         if counters.in_flight == 1:
             self._gate.busy(runtime.id)
-        return Lease(self, runtime, replica, ticket)
+        return Lease(self, runtime, replica, ticket, turn)
 
     def release(self, runtime: ModelRuntime, replica: Replica,
                 ticket: Ticket | None = None) -> None:

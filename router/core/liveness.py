@@ -21,6 +21,9 @@ that ends while it is paused is not counted.
 
 ``Misses`` is the count of health checks missed in a row, kept here for children and remote
 upstreams; a peer router counts its own in its state (``peer.PeerState.missed``).
+
+The other end of a model's life is watched here too, the idle TTL (``reap_idle``): a model
+serving nothing for its ``ttl`` (else ``--idle-timeout``) is stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 from collections.abc import Callable, Container, Iterable
 from typing import Generic, TypeVar
 
+from .. import clock
 from ..children.backend import Backend
 from ..children.remote import RemoteUpstream
 from .lifecycle import Status
@@ -123,3 +127,29 @@ class Liveness:
             self._on_unresponsive(runtime, child, (
                 f"llama-server stopped answering: {missed} health checks "
                 f"in a row failed (last: {problem}); killed it"))
+
+
+# ------------------------------------------------------------------------- the idle TTL
+
+REAPER_INTERVAL_S = 1.0
+
+
+def idle_expired(runtime: ModelRuntime, default_ttl: float, now: float) -> bool:
+    """A serving model with nothing in flight or waiting, unused for its TTL (0: never)."""
+    ttl = runtime.preset.ttl if runtime.preset.ttl is not None else default_ttl
+    return bool(ttl and runtime.serving and runtime.in_flight == 0 and runtime.waiting == 0
+                and now - runtime.last_used >= ttl)
+
+
+async def reap_idle(models: Callable[[], Iterable[ModelRuntime]], default_ttl: float,
+                    stop: Callable[[ModelRuntime, str], object]) -> None:
+    """Every ``REAPER_INTERVAL_S``, stop the models whose idle TTL has run out; runs until
+    cancelled."""
+    while True:
+        await asyncio.sleep(REAPER_INTERVAL_S)
+        now = clock.now()
+        for runtime in list(models()):
+            if idle_expired(runtime, default_ttl, now):
+                log.info("idle for %.0f s; unloading", now - runtime.last_used,
+                         extra={"event": "idle_unload", "model": runtime.id})
+                stop(runtime, "idle")

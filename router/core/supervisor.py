@@ -33,6 +33,7 @@ from ..errors import (
     ModelNotFound,
 )
 from ..host.memory import total_ram_bytes
+from ..teams.fairshare import Turn
 from .affinity import Prefix
 from .leases import Lease, RoutedCallback
 from .lifecycle import (
@@ -147,18 +148,21 @@ class Supervisor:
 
     # ----------------------------------------------------------------- requests
 
-    def lease_now(self, model: ModelView, prefix: Prefix | None = None) -> Lease | None:
+    def lease_now(self, model: ModelView, prefix: Prefix | None = None,
+                  turn: Turn | None = None) -> Lease | None:
         """A lease on a replica of the model (the handle ``find`` gave) when it serves, taken
-        at once; None when it does not serve (then ``acquire`` waits for it)."""
-        return self.wait.lease_now(self._record(model), prefix)
+        at once, with a slot for ``turn`` when one is free; None when it does not serve or
+        has no slot free (then ``acquire`` waits)."""
+        return self.wait.lease_now(self._record(model), prefix, turn)
 
     async def acquire(self, model: ModelView, *, autoload: bool = True,
                       budget: float | None = None, prefix: Prefix | None = None,
-                      ends: Ends = NOTHING_ELSE) -> Lease:
+                      ends: Ends = NOTHING_ELSE, turn: Turn | None = None) -> Lease:
         """A lease on a serving replica of the model (the handle ``find`` gave; ``wait``:
-        loading it if allowed, within the wait budget, while ``ends`` lets it wait)."""
+        loading it if allowed, and a slot for ``turn``, within the wait budget, while
+        ``ends`` lets it wait)."""
         return await self.wait.acquire(self._record(model), autoload=autoload, budget=budget,
-                                       prefix=prefix, ends=ends)
+                                       prefix=prefix, ends=ends, turn=turn)
 
     def keeps_conversations(self, model: ModelView) -> bool:
         """Whether the model's requests are placed in its slots (``conversations``)."""

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..config.sources import Catalogue
     from ..events import EventBus
     from ..logs import LogRing
+    from ..teams.fairshare import Turn
     from ..warm.swaps import WarmSwaps
     from .affinity import Prefix
     from .leases import Lease, RoutedCallback
@@ -316,11 +317,12 @@ class Models(Protocol):
 
     def on_routed(self, callback: RoutedCallback) -> None: ...
 
-    def lease_now(self, model: ModelView, prefix: Prefix | None = None) -> Lease | None: ...
+    def lease_now(self, model: ModelView, prefix: Prefix | None = None,
+                  turn: Turn | None = None) -> Lease | None: ...
 
     async def acquire(self, model: ModelView, *, autoload: bool = True,
                       budget: float | None = None, prefix: Prefix | None = None,
-                      ends: Ends = ...) -> Lease: ...
+                      ends: Ends = ..., turn: Turn | None = None) -> Lease: ...
 
     def keeps_conversations(self, model: ModelView) -> bool: ...
 

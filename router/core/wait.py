@@ -14,6 +14,10 @@
   waiter to leave cancels a load started on demand that has spawned nothing yet
   (``NobodyWaits``).
 
+A request that takes a slot (its ``turn``: ``slotqueue``) then also waits, in the same call,
+under the same budget and ends, for one of the model's slots: at once when one is free and
+nobody waits, else in the model's slot queue. A wait that runs out there is the same 503.
+
 This module is the one writer of ``ModelRuntime.waiting``.
 """
 
@@ -38,12 +42,14 @@ from ..errors import (
     ShuttingDown,
     WaitBudgetExceeded,
 )
+from ..teams.fairshare import Turn
 from .admission import Admission
 from .affinity import Prefix
 from .executor import Executor
 from .leases import Lease, Leases
 from .lifecycle import ALREADY_RUNNING, CLOSING, CRASH_LOOP, LoadWanted, NobodyWaits, Refuse, Status
 from .runtime import ModelRuntime, WaitBegan, WaitEnded
+from .slotqueue import Slots
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,13 @@ NOTHING_ELSE = Ends()
 
 class ModelWait:
     def __init__(self, settings: Settings, executor: Executor, admission: Admission,
-                 leases: Leases, models: Callable[[], Iterable[ModelRuntime]]) -> None:
+                 leases: Leases, slots: Slots,
+                 models: Callable[[], Iterable[ModelRuntime]]) -> None:
         self._settings = settings
         self._executor = executor
         self._admission = admission
         self._leases = leases
+        self._slots = slots
         self._models = models
 
     @property
@@ -74,18 +82,24 @@ class ModelWait:
         """Requests waiting for any model."""
         return sum(r.waiting for r in self._models())
 
-    def lease_now(self, runtime: ModelRuntime, prefix: Prefix | None = None) -> Lease | None:
-        """A lease on a replica of a model that serves, taken at once (no await, no task);
-        None when it does not serve."""
-        return self._leases.take(runtime, prefix=prefix) if runtime.serving else None
+    def lease_now(self, runtime: ModelRuntime, prefix: Prefix | None = None,
+                  turn: Turn | None = None) -> Lease | None:
+        """A lease on a replica of a model that serves, taken at once (no await, no task),
+        with a slot for ``turn`` when given; None when it does not serve or, for a turn, no
+        slot is free or others wait for one."""
+        if not runtime.serving or (turn is not None
+                                   and not self._slots.start_now(runtime, turn)):
+            return None
+        return self._leases.take(runtime, prefix=prefix, turn=turn)
 
     async def acquire(self, runtime: ModelRuntime, *, autoload: bool = True,
                       budget: float | None = None, prefix: Prefix | None = None,
-                      ends: Ends = NOTHING_ELSE) -> Lease:
+                      ends: Ends = NOTHING_ELSE, turn: Turn | None = None) -> Lease:
         """A lease on a serving replica of ``runtime`` (chosen by the prompt's ``prefix`` if
-        given: ``affinity``), loading it if allowed. Raises ModelNotLoaded, QueueFull,
-        LoadFailed, WaitBudgetExceeded, ClientGone or the shutdown's error."""
-        lease = self.lease_now(runtime, prefix)
+        given: ``affinity``), with one of its slots for ``turn`` when given, loading it if
+        allowed. Raises ModelNotLoaded, QueueFull, LoadFailed, WaitBudgetExceeded, ClientGone
+        or the shutdown's error."""
+        lease = self.lease_now(runtime, prefix, turn)
         if lease is not None:
             return lease
         if not autoload and runtime.status is Status.UNLOADED:
@@ -99,9 +113,20 @@ class ModelWait:
         seconds = min(budget, own) if budget else own
         self._executor.apply(runtime, WaitBegan())
         watchers = start_watchers(ends)
+        deadline = clock.now() + seconds
         try:
-            await self._until_serving(runtime, clock.now() + seconds, seconds, watchers, ends)
-            return self._leases.take(runtime, prefix=prefix)
+            while True:
+                await self._until_serving(runtime, deadline, seconds, watchers, ends)
+                if turn is None:
+                    return self._leases.take(runtime, prefix=prefix)
+                lease = self.lease_now(runtime, prefix, turn)
+                if lease is not None:
+                    return lease
+                if await self._slots.wait_turn(runtime, turn, deadline, watchers):
+                    return self._leases.take(runtime, prefix=prefix, turn=turn)
+                raise_if_ended(watchers, ends)
+                if clock.now() >= deadline:
+                    raise self._budget_exceeded(runtime, seconds, slot=True)
         finally:
             for watcher in watchers:
                 watcher.cancel()
@@ -155,7 +180,13 @@ class ModelWait:
         with contextlib.suppress(LoadFailed):
             self.load_task(runtime, on_demand=False)
 
-    def _budget_exceeded(self, runtime: ModelRuntime, seconds: float) -> WaitBudgetExceeded:
+    def _budget_exceeded(self, runtime: ModelRuntime, seconds: float, *, slot: bool = False
+                         ) -> WaitBudgetExceeded:
+        if slot:
+            return WaitBudgetExceeded(
+                f"no slot of model '{runtime.id}' was free within the wait budget of "
+                f"{seconds:g} s ({self._slots.waiting(runtime.id)} requests wait for one)",
+                headers={"Retry-After": "5"})
         position = self._admission.position(runtime.id)
         where = f", queue position {position}" if position is not None else ""
         return WaitBudgetExceeded(

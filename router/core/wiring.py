@@ -42,14 +42,14 @@ from .accounting import Accounting
 from .admission import Admission
 from .cpugate import CpuGate
 from .executor import Executor
-from .idle import reap_idle
 from .leases import Leases
 from .lifecycle import Drain, Undrain
-from .liveness import Liveness
+from .liveness import Liveness, reap_idle
 from .loader import Loader
 from .modelchanges import ModelChanges
 from .modelset import ModelSet
 from .runtime import ModelRuntime, cpu_turn_members
+from .slotqueue import Slots
 from .spawner import Spawner
 from .wait import ModelWait
 
@@ -125,11 +125,13 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
     liveness = Liveness(interval=settings.liveness_interval, timeout=settings.liveness_timeout,
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
+    slots = Slots(changes)
     leases = Leases(gate=cpu_gate, apply=executor.apply,
                     on_replica_done=executor.close_pool_later,
-                    conversations=Conversations(warm) if warm is not None else None)
+                    conversations=Conversations(warm) if warm is not None else None,
+                    on_turn_end=slots.ended)
     admission = executor.loads.admission
-    wait = ModelWait(settings, executor, admission, leases, models.values)
+    wait = ModelWait(settings, executor, admission, leases, slots, models.values)
     model_changes = ModelChanges(model_set, executor, wait, changes)
     background = Background(settings, models, executor, accounting, liveness, cpu_gate,
                             cpu_sharing=bool(shared))

@@ -45,9 +45,11 @@ from ..http.proxy import (
 )
 from ..http.requests import WAIT_BUDGET_HEADER, RequestContext, context
 from ..llama.webui import StaticUI
+from ..teams.fairshare import Turn
 from .keys import Forbidden
+from .metering import Metered
 from .nodes import serve_across_nodes
-from .route import decide, take
+from .route import Route, decide, take
 from .state import State
 
 if TYPE_CHECKING:
@@ -125,24 +127,49 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         return  # a page of the web UI was the answer
     route = take(state, request, decide(state.models, state.peers, state.default, request, model),
                  request.conv_id if body else None)
-    if route.holders and await serve_across_nodes(state, scope, request, receive, send, route,
-                                                  request.target()):
-        return
-    local = route.local  # the handle on the model, decided once
-    assert local is not None  # the nodes leave a request to this router only if it has it
-    prefix = _prefix(state, request, local)
-    routing = prefix if local.preset.prefix_routing else None
-    lease = _lease_now(state, request, local, routing) or \
-        await _wait_for_lease(state, receive, request, local, routing)
+    metered = state.meter.begin(request, route.model_id)  # 429 over a quota
+    lease: Lease | None = None
+    error: BaseException | None = None
     try:
-        if route.conversation is not None:  # a resumable stream: the child that keeps it
-            route.conversation.served_by(lease.child)
-        if prefix is not None and request.path in SLOT_PATHS:
-            body = await _in_its_slot(state, request, lease, prefix, body)
-        await _relay(state, scope, receive, send, request, local, lease, body)
+        if route.holders and await serve_across_nodes(state, scope, request, receive, send,
+                                                      route, request.target()):
+            return
+        local = route.local  # the handle on the model, decided once
+        assert local is not None  # the nodes leave a request to this router only if it has it
+        prefix = _prefix(state, request, local)
+        lease = await _lease(state, receive, request, local, prefix, metered)
+        await _serve(state, scope, receive, send, request, route, local, lease, prefix, body)
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        lease.learn(request.tail())
-        lease.release()
+        if metered is not None:
+            metered.end(request, lease, error)
+        if lease is not None:
+            lease.learn(request.tail())
+            lease.release()
+
+
+async def _lease(state: State, receive: Receive, request: RequestContext, local: ModelView,
+                 prefix: Prefix | None, metered: Metered | None) -> Lease:
+    """A lease on a replica of the model (with a slot, for a metered request): at once when
+    it serves and has one free, else after the whole wait."""
+    routing = prefix if local.preset.prefix_routing else None
+    turn = metered.turn if metered is not None else None
+    return _lease_now(state, request, local, routing, turn) or \
+        await _wait_for_lease(state, receive, request, local, routing, turn)
+
+
+async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
+                 request: RequestContext, route: Route, local: ModelView, lease: Lease,
+                 prefix: Prefix | None, body: bytes) -> None:
+    """Relay the request to its leased child: to the slot its conversation needs, and for a
+    resumable stream, with the child that keeps it noted."""
+    if route.conversation is not None:  # a resumable stream: the child that keeps it
+        route.conversation.served_by(lease.child)
+    if prefix is not None and request.path in SLOT_PATHS:
+        body = await _in_its_slot(state, request, lease, prefix, body)
+    await _relay(state, scope, receive, send, request, local, lease, body)
 
 
 def _admit(state: State, scope: Scope) -> RequestContext:
@@ -187,18 +214,19 @@ async def _default_or_page(state: State, scope: Scope, send: Send, request: Requ
 
 
 def _lease_now(state: State, request: RequestContext, model: ModelView,
-               prefix: Prefix | None) -> Lease | None:
+               prefix: Prefix | None, turn: Turn | None) -> Lease | None:
     """A lease on a replica of a model that serves, taken at once (the hot path: no task, no
     await), by the prompt's ``prefix`` among its replicas when it is routed by it; None when
     the model does not serve. Its options are checked either way."""
     if not model.serving:
         return None
     _budget(request)  # checked as for any request
-    return state.models.lease_now(model, prefix)
+    return state.models.lease_now(model, prefix, turn)
 
 
 async def _wait_for_lease(state: State, receive: Receive, request: RequestContext,
-                          model: ModelView, prefix: Prefix | None) -> Lease:
+                          model: ModelView, prefix: Prefix | None, turn: Turn | None
+                          ) -> Lease:
     """The whole wait for a model that does not serve (``wait``), ended by its budget, the
     client leaving or the shutdown."""
     models = state.models
@@ -208,8 +236,8 @@ async def _wait_for_lease(state: State, receive: Receive, request: RequestContex
     waited = time.perf_counter()
     try:
         lease = await models.acquire(model, autoload=autoload, budget=budget, prefix=prefix,
-                                  ends=Ends(lambda: wait_disconnect(receive), shutdown.over,
-                                            shutdown.error))
+                                     ends=Ends(lambda: wait_disconnect(receive),
+                                               shutdown.over, shutdown.error), turn=turn)
     finally:  # for the activity record, also when the wait failed
         request.queue_s = queued = time.perf_counter() - waited
     state.metrics.queue_seconds.labels(model.preset.id).observe(queued)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..config.keyfile import ADMIN, INFER, METRICS, KeyScope, scope_of
-from ..errors import RouterError, Unauthorized, send_error
+from ..config.keyfile import ADMIN, INFER, METRICS, UNLIMITED, KeyScope, policy_of, scope_of
+from ..errors import BadRequest, RouterError, Unauthorized, send_error
 from ..http.paths import (
     ADMIN_PROXIED_PREFIXES,
     ADMIN_PROXIED_WRITES,
@@ -32,6 +32,7 @@ from ..http.paths import (
     READ_METHODS,
 )
 from ..http.requests import RequestContext, context
+from ..teams.members import PRIORITY_HEADER, MemberError, member_of
 
 if TYPE_CHECKING:
     from ..llama.webui import StaticUI
@@ -86,6 +87,10 @@ def check_path(key_scope: KeyScope, request: RequestContext) -> None:
                         f"{request.path[:200]}: that needs role={role}")
 
 
+def _member_refusal(error: MemberError) -> RouterError:
+    return Forbidden(str(error)) if error.status == 403 else BadRequest(str(error))
+
+
 def key_scope_of(scope: Scope) -> KeyScope | None:
     """The scope the API key middleware left for this request; None: full access."""
     return context(scope).key_scope
@@ -111,6 +116,9 @@ class ApiKeyMiddleware:
         self.hashes = [key_hash(key) for key in self.keys]  # what owns a resumable stream
         # None: full access, nothing to check after the comparison.
         self.scopes: list[KeyScope | None] = [None if s.full else s for s in scopes.values()]
+        policies = {key.encode(): policy_of(key) for key in keys}
+        self.policies = [policies[key] for key in self.keys]
+        self.admins = [ADMIN in s.roles for s in scopes.values()]
         self.webui = webui
 
     def _public(self, request: RequestContext) -> bool:
@@ -124,6 +132,12 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys:
+            if scope["type"] == "http" and PRIORITY_HEADER in context(scope).headers:
+                try:  # without keys, a request may still ask for a lower class
+                    context(scope).member = member_of(UNLIMITED, False, context(scope).headers)
+                except MemberError as exc:
+                    await send_error(send, _member_refusal(exc))
+                    return
             await self.app(scope, receive, send)
             return
         request = context(scope)
@@ -140,6 +154,12 @@ class ApiKeyMiddleware:
             await send_error(send, Unauthorized())
             return
         request.key_hash = self.hashes[found - 1]
+        try:
+            request.member = member_of(self.policies[found - 1], self.admins[found - 1],
+                                       request.headers)
+        except MemberError as exc:
+            await send_error(send, _member_refusal(exc))
+            return
         key_scope = self.scopes[found - 1]
         if key_scope is not None:
             try:

@@ -434,6 +434,20 @@ class LogStream:
             await sse.respond(scope, receive, send, queue.get, self.closing)
 
 
+async def usage(request: Request) -> Response:
+    """``GET /usage`` (admin): what each team used, per model, since the usage was first kept
+    (``teams.usage``): requests, prompt and generated tokens, seconds queued, refusals;
+    ``?format=csv`` for a spreadsheet. Teams are named by their keys' ``name=``, never by a
+    key."""
+    ledger = _state(request).usage
+    form = request.query_params.get("format", "json")
+    if form == "csv":
+        return Response(ledger.csv(), media_type="text/csv; charset=utf-8",
+                        headers={"Content-Disposition": 'attachment; filename="usage.csv"'})
+    if form != "json":
+        raise BadRequest(f"format must be json or csv, not '{form[:40]}'")
+    return JSONResponse({"kept": ledger.store is not None,
+                         "usage": [vars(row) for row in ledger.rows()]})
 
 
 # Each route the router answers itself, (path, method) -> its handler; which routes there are
@@ -449,7 +463,7 @@ HANDLERS: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
     ("/cors-proxy", "GET"): feature_disabled, ("/cors-proxy", "POST"): feature_disabled,
     ("/v1/stream", "GET"): stream_resume, ("/v1/stream", "DELETE"): stream_stop,
     ("/v1/streams/lookup", "POST"): streams_lookup, ("/activity", "GET"): list_activity,
-    ("/activity/totals", "GET"): activity_totals,
+    ("/activity/totals", "GET"): activity_totals, ("/usage", "GET"): usage,
 }
 
 

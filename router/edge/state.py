@@ -15,7 +15,9 @@ from ..http.shutdown import Shutdown
 from ..logs import LogRing
 from ..observe.metrics import RouterMetrics
 from ..peers.registry import Peers
+from ..teams.usage import Usage
 from .defaults import DefaultModel
+from .metering import Meter
 from .reload import Reloader
 from .resumable import ConversationOwners
 
@@ -25,7 +27,8 @@ class State:
 
     def __init__(self, models: Models, client: httpx.AsyncClient, events: EventBus,
                  build_info: str, metrics: RouterMetrics, router_log: LogRing,
-                 reloader: Reloader, peers: Peers | None = None) -> None:
+                 reloader: Reloader, peers: Peers | None = None,
+                 usage: Usage | None = None) -> None:
         self.models = models
         self.client = client
         self.events = events
@@ -40,6 +43,8 @@ class State:
                                     unknown_to_default=settings.unknown_model_to_default,
                                     peered=bool(settings.peer or settings.peer_dns))
         self.conversations = ConversationOwners()  # resumable streams: which child has each
+        self.usage = usage or Usage()  # what each team used (``teams.usage``)
+        self.meter = Meter(self.usage)  # the teams' quotas and turns (``metering``)
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[Any]] = set()
         self.shutdown = Shutdown(models.settings.shutdown_grace)

@@ -5,5 +5,6 @@ the relay of an answer (``proxy``), server-sent events (``sse``) and the shutdow
 see it (``shutdown``).
 
 It owns each request's context and each upstream connection; it knows nothing of models. It
-may import ``foundation``, ``llama``, ``dashboard`` (its paths), ``host`` and ``config``.
+may import ``foundation``, ``llama``, ``dashboard`` (its paths), ``host``, ``config`` and
+``teams`` (who a request is for).
 """

@@ -28,7 +28,7 @@ LOCAL_ROUTES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "/metrics": ("GET",), "/logs": ("GET",), "/logs/stream": ("GET",),
     "/tools": ("GET", "POST"), "/cors-proxy": ("GET", "POST"),
     "/v1/stream": ("GET", "DELETE"), "/v1/streams/lookup": ("POST",),
-    "/activity": ("GET",), "/activity/totals": ("GET",),
+    "/activity": ("GET",), "/activity/totals": ("GET",), "/usage": ("GET",),
 })
 # Paths the router answers itself; every other path is proxied. /props and /metrics with
 # ?model= are the model's own, and proxied too.
@@ -45,6 +45,13 @@ PROXIED_ENDPOINTS = frozenset({
 SLOT_PATHS = frozenset({
     "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
     "/completion", "/v1/messages", "/infill"})
+# The requests a model's slots run (completions, responses, embeddings, reranking,
+# transcriptions), when POSTed: each waits in the router for a free slot, and counts against
+# its team's quotas and in its usage (``teams``).
+METERED_PATHS = SLOT_PATHS | frozenset({
+    "/v1/responses", "/responses", "/v1/embeddings", "/embeddings", "/embedding",
+    "/v1/rerank", "/rerank", "/v1/reranking", "/reranking", "/v1/audio/transcriptions",
+    "/audio/transcriptions"})
 # Endpoint label values for metrics; any other path is counted as "other".
 KNOWN_ENDPOINTS = frozenset(LOCAL_ROUTES) | PROXIED_ENDPOINTS
 MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})

@@ -51,6 +51,7 @@ from ..errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from ..teams.members import FAIRNESS_HEADER, NOBODY, PRIORITY_HEADER
 from . import jsonscan
 from .paths import is_local
 from .tail import ResponseTail
@@ -93,6 +94,8 @@ WAIT_BUDGET_HEADER = b"x-wait-budget"
 # a second X-Conversation-Id refuses the request (``RequestContext.refused``).
 _KEPT = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-length",
                    WAIT_BUDGET_HEADER, CONVERSATION_HEADER,
+                   # who a request is for (``teams.members``)
+                   PRIORITY_HEADER, FAIRNESS_HEADER,
                    # where a browser says it comes from (``cors``)
                    b"host", b"origin", b"sec-fetch-site", b"access-control-request-method"})
 # A form body's media type: llama-server (cpp-httplib) folds such a body into the request's
@@ -126,7 +129,10 @@ class RequestContext:
       router (``%uXXXX``, percent-encoded bytes that are no UTF-8, a control character in
       the path); None for none;
     * ``target()``: the target upstreams get, encoded from this reading (``upstream_target``);
-    * set later: ``key_scope`` (the API key's scope when it is scoped; None: full access),
+    * set later: ``member`` (who it is for: its team, flow and priority class,
+      ``teams.members``; ``NOBODY``, the one team of a router without keys, until the key
+      check says otherwise), ``key_scope`` (the API key's scope when it is scoped; None:
+      full access),
       ``key_hash`` (a keyed hash of the API key presented, ``keys.key_hash``; empty without
       keys: what owns the resumable streams it starts),
       ``body`` and ``parsed`` (the JSON object) once read, ``model_id`` (the resolved id,
@@ -134,13 +140,15 @@ class RequestContext:
       (the peer that served it);
     * the response as it went out (``sent``: every non-empty body chunk, through the ASGI
       ``send`` or a direct ``http11.BodyWriter``): ``first_sent`` (``perf_counter`` of its
-      first chunk, 0 before it) and its last two chunks (``sent_before``, ``sent_last``),
+      first chunk, 0 before it), how many chunks went (``chunks``: a stream's events, about
+      its tokens) and its last two chunks (``sent_before``, ``sent_last``),
       which the metrics middleware reads for the time to first byte, and ``tail()``: what
       their end says (``tail.ResponseTail``: timings, tokens), read once.
     """
 
-    __slots__ = ("_raw", "_tail", "_target", "body", "defaulted", "first_sent", "headers",
-                 "json_as_form", "key_hash", "key_scope", "local", "method", "model",
+    __slots__ = ("_raw", "_tail", "_target", "body", "chunks", "defaulted", "first_sent",
+                 "headers", "json_as_form", "key_hash", "key_scope", "local", "member",
+                 "method", "model",
                  "model_id", "named", "node", "params", "parsed", "path", "queue_s", "refused",
                  "scanned", "sent_before", "sent_last", "via")
 
@@ -174,6 +182,7 @@ class RequestContext:
         self.headers = kept
         self.via = via
         self.key_scope: KeyScope | None = None
+        self.member = NOBODY
         self.key_hash = ""
         self.body: bytes | None = None
         self.parsed: dict[str, Any] | None = None
@@ -185,6 +194,7 @@ class RequestContext:
         self.defaulted = False
         self.named: str | None = None
         self.first_sent = 0.0
+        self.chunks = 0
         self.sent_before = self.sent_last = b""
         self._tail: ResponseTail | None = None
 
@@ -193,6 +203,7 @@ class RequestContext:
         hot path calls it for every chunk."""
         if not self.first_sent:
             self.first_sent = time.perf_counter()
+        self.chunks += 1
         self.sent_before, self.sent_last = self.sent_last, body
 
     def tail(self) -> ResponseTail:

@@ -11,7 +11,10 @@ things from them, each at most once and only when asked (``ResponseTail``):
 * ``tokens``: the number of tokens generated, for the metrics and the activity record:
   llama-server's ``predicted_n`` wins over the usage fields of the OpenAI
   (``completion_tokens``), Anthropic and Responses (``output_tokens``) shapes and of
-  ``/completion`` (``tokens_predicted``).
+  ``/completion`` (``tokens_predicted``);
+* ``prompt_tokens``: the prompt's tokens as the client was told them (``prompt_tokens``,
+  ``input_tokens``, ``tokens_evaluated``), else the timings' ``prompt_n`` and ``cache_n``
+  together, for the teams' usage.
 
 Whole bodies are never buffered or parsed.
 """
@@ -68,6 +71,19 @@ def generated_tokens(tail: bytes) -> int | None:
     return predicted if predicted is not None else usage
 
 
+_PROMPT = re.compile(rb'"(prompt_tokens|input_tokens|tokens_evaluated)"\s*:\s*(\d+)')
+
+
+def prompt_tokens(tail: bytes, timings: Timings | None) -> int | None:
+    """The prompt's tokens as the end of a response body tells them; None when it does not."""
+    found = None
+    for match in _PROMPT.finditer(tail[-TAIL_BYTES:]):
+        found = int(match.group(2))
+    if found is None and timings is not None:
+        return timings.prompt_n + timings.cache_n
+    return found
+
+
 class ResponseTail:
     """The end of one response (its last two chunks, ``TAIL_BYTES`` of each), read lazily:
     each of ``timings`` and ``tokens`` is parsed at most once, when first asked."""
@@ -84,6 +100,10 @@ class ResponseTail:
         if self._timings is _UNREAD:
             self._timings = parse_timings(self.bytes) if self.bytes else None
         return self._timings  # type: ignore[return-value]
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return prompt_tokens(self.bytes, self.timings) if self.bytes else None
 
     @property
     def tokens(self) -> int | None:

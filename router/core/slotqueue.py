@@ -1,0 +1,132 @@
+"""The slot queue: the router holds the requests that its models' slots cannot take yet.
+
+A request that takes a slot (a completion, an embedding: ``paths.METERED_PATHS``) goes to a
+model's children only while fewer such requests run there than its slots (``capacity``: each
+serving replica's ``parallel``). The rest wait here, one ``fairshare.FairQueue`` per model,
+and are taken in its order (priority class, then fair share between flows, then arrival)
+when a slot frees: the model's requests never queue inside llama-server, where any order is
+first come, first served.
+
+* ``start_now``: the hot path. A slot is free and nobody waits: the turn starts at once, no
+  await.
+* ``wait_turn``: the request waits for its turn, within its wait budget, while its client is
+  there and the shutdown allows (``wait.Ends``); a client that leaves frees its place and is
+  charged nothing.
+* ``ended``: a request that held a slot has ended (``leases.Lease.release``): its real cost
+  corrects its flow's service, and the freed slot goes to the next turn at once, before the
+  lease is given back, so the model is never idle in between (work-conserving). Each change
+  of a model (a replica added or gone: ``changes``) gives free slots out too.
+
+A turn granted is a slot reserved: the waiter takes its lease when it wakes; a waiter that
+cannot use it (its client left in the same instant, the model stopped) gives it back.
+Requests to a remote upstream, which has no slots the router knows, never wait here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .. import clock
+from ..changes import Changes
+from ..teams.fairshare import FairQueue, Turn
+from .lifecycle import Status
+from .runtime import ModelRuntime
+
+
+class Slots:
+    def __init__(self, changes: Changes) -> None:
+        self._changes = changes
+        self._queues: dict[str, FairQueue] = {}
+        self._granted: dict[Turn, asyncio.Future[None]] = {}
+
+    def queue(self, runtime: ModelRuntime) -> FairQueue:
+        queue = self._queues.get(runtime.id)
+        if queue is None:
+            queue = self._queues[runtime.id] = FairQueue()
+        return queue
+
+    def waiting(self, model_id: str) -> int:
+        """Requests waiting here for a slot of the model."""
+        queue = self._queues.get(model_id)
+        return queue.waiting if queue is not None else 0
+
+    @staticmethod
+    def capacity(runtime: ModelRuntime) -> int | None:
+        """The requests the model's children take at once; None: not counted (a remote
+        upstream)."""
+        if runtime.preset.upstream is not None:
+            return None
+        return runtime.slots * len(runtime.replicas)
+
+    def start_now(self, runtime: ModelRuntime, turn: Turn) -> bool:
+        """Start ``turn`` now when a slot is free and nobody waits for one."""
+        queue = self.queue(runtime)
+        capacity = self.capacity(runtime)
+        if queue.waiting or (capacity is not None and queue.running >= capacity):
+            return False
+        queue.start(turn)
+        return True
+
+    async def wait_turn(self, runtime: ModelRuntime, turn: Turn, deadline: float,
+                        watchers: list[asyncio.Future[Any]]) -> bool:
+        """Until ``turn`` has a slot (True), the model no longer has a slot to give (False:
+        not started), the deadline (False) or a watcher (its end: the caller raises it)."""
+        queue = self.queue(runtime)
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._granted[turn] = granted
+        queue.push(turn)
+        self.grant(runtime)
+        used = False
+        try:
+            while not granted.done():
+                remaining = deadline - clock.now()
+                if remaining <= 0 or runtime.status is not Status.LOADED:
+                    return False
+                change = asyncio.ensure_future(self._changes.wait())
+                try:
+                    await asyncio.wait({granted, change, *watchers}, timeout=remaining,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+                if any(w.done() for w in watchers):
+                    return False
+                self.grant(runtime)
+            used = runtime.serving or self._may_grant(runtime)
+            return used
+        finally:
+            self._granted.pop(turn, None)
+            if not turn.started:
+                queue.remove(turn)
+            elif not used:  # granted, but nobody takes it: the next turn gets the slot
+                self.ended(runtime, turn, -turn.cost)
+
+    def ended(self, runtime: ModelRuntime, turn: Turn, correction: float) -> None:
+        """A started turn ended (``correction``: its real cost less its expected one): its
+        slot goes to the next."""
+        queue = self._queues.get(runtime.id)
+        if queue is None:
+            return
+        queue.end(turn, correction)
+        self.grant(runtime)
+        if not queue.running and not queue.waiting:
+            self._queues.pop(runtime.id, None)
+
+    def grant(self, runtime: ModelRuntime) -> None:
+        """Give the model's free slots to the turns next in order."""
+        queue = self._queues.get(runtime.id)
+        if queue is None or not queue.waiting or not self._may_grant(runtime):
+            return
+        capacity = self.capacity(runtime)
+        while queue.waiting and (capacity is None or queue.running < capacity):
+            turn = queue.pop()
+            assert turn is not None
+            granted = self._granted.get(turn)
+            if granted is not None and not granted.done():
+                granted.set_result(None)
+
+    @staticmethod
+    def _may_grant(runtime: ModelRuntime) -> bool:
+        """Whether the model has slots to give: loaded with a replica (also while draining:
+        the requests it holds are served before it stops)."""
+        return runtime.status is Status.LOADED and bool(runtime.replicas)
