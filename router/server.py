@@ -218,6 +218,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
                           head_timeout=settings.upstream_timeout)
             peers.start()
             usage = prepared.usage
+            metrics.attach_teams(usage)
             app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
                                      router_log, reloader, peers, usage)
             usage_writer = asyncio.create_task(usage.run(), name="usage-writer")

@@ -22,7 +22,10 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
   waited the fairness bound;
 * every drain ends: a draining model with nothing in flight is stopping, and a drain made for
   a swap is lifted when nobody waits for that swap any more;
-* ``in_flight`` and ``waiting`` equal the requests that really hold a replica or wait;
+* ``in_flight`` and ``waiting`` equal the requests that really hold a replica or wait, and
+  the requests holding a slot (``slotqueue``: each request is one of three teams, in one of
+  the three priority classes) equal those holding a lease;
+* a slot never idles while a request waits for one (the slot queue is work-conserving);
 * what the rest of the router reads of each model (its published snapshot) is its record as
   it is now;
 * each model's published status sequence is a path through the lifecycle, and no event is one
@@ -65,6 +68,7 @@ from router.core.affinity import Prefix
 from router.core.leases import Lease
 from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
 from router.core.runtime import Estimated, ModelRuntime
+from router.core.slotqueue import Slots
 from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
 from router.core.wait import Ends
@@ -74,6 +78,7 @@ from router.events import EventBus
 from router.http.shutdown import Shutdown
 from router.http.tail import ResponseTail, Timings
 from router.llama.flags import FlagTable
+from router.teams.fairshare import GENERATED_WEIGHT, Turn
 from router.warm.conversations import DISPLACE_BOUND_S
 from router.warm.digests import Digests
 from router.warm.slotbook import Conversation
@@ -564,7 +569,8 @@ class Simulation:
         try:
             runtime = sup.resolve(r.model)
             lease = await sup.acquire(sup.find(r.model), budget=budget,
-                                      ends=Ends(gone, shutdown.over, shutdown.error))
+                                      ends=Ends(gone, shutdown.over, shutdown.error),
+                                      turn=self._turn(r))
         except ClientGone:
             return self._end(r, "left")
         except RouterError as exc:
@@ -601,7 +607,14 @@ class Simulation:
             r.lease = None
             # What the child's last chunk says: its slot now holds a conversation worth saving.
             lease.learn(cast(ResponseTail, SimpleNamespace(timings=Timings(500, 50.0, 0, 8))))
+            lease.spent(500 + GENERATED_WEIGHT * 8)
             lease.release()
+
+    @staticmethod
+    def _turn(r: Request) -> Turn:
+        """The request's turn for a slot: one of three teams, in one of the three classes,
+        drawn from its number (the seed's draws stay the same)."""
+        return Turn(f"team{r.id % 3}", r.id // 3 % 3, 100.0 + r.id % 7 * 50)
 
     async def _place(self, r: Request, lease: Lease) -> None:
         """The request's slot, as the proxy places a completion: one of four conversations,
@@ -679,6 +692,9 @@ class Simulation:
                 self.violate(f"{m.id}: in_flight {m.in_flight}, requests holding it {leased}")
             if m.waiting != waiting:
                 self.violate(f"{m.id}: waiting {m.waiting}, requests waiting {waiting}")
+            if sup.wait.slots.running(m.id) != leased:
+                self.violate(f"{m.id}: {sup.wait.slots.running(m.id)} requests hold a slot, "
+                             f"{leased} a lease")
             self._check_status_path(m)
             self._check_published(m)
             self._check_phases(m)
@@ -736,6 +752,14 @@ class Simulation:
         if m.status is Status.LOADED:
             if m.draining and m.in_flight > 0:
                 return  # it stops when its requests are done; then its waiters load it
+            slots = self.sup.wait.slots
+            if slots.waiting(m.id) and m.replicas:
+                if slots.running(m.id) < (Slots.capacity(m) or 0):
+                    self.violate(f"a slot of {m.id} idles while {slots.waiting(m.id)} "
+                                 f"requests wait for one: {m!r}")
+                return  # every slot runs one of its requests
+            if not m.replicas and m.replace_task is not None and not m.replace_task.done():
+                return  # its crashed replica is being replaced
             self.violate(f"requests wait for {m.id}, loaded and nothing will change: {m!r}")
             return
         task = m.load_task

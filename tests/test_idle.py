@@ -7,8 +7,8 @@ from types import MappingProxyType
 
 from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
-from router.core.liveness import idle_expired
 from router.core.lifecycle import ModelState, Status
+from router.core.liveness import idle_expired
 from router.core.runtime import ModelRuntime, Replica
 from router.logs import LogRing
 

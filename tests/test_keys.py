@@ -101,7 +101,8 @@ def test_a_hash_inside_a_key_stops_the_start_naming_file_and_line(tmp_path: Path
 
 
 @pytest.mark.parametrize(("line", "problem"), [
-    (f"{SECRET} model=chat", "unknown field 'model' (known: models, role, name, priority, max-concurrent, tokens-per-minute)"),
+    (f"{SECRET} model=chat", "unknown field 'model' (known: models, role, name, priority, "
+                              "max-concurrent, tokens-per-minute)"),
     (f"{SECRET} roles=infer", "unknown field 'roles'"),
     (f"{SECRET} Part-Of-A-Key==", "unknown field of word 2"),
     (f"{SECRET} second-half-of-the-key", "word 2 is not a name=value field"),

@@ -5,6 +5,6 @@ leases and waits (``leases``, ``wait``, ``affinity``, ``pace``), liveness, idle 
 turns (``liveness``, ``idle``, ``cpugate``), the configured models (``modelset``), the wiring of
 all of these (``wiring``) and the façade the app asks (``supervisor``, ``view``).
 
-It owns every model's run state. It may import ``foundation``, ``llama``, ``host``, ``config``, ``teams``,
-``http``, ``children`` and ``warm``.
+It owns every model's run state. It may import ``foundation``, ``llama``, ``host``,
+``config``, ``teams``, ``http``, ``children`` and ``warm``.
 """

@@ -51,6 +51,11 @@ class Slots:
         queue = self._queues.get(model_id)
         return queue.waiting if queue is not None else 0
 
+    def running(self, model_id: str) -> int:
+        """Requests holding a slot of the model."""
+        queue = self._queues.get(model_id)
+        return queue.running if queue is not None else 0
+
     @staticmethod
     def capacity(runtime: ModelRuntime) -> int | None:
         """The requests the model's children take at once; None: not counted (a remote

@@ -78,6 +78,11 @@ class ModelWait:
         self._models = models
 
     @property
+    def slots(self) -> Slots:
+        """The slot queue (read by the simulation's invariants)."""
+        return self._slots
+
+    @property
     def total(self) -> int:
         """Requests waiting for any model."""
         return sum(r.waiting for r in self._models())

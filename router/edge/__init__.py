@@ -5,5 +5,6 @@ model (``defaults``), serving across nodes (``nodes``), resumable streams (``res
 reloads (``reload``) and what the routes share (``state``).
 
 It owns no model state: it decides and asks. It may import ``foundation``, ``llama``,
-``dashboard``, ``host``, ``config``, ``teams``, ``http``, ``children``, ``core``, ``peers`` and ``observe``.
+``dashboard``, ``host``, ``config``, ``teams``, ``http``, ``children``, ``core``, ``peers``
+and ``observe``.
 """

@@ -31,6 +31,7 @@ from prometheus_client.samples import Sample
 
 from ..core.scheduler import Status
 from ..events import Event
+from ..teams.usage import Usage
 
 if TYPE_CHECKING:
     from ..core.view import Models
@@ -130,6 +131,10 @@ class RouterMetrics:
             self.registry.register(_WarmSwaps(models.warm))
         models.events.listeners.append(self.on_event)
         models.on_routed(self.observe_routing)
+
+    def attach_teams(self, usage: Usage) -> None:
+        """Expose what each team used (``teams.usage``), read at scrape time."""
+        self.registry.register(_Teams(usage))
 
     def attach_edge(self, refusals: Refusals) -> None:
         """Expose what the HTTP/1.1 edge refused (``http11.Refusals``), read at scrape time."""
@@ -312,6 +317,44 @@ class _EdgeRefusals(Collector):
         for reason, count in self.refusals.counts.items():
             family.add_metric([reason], count)
         yield family
+
+
+class _Teams(Collector):
+    """What each team (its keys' ``name=``, never a key) used per model, its weighted service
+    over the last minute, and Jain's index over the teams that waited in it."""
+
+    def __init__(self, usage: Usage) -> None:
+        self.usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.usage.rows()
+        for column, text in _TEAM_COLUMNS:
+            family = CounterMetricFamily(f"llamarouter_team_{column}", text,
+                                         labels=["name", "model"])
+            for row in rows:
+                family.add_metric([row.name, row.model], getattr(row, column))
+            yield family
+        service = GaugeMetricFamily(
+            "llamarouter_team_service_recent", "Weighted tokens served to each team over the "
+            "last minute (prompt tokens, generated tokens twice)", labels=["name"])
+        for name, amount in sorted(self.usage.recent_service().items()):
+            service.add_metric([name], amount)
+        yield service
+        index = self.usage.jain()
+        if index is not None:
+            yield GaugeMetricFamily(
+                "llamarouter_fairness_jain_index", "Jain's index over the last minute's "
+                "weighted service of the teams whose requests waited for a slot (1: equal)",
+                value=index)
+
+
+_TEAM_COLUMNS = (
+    ("requests", "Requests of each team that reached a model"),
+    ("prompt_tokens", "Prompt tokens of each team's requests, as the clients were told"),
+    ("completion_tokens", "Generated tokens of each team's requests, as the clients were told"),
+    ("queue_seconds", "Seconds each team's requests waited in the router for a slot or a load"),
+    ("refusals", "Requests of each team refused by a quota (429) or the wait budget (503)"),
+)
 
 
 class _BareCounter(Metric):

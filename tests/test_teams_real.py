@@ -1,0 +1,122 @@
+"""Teams against the real llama-server: one slot, the router's queue in front of it.
+
+Who gets the slot next (the interactive key before the batch key, whatever the arrival), a
+quota's 429 that never reaches the child, a class asked above the key's (403), a client that
+leaves while queued (its place freed, nothing charged), ``GET /usage`` with the figures the
+clients were told, admin only, and the same after a restart."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import RouterProcess, start_router, wait_until, write_presets
+
+TIMEOUT = 60.0
+KEYS = ("sk-gateway-0123456789 name=gw\n"
+        "sk-alice-0123456789 name=alice priority=interactive role=infer\n"
+        "sk-etl-0123456789 name=etl priority=batch max-concurrent=2 role=infer\n")
+GW, ALICE, ETL = "sk-gateway-0123456789", "sk-alice-0123456789", "sk-etl-0123456789"
+
+
+def auth(key: str, **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", **headers}
+
+
+def ask(router: RouterProcess, key: str, text: str, done: list[str] | None = None,
+        headers: dict[str, str] | None = None) -> httpx.Response:
+    with router.client() as client:
+        response = client.post(
+            "/v1/chat/completions", headers=auth(key, **(headers or {})),
+            json={"model": "m", "max_tokens": 8,
+                  "messages": [{"role": "user", "content": text}]})
+    if done is not None:
+        done.append(text)
+    return response
+
+
+def status(router: RouterProcess) -> dict[str, Any]:
+    with router.client() as client:
+        data = client.get("/models", headers=auth(GW)).json()["data"]
+    found: dict[str, Any] = next(m for m in data if m["id"] == "m")["status"]
+    return found
+
+
+def usage(router: RouterProcess, key: str = GW, form: str = "json") -> httpx.Response:
+    with router.client() as client:
+        return client.get(f"/usage?format={form}", headers=auth(key))
+
+
+@pytest.mark.real
+def test_one_slot_shared_by_teams(tmp_path: Path, tiny_models: dict[str, Path],
+                                  llama_server: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    presets = write_presets(tmp_path / "m.ini", f"[m]\nmodel = {tiny_models['long']}\n"
+                            "ctx-size = 512\nparallel = 1\ncontext-shift = true\n")
+    args = ("--presets", str(presets), "--llama-server", str(llama_server), "--api-key-file",
+            str(keys), "--state-dir", str(tmp_path / "state"))
+    with start_router(tmp_path, *args) as router:
+        told = queue_behind_a_stream(router)
+        rows = {row["name"]: row for row in usage(router).json()["usage"]}
+        assert usage(router).json()["kept"] is True
+        assert usage(router, ALICE).status_code == 403  # role=infer: no usage
+        csv = usage(router, form="csv")
+        assert csv.headers["content-type"].startswith("text/csv")
+        assert "sk-" not in csv.text and "sk-" not in router.log()
+    assert rows["alice"]["requests"] == 1  # the one that left while queued is not counted
+    assert (rows["alice"]["prompt_tokens"], rows["alice"]["completion_tokens"]) == told
+    assert rows["alice"]["queue_seconds"] > 0
+    assert (rows["etl"]["requests"], rows["etl"]["refusals"]) == (2, 1)
+    assert rows["gw"]["requests"] == 1 and rows["gw"]["completion_tokens"] > 0
+    with start_router(tmp_path, *args) as router:  # the usage survives a restart
+        again = {row["name"]: row for row in usage(router).json()["usage"]}
+    assert again == rows
+
+
+def queue_behind_a_stream(router: RouterProcess) -> tuple[int, int]:
+    """An endless stream holds the one slot; two batch requests, then an interactive one,
+    queue behind it; a third batch request is over its team's max-concurrent; another
+    interactive one leaves while queued. When the stream ends, the interactive request runs
+    first. What alice's client was told of its usage."""
+    body = {"model": "m", "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go on"}]}
+    done: list[str] = []
+    with router.client() as client, ThreadPoolExecutor(4) as pool, \
+            client.stream("POST", "/v1/chat/completions", json=body,
+                          headers=auth(GW)) as stream:
+        chunks = stream.iter_raw()
+        next(chunks)
+        batch = [pool.submit(ask, router, ETL, f"batch {n}", done) for n in range(2)]
+        assert wait_until(lambda: status(router)["waiting"] == 2, TIMEOUT)
+        over = ask(router, ETL, "one too many")
+        assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+        assert "max-concurrent=2" in over.json()["error"]["message"]
+        higher = ask(router, ETL, "me first", headers={"x-llama-router-priority": "interactive"})
+        assert higher.status_code == 403
+        interactive: Future[httpx.Response] = pool.submit(ask, router, ALICE, "hi", done)
+        assert wait_until(lambda: status(router)["waiting"] == 3, TIMEOUT)
+        leaves = threading.Thread(target=leave_while_queued, args=(router,))
+        leaves.start()
+        assert wait_until(lambda: status(router)["waiting"] == 4, TIMEOUT)
+        leaves.join(TIMEOUT)
+        assert wait_until(lambda: status(router)["waiting"] == 3, TIMEOUT)
+        for _ in range(3):
+            next(chunks)
+        assert status(router)["in_flight"] == 1  # nothing more reached the child
+    answers = [f.result(TIMEOUT) for f in (interactive, *batch)]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert done[0] == "hi" and sorted(done[1:]) == ["batch 0", "batch 1"]
+    told = answers[0].json()["usage"]
+    return told["prompt_tokens"], told["completion_tokens"]
+
+
+def leave_while_queued(router: RouterProcess) -> None:
+    with router.client() as client, pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/chat/completions", headers=auth(ALICE), timeout=httpx.Timeout(
+            TIMEOUT, read=1.0), json={"model": "m", "max_tokens": 8,
+                                      "messages": [{"role": "user", "content": "bye"}]})
