@@ -1,0 +1,94 @@
+"""The slot queue on its own (``core/slotqueue``), hostile: a flood of requests that leave
+while queued frees every place and leaves nothing behind; a turn granted as its client leaves
+passes the slot on; the next slot goes by class and fair share."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+from router import clock
+from router.changes import Changes
+from router.core.lifecycle import Status
+from router.core.runtime import ModelRuntime
+from router.core.slotqueue import Slots
+from router.teams.fairshare import Turn
+
+
+def model(slots: int = 1) -> ModelRuntime:
+    return cast(ModelRuntime, SimpleNamespace(
+        id="m", slots=slots, replicas=[object()], status=Status.LOADED, serving=True,
+        preset=SimpleNamespace(upstream=None)))
+
+
+def test_a_flood_of_requests_that_leave_while_queued_leaves_nothing_behind() -> None:
+    async def scenario() -> None:
+        slots, runtime = Slots(Changes()), model()
+        holder = Turn("a", 1, 10)
+        assert slots.start_now(runtime, holder)
+        leaving = [asyncio.get_running_loop().create_future() for _ in range(500)]
+        waits = [asyncio.ensure_future(slots.wait_turn(
+            runtime, Turn(f"flow{n % 50}", n % 3, 10), clock.now() + 60, [gone]))
+            for n, gone in enumerate(leaving)]
+        await asyncio.sleep(0)
+        assert slots.waiting("m") == 500
+        for gone in leaving:
+            gone.set_result(None)  # every client leaves
+        assert not any(await asyncio.gather(*waits))
+        queue = slots.queue(runtime)
+        assert (queue.waiting, queue.running) == (0, 1)
+        assert not slots._granted and len(queue._flows) == 1  # only the holder's flow
+        slots.ended(runtime, holder, 0)
+        assert slots.running("m") == 0 and "m" not in slots._queues
+
+    asyncio.run(scenario())
+
+
+def test_a_turn_granted_as_its_client_leaves_passes_the_slot_on() -> None:
+    async def scenario() -> None:
+        slots, runtime = Slots(Changes()), model()
+        holder = Turn("a", 1, 10)
+        assert slots.start_now(runtime, holder)
+        gone: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        first = asyncio.ensure_future(slots.wait_turn(runtime, Turn("b", 1, 10),
+                                                      clock.now() + 60, [gone]))
+        second_turn = Turn("c", 1, 10)
+        second = asyncio.ensure_future(slots.wait_turn(runtime, second_turn,
+                                                       clock.now() + 60, []))
+        await asyncio.sleep(0)
+        slots.ended(runtime, holder, 0)  # b gets the slot ...
+        gone.set_result(None)  # ... as its client leaves, in the same instant
+        assert await first is False
+        assert await second is True and second_turn.started
+        assert slots.running("m") == 1 and slots.waiting("m") == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_freed_slot_goes_to_the_higher_class_then_the_least_served() -> None:
+    async def scenario() -> None:
+        slots, runtime = Slots(Changes()), model()
+        holder = Turn("etl", 2, 1000)
+        assert slots.start_now(runtime, holder)
+        batch, interactive = Turn("etl", 2, 10), Turn("alice", 0, 10)
+        waits = [asyncio.ensure_future(slots.wait_turn(runtime, t, clock.now() + 60, []))
+                 for t in (batch, interactive)]
+        await asyncio.sleep(0)
+        slots.ended(runtime, holder, 0)
+        assert interactive.started and not batch.started  # given at once, in order
+        assert slots.start_now(runtime, Turn("x", 0, 1)) is False  # others wait: no jumping
+        slots.ended(runtime, interactive, 0)
+        assert all(await asyncio.gather(*waits)) and batch.started
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_ends_at_its_deadline_without_a_slot() -> None:
+    async def scenario() -> None:
+        slots, runtime = Slots(Changes()), model()
+        assert slots.start_now(runtime, Turn("a", 1, 1))
+        assert await slots.wait_turn(runtime, Turn("b", 1, 1), clock.now() + 0.01, []) is False
+        assert slots.waiting("m") == 0
+
+    asyncio.run(scenario())
