@@ -275,6 +275,13 @@ def run_bench(cfg: Config) -> dict[str, Any]:
                 long_words=cfg.keptcache_long_words)
             phases["keptcache"] = keptcache.run_phase(bench, kept)
             took("keptcache")
+        if "fairness" in cfg.phases and cfg.fairness_seconds > 0:
+            from . import fairness
+
+            teams = fairness.Settings.quick() if cfg.quick else fairness.Settings(
+                seconds=cfg.fairness_seconds)
+            phases["fairness"] = fairness.run_phase(bench, teams)
+            took("fairness")
         if "bodies" in cfg.phases:
             from . import bodies
 
@@ -360,6 +367,8 @@ def print_report(report: dict[str, Any]) -> None:
                         ("keptcache", "Every conversation keeps its cache: more "
                                       "conversations than slots, through churn, a swap and a "
                                       "restart (SmolLM2):"),
+                        ("fairness", "Teams sharing one slot: fair share and priority "
+                                     "classes (SmolLM2, parallel = 1; weighted tokens):"),
                         ("bodies", "The largest request bodies, while /health is asked every "
                                    "10 ms (tiny model):")):
         phase = report.get(name)
@@ -435,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmswap-reps", type=int,
                         help="repetitions of the warm-swap phase per target (default 3; 0 "
                         "skips it)")
+    parser.add_argument("--fairness-seconds", type=float,
+                        help="seconds of each scenario of the teams phase (0: skip it)")
     parser.add_argument("--keptcache-long-words", type=int,
                         help="words of the kept-cache phase's long conversation (7200: ~8,000 "
                         "tokens; default 0: none)")
@@ -500,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg.phases = ("sharing",) if args.only_sharing else phases
     if args.keptcache is not None:
         cfg.keptcache = args.keptcache
+    if args.fairness_seconds is not None:
+        if not args.fairness_seconds >= 0:
+            parser.error("--fairness-seconds must be 0 or more")
+        cfg.fairness_seconds = args.fairness_seconds
     for name in ("real_rounds", "conversations", "turns", "multiturn_reps", "warmswap_reps",
                  "keptcache_long_words"):
         value = getattr(args, name)

@@ -52,7 +52,8 @@ HEALTH_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 MB = 1_000_000
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
-PHASES = ("main", "relay", "real", "multiturn", "warmswap", "keptcache", "bodies", "sharing")
+PHASES = ("main", "relay", "real", "multiturn", "warmswap", "keptcache", "fairness", "bodies",
+          "sharing")
 
 GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
@@ -148,6 +149,7 @@ class Config:
     multiturn_reps: int = 1  # runs of the multi-turn workload per target
     warmswap_reps: int = 3  # repetitions of the warm-swap scenario per target
     keptcache: bool = True  # the kept-cache phase (benchmarks.keptcache)
+    fairness_seconds: float = 20.0  # each scenario of the teams phase (benchmarks.fairness)
     keptcache_long_words: int = 0  # its long conversation's words (7200: ~8,000 tokens)
     # The multi-turn phase's saturated configuration instead (benchmarks.multiturn), and a
     # llama-router source tree whose prefix routing it also runs (before/after in one run)

