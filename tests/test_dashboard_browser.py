@@ -104,6 +104,11 @@ def test_live_status_buttons_logs_and_activity(router: RouterProcess, page: Any)
     for cells in chats.evaluate_all("rows => rows.map(r => [...r.cells].map(c => c.textContent))"):
         assert cells[3] == "200" and cells[7] == "3", cells  # status, tokens
     check(page.locator("#activity-rows tr", has_text="/models/load")).to_have_count(2)
+    # Who uses what: the one team of a router without keys, per model.
+    used = page.locator("#usage-rows tr", has_text="alpha")
+    check(used.locator("td").nth(2)).to_have_text("2", timeout=WAIT_MS)  # requests
+    check(used.locator("td").first).to_have_text("anonymous")
+    check(used.locator("td").nth(4)).to_have_text("6")  # generated tokens, 3 each
     # Only the selected model's requests, on request.
     page.locator("#activity-only").check()
     check(page.locator("#activity-rows tr:visible", has_text="beta")).to_have_count(0)

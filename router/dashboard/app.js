@@ -6,6 +6,7 @@
 //   props             the budgets (llama_router: memory_budget, memory_total, gpus[])
 //   activity          the last requests (?after=ID: only the ones not shown yet)
 //   activity/totals   per-model running totals for the charts (?since=SEQ: changed ones only)
+//   usage             what each team (its keys' name=) used per model
 //   logs, logs/stream the selected model's output, or the router's own log
 // and what it does: models/load, models/unload, both for a reload, POST models for a pull.
 
@@ -16,6 +17,7 @@ import {LogPane} from './logs.js';
 import {ModelTable, holdsProcess, statusKey} from './models.js';
 
 const TICK_MS = 1500;            // activity and chart sampling
+const USAGE_EVERY = 4;           // /usage every this many ticks
 const MODELS_REFRESH_MS = 4000;  // /models: measured memory, in-flight counts, pids
 const EVENT_REFRESH_MS = 250;    // /models again this soon after a status event
 const ACTIVITY_ROWS = 200;
@@ -389,6 +391,42 @@ function drawCharts() {
   }
 }
 
+// ------------------------------------------------------------------ who uses what
+
+function showUsage(rows) {
+  $('usage-rows').replaceChildren(...rows.map((r) => {
+    const row = el('tr');
+    row.append(
+      el('td', '', r.name), el('td', '', r.model), el('td', 'num', String(r.requests)),
+      el('td', 'num', String(r.prompt_tokens)), el('td', 'num', String(r.completion_tokens)),
+      el('td', 'num', fmtSeconds(r.queue_seconds)),
+      el('td', r.refusals ? 'num st-bad' : 'num', String(r.refusals)));
+    return row;
+  }));
+  $('usage-empty').hidden = rows.length > 0;
+}
+
+let ticks = 0;
+
+async function pollUsage() {
+  if (ticks++ % USAGE_EVERY) return;
+  try {
+    showUsage((await getJSON('usage')).usage);
+  } catch (err) {
+    if (err.status === 403) $('usage-section').hidden = true;  // a key without role=admin
+    else throw err;
+  }
+}
+
+async function downloadUsage() {  // with the key: a plain link would send none
+  const blob = await (await api('usage?format=csv')).blob();
+  const link = el('a');
+  link.href = URL.createObjectURL(blob);
+  link.download = 'usage.csv';
+  link.click();
+  URL.revokeObjectURL(link.href);
+}
+
 async function tick() {
   if (!document.hidden && !askingForKey()) {
     await Promise.all([
@@ -396,6 +434,7 @@ async function tick() {
         if (err.status !== 401) setConn('offline', 'offline: ' + err.message);
       }),
       pollTotals().catch(() => {}),
+      pollUsage().catch(() => {}),
     ]);
   }
   setTimeout(tick, TICK_MS);
@@ -436,6 +475,7 @@ function wire() {
   $('pull-input').addEventListener('keydown', (e) => { if (e.key === 'Enter') pull(); });
   $('show-all').addEventListener('click', () => select(null));
   $('activity-only').addEventListener('change', filterActivity);
+  $('usage-csv').addEventListener('click', () => downloadUsage().catch(() => {}));
   $('log-clear').addEventListener('click', () => logs.clear());
   $('banner-close').addEventListener('click', () => { $('banner').hidden = true; });
   $('key-button').addEventListener('click', () => {
