@@ -76,7 +76,7 @@ def test_the_fairness_header_counts_only_from_an_admin_key() -> None:
     assert member_of(ALICE, False, headers).flow == "alice"  # forged: ignored
     admin = member_of(ALICE, True, headers)
     assert (admin.name, admin.flow) == ("alice", "alice/user-42")
-    for bad in (b"", b"a b", b"\xff", b"x" * 129):
+    for bad in (b"", b"a b", b"\xff", b"x" * 257):
         with pytest.raises(MemberError):
             member_of(ALICE, True, {FAIRNESS_HEADER: bad})
 
@@ -246,3 +246,17 @@ def test_jains_index_counts_the_teams_that_waited() -> None:
     assert usage.jain() == pytest.approx(jain([300, 100]))
     clock.now += 61
     assert usage.jain() is None and usage.recent_service() == {}
+
+
+def test_a_peer_gets_the_decision_never_the_clients_headers() -> None:
+    """What this router decided travels to a peer; the client's own priority and fairness
+    headers are dropped on the way (a forged fairness id ignored here cannot count there)."""
+    from router.http.proxy import upstream_headers
+    from router.teams.members import forwarded
+
+    raw = [(b"content-type", b"application/json"), (FAIRNESS_HEADER, b"forged"),
+           (PRIORITY_HEADER, b"batch")]
+    assert upstream_headers(raw) == [(b"content-type", b"application/json")]
+    member = member_of(ALICE, True, {FAIRNESS_HEADER: b"u1", PRIORITY_HEADER: b"default"})
+    assert forwarded(member) == [(FAIRNESS_HEADER, b"alice/u1"), (PRIORITY_HEADER, b"default")]
+    assert member_of(ALICE, True, dict(forwarded(member))).flow == "alice/alice/u1"

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Receive, Send
 
 from ..errors import UpstreamError, envelope
+from ..teams.members import FAIRNESS_HEADER, PRIORITY_HEADER
 from .http11 import BodyWriter, body_writer
 from .requests import CONTEXT, VIA_HEADER, RequestContext, with_multipart_model
 from .upstream import Cancel, ChildConnections, UpstreamResponse
@@ -62,7 +63,9 @@ HOP_BY_HOP = frozenset({
 # chain (the router's own between routers: ``hop`` sends the one it parsed, with its own id,
 # to a peer; a child never gets it, nor a client's made-up one).
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"x-api-key",
-                             b"expect", b"origin", b"sec-fetch-site", VIA_HEADER}
+                             b"expect", b"origin", b"sec-fetch-site", VIA_HEADER,
+                             # the router's own: a peer gets what this router decided
+                             FAIRNESS_HEADER, PRIORITY_HEADER}
 # Every CORS header a response may carry (Fetch standard): the router's own, never a child's.
 CORS_HEADERS = frozenset({
     b"access-control-allow-origin", b"access-control-allow-credentials",

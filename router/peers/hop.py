@@ -38,6 +38,7 @@ from ..http.proxy import direct_body, upstream_headers
 from ..http.proxy import relay as relay_response
 from ..http.requests import VIA_HEADER, RequestContext
 from ..http.upstream import Cancel, UpstreamResponse
+from ..teams.members import forwarded
 
 if TYPE_CHECKING:
     from ..http.shutdown import Shutdown
@@ -100,7 +101,13 @@ def passed(peer: Peer, request: RequestContext | None) -> bool:
 
 def _headers(peer: Peer, request: RequestContext | None,
              extra: Sequence[tuple[bytes, bytes]] = ()) -> list[tuple[bytes, bytes]]:
-    return [*extra, *peer.auth, via_header(request, peer.own_instance)]
+    """The request's end-to-end headers, the peer key, the via chain, and who the request is
+    for as this router decided it (``teams.members.forwarded``): the client's own priority
+    and fairness headers never reach the peer."""
+    headers = [*extra, *peer.auth, via_header(request, peer.own_instance)]
+    if request is not None:
+        headers += forwarded(request.member)
+    return headers
 
 
 @contextlib.asynccontextmanager

@@ -11,6 +11,10 @@ the slot queue (``fairshare``), the quotas and the usage (``quotas``, ``usage``)
   from a router without keys, where nobody is known.
 * The class is the key's ``priority=``, or a lower one that the request asks for with
   ``PRIORITY_HEADER``; asking for a higher one is refused (403), never quietly lowered.
+
+A request this router sends on to a peer carries what was decided here (``forwarded``): its
+flow as the fairness id and its class, in place of whatever the client sent (the peer honours
+the flow only if this router's key is an admin key there, and caps the class at that key's).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from ..config.keyfile import ANONYMOUS, PRIORITIES, UNLIMITED, KeyPolicy
 
 FAIRNESS_HEADER = b"x-llm-d-inference-fairness-id"
 PRIORITY_HEADER = b"x-llama-router-priority"
-_FAIRNESS_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+FAIRNESS_ID_MAX = 256
+_FAIRNESS_ID = re.compile(rb"[\x21-\x7e]{1,%d}" % FAIRNESS_ID_MAX)  # printable ASCII, no spaces
 
 
 class MemberError(ValueError):
@@ -63,8 +68,8 @@ def member_of(policy: KeyPolicy, admin: bool, headers: dict[bytes, bytes]) -> Me
     fairness = headers.get(FAIRNESS_HEADER) if admin else None
     if fairness is not None:
         if not _FAIRNESS_ID.fullmatch(fairness):
-            raise MemberError(f"{FAIRNESS_HEADER.decode()} must be 1 to 128 printable ASCII "
-                              "characters without spaces", 400)
+            raise MemberError(f"{FAIRNESS_HEADER.decode()} must be 1 to {FAIRNESS_ID_MAX} "
+                              "printable ASCII characters without spaces", 400)
         flow = f"{policy.name}/{fairness.decode('ascii')}"
     if rank == policy.priority and flow == policy.name:
         return _plain(policy)
@@ -81,6 +86,12 @@ def _asked_rank(asked: bytes, policy: KeyPolicy) -> int:
         raise MemberError(f"this API key (name={policy.name}) may ask for priority "
                           f"{PRIORITIES[policy.priority]} or lower, not {word}", 403)
     return rank
+
+
+def forwarded(member: Member) -> list[tuple[bytes, bytes]]:
+    """The headers telling a peer who a request is for, as decided here."""
+    return [(FAIRNESS_HEADER, member.flow[:FAIRNESS_ID_MAX].encode("ascii")),
+            (PRIORITY_HEADER, member.priority.encode("ascii"))]
 
 
 @lru_cache(maxsize=4096)
