@@ -120,3 +120,30 @@ def leave_while_queued(router: RouterProcess) -> None:
         client.post("/v1/chat/completions", headers=auth(ALICE), timeout=httpx.Timeout(
             TIMEOUT, read=1.0), json={"model": "m", "max_tokens": 8,
                                       "messages": [{"role": "user", "content": "bye"}]})
+
+
+@pytest.mark.real
+def test_tokens_a_minute_settle_what_was_used(tmp_path: Path, tiny_models: dict[str, Path],
+                                              llama_server: Path) -> None:
+    """A request may take a full bucket and leave it in debt; the next waits for it to fill
+    (429 with the seconds it takes), and never reaches the child meanwhile."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-small-0123456789 name=small tokens-per-minute=60\n")
+    presets = write_presets(tmp_path / "m.ini", f"[m]\nmodel = {tiny_models['alpha']}\n"
+                            "ctx-size = 512\nparallel = 1\n")
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
+                      "--api-key-file", str(keys)) as router, router.client() as client:
+        body = {"model": "m", "max_tokens": 100, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "count"}]}
+        first = client.post("/v1/chat/completions", json=body,
+                            headers=auth("sk-small-0123456789"))
+        assert first.status_code == 200
+        used = first.json()["usage"]
+        assert used["prompt_tokens"] + used["completion_tokens"] > 60  # more than a minute's
+        second = client.post("/v1/chat/completions", json=body,
+                             headers=auth("sk-small-0123456789"))
+        assert second.status_code == 429
+        assert int(second.headers["retry-after"]) > 30  # the debt, at one token a second
+        assert "tokens-per-minute=60" in second.json()["error"]["message"]
+        log = router.log()
+    assert log.count("launch_slot_") == 1  # the refused one never reached the child
