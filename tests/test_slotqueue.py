@@ -13,7 +13,7 @@ from router.changes import Changes
 from router.core.lifecycle import Status
 from router.core.runtime import ModelRuntime
 from router.core.slotqueue import Slots
-from router.teams.fairshare import Turn
+from router.teams.fairshare import MAX_PREEMPTIONS, FairQueue, Turn
 
 
 def model(slots: int = 1) -> ModelRuntime:
@@ -92,3 +92,45 @@ def test_a_wait_ends_at_its_deadline_without_a_slot() -> None:
         assert slots.waiting("m") == 0
 
     asyncio.run(scenario())
+
+
+def test_a_higher_class_takes_a_slot_back_from_a_request_that_has_not_answered() -> None:
+    async def scenario() -> None:
+        slots, runtime = Slots(Changes()), model(slots=2)
+        taken: list[str] = []
+
+        def running(flow: str, rank: int, preemptible: bool) -> Turn:
+            turn = Turn(flow, rank, 10)
+            assert slots.start_now(runtime, turn)
+            if preemptible:
+                turn.preempt = lambda: taken.append(flow) is None
+            return turn
+
+        default = running("team", 1, True)
+        batch = running("etl", 2, True)
+        waiting = asyncio.ensure_future(slots.wait_turn(runtime, Turn("alice", 0, 1),
+                                                        clock.now() + 60, []))
+        await asyncio.sleep(0)
+        assert taken == ["etl"] and batch.preemptions == 1  # the lowest class
+        slots.ended(runtime, batch, -batch.cost)  # it gives its slot back ...
+        assert await waiting  # ... to the interactive request
+        again = asyncio.ensure_future(slots.wait_turn(runtime, batch, clock.now() + 60, []))
+        await asyncio.sleep(0)
+        assert not again.done() and default.preemptions == 0  # batch takes none back
+        slots.ended(runtime, default, 0)
+        assert await again
+
+    asyncio.run(scenario())
+
+
+def test_no_request_is_taken_back_more_than_the_bound_nor_by_its_own_class() -> None:
+    queue = FairQueue()
+    batch = Turn("etl", 2, 10, preempt=lambda: True)
+    queue.start(batch)
+    assert queue.victim(Turn("etl2", 2, 1)) is None  # the same class never
+    assert queue.victim(Turn("a", 1, 1)) is batch
+    batch.preemptions = MAX_PREEMPTIONS
+    assert queue.victim(Turn("a", 0, 1)) is None
+    streamed = Turn("s", 2, 10)  # no preempt: its answer has begun, or is streamed
+    queue.start(streamed)
+    assert queue.victim(Turn("a", 0, 1)) is None

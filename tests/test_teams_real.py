@@ -147,3 +147,35 @@ def test_tokens_a_minute_settle_what_was_used(tmp_path: Path, tiny_models: dict[
         assert "tokens-per-minute=60" in second.json()["error"]["message"]
         log = router.log()
     assert log.count("launch_slot_") == 1  # the refused one never reached the child
+
+
+@pytest.mark.real
+def test_an_interactive_request_takes_the_slot_back_from_a_batch_one(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """One slot, a long batch request that is not streamed (nothing goes to its client
+    before its end): an interactive request takes the slot back at once, and the batch
+    request runs again after it, whole, its client none the wiser."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    presets = write_presets(tmp_path / "m.ini", f"[m]\nmodel = {tiny_models['long']}\n"
+                            "ctx-size = 512\nparallel = 1\ncontext-shift = true\n")
+    done: list[str] = []
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
+                      "--api-key-file", str(keys)) as router, ThreadPoolExecutor(2) as pool:
+        def batch() -> httpx.Response:
+            with router.client() as client:
+                answer = client.post("/v1/chat/completions", headers=auth(ETL), json={
+                    "model": "m", "max_tokens": 40_000, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "a long job"}]})
+            done.append("batch")
+            return answer
+
+        long_job = pool.submit(batch)
+        assert wait_until(lambda: status(router)["in_flight"] == 1, TIMEOUT)
+        quick = ask(router, ALICE, "a quick question", done)
+        answer = long_job.result(TIMEOUT * 3)
+        log = router.log()
+    assert quick.status_code == 200 and answer.status_code == 200, answer.text
+    assert done == ["a quick question", "batch"]
+    assert answer.json()["usage"]["completion_tokens"] == 40_000  # whole, run again
+    assert "event=preempted" in log and "Traceback" not in log

@@ -12,6 +12,12 @@ first come, first served.
 * ``wait_turn``: the request waits for its turn, within its wait budget, while its client is
   there and the shutdown allows (``wait.Ends``); a client that leaves frees its place and is
   charged nothing.
+* preemption: a request that must wait while a request of a lower class runs, one whose
+  answer has not begun (not streamed, so nothing goes to its client before the end), takes
+  that one's slot back (``http.proxy.Preemption``); the request taken back waits again, first
+  of its flow, charged nothing, and runs to its end after ``MAX_PREEMPTIONS`` times. llama-
+  server keeps its prompt in its RAM cache, so running it again costs little more than the
+  tokens it had generated.
 * ``ended``: a request that held a slot has ended (``leases.Lease.release``): its real cost
   corrects its flow's service, and the freed slot goes to the next turn at once, before the
   lease is given back, so the model is never idle in between (work-conserving). Each change
@@ -25,13 +31,17 @@ Requests to a remote upstream, which has no slots the router knows, never wait h
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from .. import clock
 from ..changes import Changes
+from ..config.keyfile import PRIORITIES
 from ..teams.fairshare import FairQueue, Turn
 from .lifecycle import Status
 from .runtime import ModelRuntime
+
+log = logging.getLogger("router.slots")
 
 
 class Slots:
@@ -82,6 +92,8 @@ class Slots:
         self._granted[turn] = granted
         queue.push(turn)
         self.grant(runtime)
+        if not granted.done():
+            self._preempt_for(runtime, queue, turn)
         used = False
         try:
             while not granted.done():
@@ -129,6 +141,18 @@ class Slots:
             granted = self._granted.get(turn)
             if granted is not None and not granted.done():
                 granted.set_result(None)
+
+    @staticmethod
+    def _preempt_for(runtime: ModelRuntime, queue: FairQueue, turn: Turn) -> None:
+        """Take a slot back for ``turn`` from a running request of a lower class whose answer
+        has not begun (``FairQueue.victim``); its slot comes free when it gives it back, and
+        it waits again, first of its flow."""
+        victim = queue.victim(turn)
+        if victim is not None and victim.preempt is not None and victim.preempt():
+            victim.preemptions += 1
+            log.info("a slot taken back from a request of class %s (%s) for one of class %s",
+                     PRIORITIES[victim.rank], victim.flow, PRIORITIES[turn.rank],
+                     extra={"event": "preempted", "model": runtime.id})
 
     @staticmethod
     def _may_grant(runtime: ModelRuntime) -> bool:

@@ -36,6 +36,8 @@ from ..http.paths import (
     SLOT_PATHS,
 )
 from ..http.proxy import (
+    Preempted,
+    Preemption,
     ResponseAborted,
     direct_body,
     for_remote,
@@ -137,8 +139,14 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
         local = route.local  # the handle on the model, decided once
         assert local is not None  # the nodes leave a request to this router only if it has it
         prefix = _prefix(state, request, local)
-        lease = await _lease(state, receive, request, local, prefix, metered)
-        await _serve(state, scope, receive, send, request, route, local, lease, prefix, body)
+        while True:
+            lease = await _lease(state, receive, request, local, prefix, metered)
+            if await _serve(state, scope, receive, send, request, route, local, lease, prefix,
+                            body, metered):
+                break
+            lease.spent(0)  # preempted: its slot given back, nothing charged; it waits again
+            lease.release()
+            lease = None
     except BaseException as exc:
         error = exc
         raise
@@ -162,14 +170,23 @@ async def _lease(state: State, receive: Receive, request: RequestContext, local:
 
 async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
                  request: RequestContext, route: Route, local: ModelView, lease: Lease,
-                 prefix: Prefix | None, body: bytes) -> None:
+                 prefix: Prefix | None, body: bytes, metered: Metered | None) -> bool:
     """Relay the request to its leased child: to the slot its conversation needs, and for a
-    resumable stream, with the child that keeps it noted."""
+    resumable stream, with the child that keeps it noted. False: its slot was taken back
+    before the child answered (``Preempted``), nothing sent."""
     if route.conversation is not None:  # a resumable stream: the child that keeps it
         route.conversation.served_by(lease.child)
-    if prefix is not None and request.path in SLOT_PATHS:
-        body = await _in_its_slot(state, request, lease, prefix, body)
-    await _relay(state, scope, receive, send, request, local, lease, body)
+    preemption = metered.preemption() if metered is not None else None
+    try:
+        if prefix is not None and request.path in SLOT_PATHS:
+            body = await _in_its_slot(state, request, lease, prefix, body)
+        await _relay(state, scope, receive, send, request, local, lease, body, preemption)
+    except Preempted:
+        return False
+    finally:
+        if metered is not None:
+            metered.turn.preempt = None
+    return True
 
 
 def _admit(state: State, scope: Scope) -> RequestContext:
@@ -239,7 +256,8 @@ async def _wait_for_lease(state: State, receive: Receive, request: RequestContex
                                      ends=Ends(lambda: wait_disconnect(receive),
                                                shutdown.over, shutdown.error), turn=turn)
     finally:  # for the activity record, also when the wait failed
-        request.queue_s = queued = time.perf_counter() - waited
+        queued = time.perf_counter() - waited
+        request.queue_s = (request.queue_s or 0.0) + queued  # each wait, when preempted
     state.metrics.queue_seconds.labels(model.preset.id).observe(queued)
     return lease
 
@@ -272,8 +290,8 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
 
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,
-           request: RequestContext, model: ModelView, lease: Lease, body: bytes
-           ) -> Coroutine[Any, Any, None]:
+           request: RequestContext, model: ModelView, lease: Lease, body: bytes,
+           preemption: Preemption | None = None) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it."""
     headers = upstream_headers(scope["headers"], request)
@@ -283,7 +301,7 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
         headers, body, target = _for_remote(request, preset, headers, body, target)
     return relay(lease.child.connections, request.method, target, headers, body,
                  receive=receive, send=send, shutdown=state.shutdown,
-                 direct=direct_body(scope))
+                 direct=direct_body(scope), preemption=preemption)
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,

@@ -6,7 +6,9 @@ team's usage.
 over a quota it raises ``QuotaExceeded`` (429 with ``Retry-After``) and counts the refusal,
 and the request never reaches a child. Else the request carries its ``Metered``: its quota
 hold and its turn for a slot (``fairshare.Turn``, with its expected prompt tokens: the body's
-bytes over ``BYTES_PER_TOKEN``). ``Metered.end`` reads once what the response told the client
+bytes over ``BYTES_PER_TOKEN``); a request of a class below ``interactive`` whose answer is not
+streamed may have its slot taken back before it answers (``preemption``). ``Metered.end``
+reads once what the response told the client
 (``tail``: its prompt and generated tokens; for a stream cut short, the events sent), corrects
 the turn's charge (``Lease.spent``), settles the hold and writes the usage. A request that
 never got an answer (its client left while queued) is charged nothing.
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import QuotaExceeded, Unavailable
 from ..http.paths import METERED_PATHS
+from ..http.proxy import Preemption
 from ..http.requests import RequestContext
 from ..teams.fairshare import GENERATED_WEIGHT, Turn
 from ..teams.quotas import Hold, OverQuota, Quotas
@@ -33,14 +36,25 @@ _LIMITS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_token
 class Metered:
     """One metered request: its ``turn`` for a slot, its quota ``hold``."""
 
-    __slots__ = ("_ended", "_hold", "_meter", "model", "turn")
+    __slots__ = ("_ended", "_hold", "_meter", "model", "preemptible", "turn")
 
-    def __init__(self, meter: Meter, model: str, turn: Turn, hold: Hold | None) -> None:
+    def __init__(self, meter: Meter, model: str, turn: Turn, hold: Hold | None,
+                 preemptible: bool = False) -> None:
         self._meter = meter
         self.model = model
         self.turn = turn
         self._hold = hold
+        self.preemptible = preemptible  # its slot may be taken back before it answers
         self._ended = False
+
+    def preemption(self) -> Preemption | None:
+        """What takes this request's slot back while its answer has not begun, set on its
+        turn for the slot queue (``slotqueue``); None for a request that cannot be."""
+        if not self.preemptible:
+            return None
+        preemption = Preemption()
+        self.turn.preempt = preemption
+        return preemption
 
     def end(self, request: RequestContext, lease: Lease | None,
             error: BaseException | None = None) -> None:
@@ -84,7 +98,9 @@ class Meter:
                 self.usage.refused(member.name, model)
                 raise QuotaExceeded(str(exc), headers={"Retry-After": str(exc.retry_after)}
                                     ) from None
-        return Metered(self, model, Turn(member.flow, member.rank, expected), hold)
+        parsed = request.parsed
+        preemptible = member.rank > 0 and type(parsed) is dict and parsed.get("stream") is not True
+        return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible)
 
 
 def _limit(request: RequestContext) -> int:

@@ -90,6 +90,32 @@ class ResponseAborted(Exception):
     announced."""
 
 
+class Preempted(Exception):
+    """The slot queue took the request's slot back before its answer began (``Preemption``):
+    nothing was sent to the client, and the request may be sent again."""
+
+
+class Preemption:
+    """Lets another task take a request's slot back while the child has not begun to answer:
+    ``__call__`` aborts the exchange (True), or does nothing once the response's head has
+    arrived or it was asked already (False); ``relay`` then raises ``Preempted``."""
+
+    __slots__ = ("_cancel", "answered", "asked")
+
+    def __init__(self) -> None:
+        self._cancel: Cancel | None = None
+        self.asked = False
+        self.answered = False
+
+    def __call__(self) -> bool:
+        if self.asked or self.answered:
+            return False
+        self.asked = True
+        if self._cancel is not None:
+            self._cancel()
+        return True
+
+
 class FailOver(Exception):
     """The upstream answered ``status`` (one of ``fail_over``) and nothing was sent to the
     client: the caller may try another node (``nodes``)."""
@@ -212,12 +238,15 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
                 headers: list[tuple[bytes, bytes]], body: bytes, *, receive: Receive,
                 send: Send, shutdown: Shutdown | None = None,
                 fail_over: frozenset[int] = frozenset(),
-                direct: DirectBody | None = None) -> None:
+                direct: DirectBody | None = None,
+                preemption: Preemption | None = None) -> None:
     """Send the request to the child and relay its response to the client; a streamed
     body through ``direct`` while the client keeps up, when given (``direct_body``).
 
     A response whose status is in ``fail_over`` is not relayed: ``FailOver`` is raised
-    instead (its connection is closed), so that the caller can try another node.
+    instead (its connection is closed), so that the caller can try another node. A request
+    whose ``preemption`` was asked for before its response's head arrived raises
+    ``Preempted`` (its exchange aborted, nothing sent).
 
     Raises ``RouterError`` (``UpstreamError``, or ``InvalidHeader`` for a header that cannot
     be forwarded; ``ShuttingDown`` when ``shutdown``'s grace period ends first) only while
@@ -232,13 +261,19 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             raise shutdown.error()
         shutdown.relays.add(cancel)
     watch = DisconnectWatch(receive, cancel)
+    if preemption is not None:
+        preemption._cancel = cancel
     try:
         try:
+            if preemption is not None and preemption.asked:
+                raise Preempted
             response = await connections.send(method, target, headers, body, cancel=cancel)
         except UpstreamError:
             if cancel.cancelled:
                 if shutdown is not None and shutdown.over.is_set():
                     raise shutdown.error() from None
+                if preemption is not None and preemption.asked and not watch.gone:
+                    raise Preempted from None
                 return
             if connections.ended is not None:  # ended on purpose (an unload)
                 raise connections.ended from None
@@ -247,6 +282,12 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             response.abort()
             response.release()
             raise FailOver(response.status)
+        if preemption is not None:
+            preemption.answered = True
+            if preemption.asked:  # in the same instant: nothing was sent yet
+                response.abort()
+                response.release()
+                raise Preempted
         try:
             await _relay_response(response, send, cancel, shutdown, connections, direct)
         finally:
@@ -333,6 +374,7 @@ class DisconnectWatch:
                  after: float = WATCH_AFTER_S) -> None:
         self._receive = receive
         self._on_gone = on_gone
+        self.gone = False  # the client disconnected
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
             after, self._start)
@@ -343,6 +385,7 @@ class DisconnectWatch:
 
     async def _watch(self) -> None:
         await wait_disconnect(self._receive)
+        self.gone = True
         self._on_gone()
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ difference stays within VTC's bound (``service_bound``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 GENERATED_WEIGHT = 2.0  # a generated token weighs two prompt tokens
@@ -30,16 +31,23 @@ def service_bound(longest_prompt: float, slot_context: float) -> float:
     return 2 * max(longest_prompt, GENERATED_WEIGHT * slot_context)
 
 
+MAX_PREEMPTIONS = 3  # a request taken back this often runs to its end the next time
+
+
 @dataclass(eq=False)
 class Turn:
     """One request's place: its ``flow`` in class ``rank``, its expected prompt ``cost``
-    (weighted tokens); ``seq`` orders it among its flow's."""
+    (weighted tokens); ``seq`` orders it among its flow's. ``preempt``, while it runs and
+    its answer has not begun, takes its slot back (True when it did); ``preemptions``
+    counts how often that happened."""
 
     flow: str
     rank: int
     cost: float
     seq: int = 0
     started: bool = False
+    preempt: Callable[[], bool] | None = None
+    preemptions: int = 0
 
 
 @dataclass(eq=False)
@@ -59,6 +67,7 @@ class FairQueue:
     def __init__(self) -> None:
         self._flows: dict[tuple[int, str], _Flow] = {}
         self._seq = 0
+        self._started: dict[Turn, None] = {}  # the running turns, oldest first
         self.running = 0
         self.waiting = 0
 
@@ -88,12 +97,28 @@ class FairQueue:
         self._begin(self.arrive(turn), turn)
 
     def push(self, turn: Turn) -> None:
-        """``turn`` waits for a slot."""
+        """``turn`` waits for a slot: last of its flow, or first again after it was
+        preempted (its place kept)."""
         flow = self.arrive(turn)
-        self._seq += 1
-        turn.seq = self._seq
-        flow.waiting.append(turn)
+        if turn.preemptions and turn.seq:
+            flow.waiting.appendleft(turn)
+        else:
+            self._seq += 1
+            turn.seq = self._seq
+            flow.waiting.append(turn)
         self.waiting += 1
+
+    def victim(self, turn: Turn) -> Turn | None:
+        """The running turn whose slot ``turn`` may take back: of a lower class, preemptible
+        (its ``preempt`` set, taken back fewer than ``MAX_PREEMPTIONS`` times), the lowest
+        class first, then the one that started last (the least work lost)."""
+        found: Turn | None = None
+        for running in self._started:
+            if (running.rank > turn.rank and running.preempt is not None
+                    and running.preemptions < MAX_PREEMPTIONS
+                    and (found is None or running.rank >= found.rank)):
+                found = running
+        return found
 
     def remove(self, turn: Turn) -> None:
         """A waiting ``turn`` leaves without a slot (its client left, its budget ran out)."""
@@ -125,6 +150,7 @@ class FairQueue:
         flow.running += 1
         flow.service += turn.cost
         self.running += 1
+        self._started[turn] = None
 
     def end(self, turn: Turn, correction: float) -> None:
         """A started ``turn`` ended; ``correction``: what it really cost less its expected
@@ -136,6 +162,7 @@ class FairQueue:
         flow.running -= 1
         flow.service = max(0.0, flow.service + correction)
         self.running -= 1
+        self._started.pop(turn, None)
         self._prune()
 
     def _least(self, rank: int, but: tuple[int, str] | None = None) -> float | None:
