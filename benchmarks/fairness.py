@@ -16,8 +16,9 @@ Scenarios, each ``seconds`` long:
   index over the two teams' weighted service; the total, against ``direct`` under the same load;
 * ``late``: ``heavy`` alone for half the time, then ``light`` arrives: light's share of the
   service in its first ``late_window`` seconds (VTC banks no idle time: about half);
-* ``priority``: a ``batch`` team keeps 6 open; an ``interactive`` one asks one short question
-  at a time: its time to the first token at p90, against its time alone;
+* ``priority``: a ``batch`` team keeps 6 open (not streamed, as batch jobs ask); an
+  ``interactive`` one asks one short question at a time: its time to the first token at p90,
+  against its time alone;
 * ``alone``: one team, 2 open, no contention: its throughput against ``direct``.
 
 Goals (issue 48): the flood's Jain's index >= 0.95; its throughput >= 0.95x direct; the late
@@ -99,23 +100,32 @@ def prompt(load: Load, words: int) -> str:
 
 async def ask(client: httpx.AsyncClient, load: Load, team: str, words: int,
               max_tokens: int) -> Served:
-    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+    """One request of ``team``: streamed, but a batch job's (not streamed: it waits for the
+    whole answer, and a higher class may take its slot back before it begins)."""
+    stream = team != "batch"
+    body = {"model": MODEL, "stream": stream, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": prompt(load, words)}]}
     headers = {"Authorization": f"Bearer {KEYS[team]}"} if load.keyed else {}
     began = time.perf_counter()
     first = 0.0
     timings: dict[str, Any] = {}
-    async with client.stream("POST", f"{load.url}/v1/chat/completions", json=body,
-                             headers=headers) as response:
+    url = f"{load.url}/v1/chat/completions"
+    if not stream:
+        response = await client.post(url, json=body, headers=headers)
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if not first and (event.get("choices") or [{}])[0].get("delta", {}).get("content"):
-                first = time.perf_counter() - began
-            if isinstance(event.get("timings"), dict):
-                timings = event["timings"]
+        timings = response.json().get("timings") or {}
+    else:
+        async with client.stream("POST", url, json=body, headers=headers) as answer:
+            answer.raise_for_status()
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                delta = (event.get("choices") or [{}])[0].get("delta") or {}
+                if not first and delta.get("content"):
+                    first = time.perf_counter() - began
+                if isinstance(event.get("timings"), dict):
+                    timings = event["timings"]
     work = timings.get("prompt_n", 0) + timings.get("cache_n", 0) \
         + 2 * timings.get("predicted_n", 0)
     return Served(team, time.perf_counter(), float(work), first or time.perf_counter() - began)
@@ -179,8 +189,8 @@ class FairnessBench:
             port = free_port()
             item = self.bench.procs.start("fairness-direct", [
                 str(self.bench.binary), "-m", str(self.smol), "-c", "2048", "-np", "1",
-                "--threads-http", "32", *CHILD_CPU.argv(), "--host", "127.0.0.1", "--port", str(port),
-                "--alias", MODEL], env=alike_environment())
+                "--threads-http", "32", *CHILD_CPU.argv(), "--host", "127.0.0.1", "--port",
+                str(port), "--alias", MODEL], env=alike_environment())
             url = f"http://127.0.0.1:{port}"
         wait_healthy(item, url)
         return item, url
