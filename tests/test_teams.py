@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,3 +261,39 @@ def test_a_peer_gets_the_decision_never_the_clients_headers() -> None:
     member = member_of(ALICE, True, {FAIRNESS_HEADER: b"u1", PRIORITY_HEADER: b"default"})
     assert forwarded(member) == [(FAIRNESS_HEADER, b"alice/u1"), (PRIORITY_HEADER, b"default")]
     assert member_of(ALICE, True, dict(forwarded(member))).flow == "alice/alice/u1"
+
+
+def metered_request(body: bytes) -> Any:
+    from router.http.requests import RequestContext
+
+    request = RequestContext({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                              "query_string": b"", "headers": []})
+    request.body = body
+    return request
+
+
+def test_what_a_request_is_charged_reads_what_its_client_was_told() -> None:
+    from router.edge.metering import Meter
+
+    meter = Meter(Usage())
+    cases = [
+        ([b'{"usage":{"prompt_tokens":7,"completion_tokens":3}}'], (7, 3)),  # an answer
+        ([b'{"error":{"code":400,"message":"too long"}}'], (0, 0)),  # an error: nothing
+        ([b'data: {"choices":[]}\n\n'] * 5, (100, 5)),  # a stream cut short: its events
+        ([], None),  # never answered (its client left while queued): not counted
+    ]
+    for n, (chunks, charged) in enumerate(cases):
+        request = metered_request(b"x" * 400)
+        request.member = member_of(KeyPolicy(f"t{n}"), False, {})
+        metered = meter.begin(request, "m")
+        assert metered is not None and metered.turn.cost == 100
+        for chunk in chunks:
+            request.sent(chunk)
+        metered.end(request, None)
+        metered.end(request, None)  # once only
+        rows = {r.name: r for r in meter.usage.rows()}
+        if charged is None:
+            assert f"t{n}" not in rows
+        else:
+            row = rows[f"t{n}"]
+            assert (row.requests, row.prompt_tokens, row.completion_tokens) == (1, *charged)

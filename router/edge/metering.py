@@ -66,8 +66,10 @@ class Metered:
         prompt = completion = 0
         if request.first_sent:  # an answer went out: what it told the client
             tail = request.tail()
-            prompt = tail.prompt_tokens or round(self.turn.cost)
-            completion = tail.tokens if tail.tokens is not None else request.chunks
+            told, generated = tail.prompt_tokens, tail.tokens
+            cut = request.chunks > 1  # a stream cut short; else one body (an error says none)
+            prompt = told if told is not None else round(self.turn.cost) if cut else 0
+            completion = generated if generated is not None else request.chunks if cut else 0
             self._meter.usage.served(request.member.name, self.model, prompt, completion,
                                      request.queue_s or 0.0)
         elif isinstance(error, Unavailable):  # the wait ran out
