@@ -53,9 +53,9 @@ KEY = "sk-path-5e1f"
 
 # Top to bottom: on the way down a module may call only modules below every path module on
 # its stack; on the way up, only modules above them.
-LAYERS = ("http11", "middleware", "cors", "keys", "forward", "route", "nodes", "resumable",
-          "supervisor", "wait", "leases", "executor", "lifecycle", "modelset", "changes",
-          "cpugate", "proxy", "upstream")
+LAYERS = ("http11", "middleware", "cors", "keys", "forward", "metering", "route", "nodes",
+          "resumable", "supervisor", "wait", "leases", "slotqueue", "executor", "lifecycle",
+          "modelset", "changes", "cpugate", "proxy", "upstream")
 # Where the response's way up begins (module, qualified name or its prefix): the ASGI send
 # chain, and the direct body (``proxy.DirectBody``: the child's bytes written by the upstream
 # connection through ``http11``'s writer straight to the client's transport).
@@ -66,7 +66,8 @@ UP = (("middleware", "RequestMetricsMiddleware.__call__.<locals>.send_wrapper"),
 # calling only each other.
 RECORDS = frozenset({"requests", "paths", "errors", "view", "runtime", "presets", "clock",
                      "tail", "process", "backend", "affinity", "pace", "metrics", "activity",
-                     "keyfile", "sources", "connstate"})
+                     "keyfile", "sources", "connstate", "members", "fairshare", "quotas",
+                     "usage"})
 ROOTS = frozenset({"http11", "middleware", "upstream"})  # where the request's chains begin
 
 

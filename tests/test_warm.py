@@ -32,6 +32,7 @@ from router.errors import Unavailable
 from router.events import EventBus
 from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
+from router.teams.usage import FILE_NAME as USAGE_FILE
 from router.warm import swaps as warm
 from router.warm.choice import (
     MIN_TOKENS,
@@ -570,6 +571,6 @@ def test_a_child_killed_during_its_save_leaves_nothing_behind(tmp_path: Path) ->
             assert response.status_code == 200, (model, response.text)
         log = router.log()
     assert sorted(p for p in states.rglob("*") if p.is_file()) == sorted(
-        [states / LOCK_NAME, states / "digests.json"])  # no state, no temp file
+        [states / LOCK_NAME, states / "digests.json", states / USAGE_FILE])  # no state, no temp
     assert "simulated crash (during a slot save)" in log
     assert "Traceback" not in log
