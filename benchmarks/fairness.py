@@ -105,7 +105,10 @@ async def ask(client: httpx.AsyncClient, load: Load, team: str, words: int,
     stream = team != "batch"
     body = {"model": MODEL, "stream": stream, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": prompt(load, words)}]}
-    headers = {"Authorization": f"Bearer {KEYS[team]}"} if load.keyed else {}
+    # A connection each: llama-server closes a kept-alive one after a few requests, racing
+    # the client's next (the harness's main phase retries those; here none is needed).
+    headers = {"connection": "close",
+               **({"Authorization": f"Bearer {KEYS[team]}"} if load.keyed else {})}
     began = time.perf_counter()
     first = 0.0
     timings: dict[str, Any] = {}
