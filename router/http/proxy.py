@@ -283,11 +283,7 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             response.release()
             raise FailOver(response.status)
         if preemption is not None:
-            preemption.answered = True
-            if preemption.asked:  # in the same instant: nothing was sent yet
-                response.abort()
-                response.release()
-                raise Preempted
+            _answered(preemption, response)
         try:
             await _relay_response(response, send, cancel, shutdown, connections, direct)
         finally:
@@ -296,6 +292,16 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
         watch.stop()
         if shutdown is not None:
             shutdown.relays.discard(cancel)
+
+
+def _answered(preemption: Preemption, response: UpstreamResponse) -> None:
+    """The response's head arrived: its slot can no longer be taken back, unless that was
+    asked in the same instant (nothing was sent yet: ``Preempted``)."""
+    preemption.answered = True
+    if preemption.asked:
+        response.abort()
+        response.release()
+        raise Preempted
 
 
 async def _relay_response(response: UpstreamResponse, send: Send, cancel: Cancel,
