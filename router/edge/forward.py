@@ -119,8 +119,11 @@ async def proxy(scope: Scope, receive: Receive, send: Send) -> None:
 async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     """A proxied request, step by step: read it, name its model (or answer a web UI page),
     decide its route once (``route.decide``: the model, the nodes holding it, the
-    conversation's claim), let the peers holding the model serve it, else wait for a lease on
-    one of its replicas here and relay to that child."""
+    conversation's claim), ask its team's quotas (``metering``), let the peers holding the
+    model serve it, else wait for a lease on one of its replicas here (with one of its slots,
+    for a metered request: ``slotqueue``) and relay to that child; again when a request of a
+    higher class took the slot back before the child answered. What it used is charged once,
+    however it ended."""
     state: State = scope["app"].state.router
     request = _admit(state, scope)
     body = await request.read(receive, state.models.settings.max_body_bytes)
