@@ -21,6 +21,8 @@ KEYS = ("sk-gateway-0123456789 name=gw\n"
         "sk-alice-0123456789 name=alice priority=interactive role=infer\n"
         "sk-etl-0123456789 name=etl priority=batch max-concurrent=2 role=infer\n")
 GW, ALICE, ETL = "sk-gateway-0123456789", "sk-alice-0123456789", "sk-etl-0123456789"
+BATCH_TOKENS = 10_000  # long enough to be running when the interactive request comes
+BATCH_GUARD_S = 600.0  # a hang guard for it, run twice on two busy cores
 
 
 def auth(key: str, **headers: str) -> dict[str, str]:
@@ -162,10 +164,11 @@ def test_an_interactive_request_takes_the_slot_back_from_a_batch_one(
     done: list[str] = []
     with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
                       "--api-key-file", str(keys)) as router, ThreadPoolExecutor(2) as pool:
-        def batch() -> httpx.Response:
-            with router.client() as client:
+        def batch() -> httpx.Response:  # ~0.6 s on a quiet machine, twice: a hang guard only
+            with httpx.Client(base_url=router.url,
+                              timeout=httpx.Timeout(TIMEOUT, read=BATCH_GUARD_S)) as client:
                 answer = client.post("/v1/chat/completions", headers=auth(ETL), json={
-                    "model": "m", "max_tokens": 40_000, "ignore_eos": True,
+                    "model": "m", "max_tokens": BATCH_TOKENS, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "a long job"}]})
             done.append("batch")
             return answer
@@ -173,9 +176,9 @@ def test_an_interactive_request_takes_the_slot_back_from_a_batch_one(
         long_job = pool.submit(batch)
         assert wait_until(lambda: status(router)["in_flight"] == 1, TIMEOUT)
         quick = ask(router, ALICE, "a quick question", done)
-        answer = long_job.result(TIMEOUT * 3)
+        answer = long_job.result(BATCH_GUARD_S + TIMEOUT)
         log = router.log()
     assert quick.status_code == 200 and answer.status_code == 200, answer.text
     assert done == ["a quick question", "batch"]
-    assert answer.json()["usage"]["completion_tokens"] == 40_000  # whole, run again
+    assert answer.json()["usage"]["completion_tokens"] == BATCH_TOKENS  # whole, run again
     assert "event=preempted" in log and "Traceback" not in log
