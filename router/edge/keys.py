@@ -131,16 +131,19 @@ class ApiKeyMiddleware:
                     and request.model is None and self.webui.is_public(request.path)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys:
-            if scope["type"] == "http" and PRIORITY_HEADER in context(scope).headers:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = context(scope)
+        if not self.keys:
+            if PRIORITY_HEADER in request.headers:
                 try:  # without keys, a request may still ask for a lower class
-                    context(scope).member = member_of(UNLIMITED, False, context(scope).headers)
+                    request.member = member_of(UNLIMITED, False, request.headers)
                 except MemberError as exc:
                     await send_error(send, _member_refusal(exc))
                     return
             await self.app(scope, receive, send)
             return
-        request = context(scope)
         if self._public(request):
             await self.app(scope, receive, send)
             return

@@ -153,16 +153,14 @@ class Usage:
             del self._waited[name]
 
     async def flush(self) -> None:
-        """Write the rows changed since the last flush (in a thread)."""
+        """Write the rows changed since the last write (in a thread)."""
         if self.store is None or not self._dirty:
             return
-        rows = [Row(**asdict(self._rows[key])) for key in self._dirty]
-        self._dirty = set()
+        rows = self._changed()
         try:
             await asyncio.to_thread(self.store.save, rows)
         except (OSError, sqlite3.Error) as exc:
-            self._dirty.update((r.name, r.model) for r in rows)
-            log.warning("could not write the usage to %s: %s", self.store.path, exc)
+            self._unwritten(rows, exc)
 
     async def run(self) -> None:
         """Flush every ``FLUSH_S`` until cancelled, then write what is left at once."""
@@ -174,11 +172,24 @@ class Usage:
             self.save_now()
 
     def save_now(self) -> None:
-        """Write the rows changed since the last flush, here and now (the router stops)."""
+        """Write the rows changed since the last write, here and now (the router stops)."""
         if self.store is None or not self._dirty:
             return
-        rows, self._dirty = [self._rows[key] for key in self._dirty], set()
+        rows = self._changed()
         try:
             self.store.save(rows)
         except (OSError, sqlite3.Error) as exc:
-            log.warning("could not write the usage to %s: %s", self.store.path, exc)
+            self._unwritten(rows, exc)
+
+    def _changed(self) -> list[Row]:
+        """The rows changed since the last write, copied (a thread may write them), and
+        marked written."""
+        rows = [Row(**asdict(self._rows[key])) for key in self._dirty]
+        self._dirty = set()
+        return rows
+
+    def _unwritten(self, rows: list[Row], exc: BaseException) -> None:
+        """``rows`` could not be written: they are written with the next ones."""
+        self._dirty.update((row.name, row.model) for row in rows)
+        assert self.store is not None
+        log.warning("could not write the usage to %s: %s", self.store.path, exc)
