@@ -245,7 +245,8 @@ def test_restores_that_keep_missing_turn_the_model_off(tmp_path: Path,
     placement = found.plan(preset, book, A, None)
     placement.restored = 400
     found.learn(preset, placement, 10, 390, 5)
-    assert found.swaps.counts["m"].hits == 1 and found.swaps.counts["m"].spared_tokens == 390
+    counts = found.swaps.ledger.counts["m"]
+    assert counts.hits == 1 and counts.spared_tokens == 390
     assert placement.tokens == 405
     for _ in range(MISSES_TO_STOP):
         placement.restored = 400
@@ -255,9 +256,10 @@ def test_restores_that_keep_missing_turn_the_model_off(tmp_path: Path,
     for _ in range(MISSES_TO_STOP):
         placement.restored = 400
         fresh.learn(preset, placement, 410, 0, 5)
-    assert not fresh.keeps(preset, "0" * 64) and "do not restore" in (fresh.off("m") or "")
+    assert not fresh.keeps(preset, "0" * 64) and "do not restore" in (
+        fresh.swaps.ledger.unrestorable("m") or "")
     assert fresh.keeps(preset, "1" * 64)  # another configuration tries again
-    assert fresh.swaps.counts["m"].misses == MISSES_TO_STOP
+    assert fresh.swaps.ledger.counts["m"].misses == MISSES_TO_STOP
 
 
 async def test_a_displacement_save_that_hangs_holds_the_request_only_its_bound(

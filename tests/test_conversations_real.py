@@ -134,13 +134,18 @@ def test_a_model_whose_restores_do_not_hit_stops_keeping_conversations(
                                      [labels[1], labels[2], labels[0], nobody], strict=True):
         path.write_text(json.dumps({**document, "prefix": other}))
     with start_router(tmp_path, *args) as router, router.client() as client:
-        for name in ("A", "B", "C"):
+        for name in ("A", "B", "C"):  # B and C each displace the one before: saved
             turn(client, openings[name] + MORE)
         states = states_of(router)
+        turn(client, openings["D"] + MORE)  # displaces C's, no longer saved
+        assert wait_until(lambda: states_of(router)["displaced"] == 2, 60), states_of(router)
+        kept = {p.name for p in (tmp_path / "states").rglob("slot-*.json")}
         log = router.log()
     assert states["misses"] == 3 and states["hits"] == 0, states
     assert "do not restore" in states["off"], states
     assert log.count("event=conversations_off") == 1, log
+    # nor is anything saved at the stop (D's conversation sat in the slot)
+    assert {p.name for p in (tmp_path / "states").rglob("slot-*.json")} <= kept
 
 
 def test_the_budget_keeps_the_most_recent_conversations(

@@ -146,7 +146,7 @@ def test_saves_that_hang_never_wedge_a_swap() -> None:
         assert sim.warm is not None
         hung += sim.warm.hung
         stalled += sim.warm.stalled
-        cut += sum(counts.slow_restores for counts in sim.warm.counts.values())
+        cut += sum(counts.slow_restores for counts in sim.warm.ledger.counts.values())
         if sim.violations:
             failures.append(sim)
             if len(failures) >= 3:

@@ -146,6 +146,28 @@ async def test_slots_worth_saving_are_saved_and_restored_into_the_same_slot(
     assert not list(directory.glob("tmp-*"))
 
 
+async def test_a_configuration_whose_restores_miss_is_neither_saved_nor_restored(
+        tmp_path: Path, model: ModelPreset) -> None:
+    """Once its restores did not hit (``Conversations.learn``), a stop saves none of the
+    model's slots and a load restores none; another configuration, and the same model added
+    again after its removal, start afresh."""
+    stand_in = StandIn(tmp_path / "states", [MIN_TOKENS * 4])
+    swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in})
+    assert await swaps_.save(model, [child("a")]) == 1
+    forgotten: list[str] = []
+    swaps_.forgetting.append(forgotten.append)
+    swaps_.ledger.do_not_restore("m", directory.name, "its restores did not hit")
+    asked = len(stand_in.requests)
+    assert await swaps_.save(model, [child("a")]) == 0
+    assert (await swaps_.restore(model, [child("a")])).count == 0
+    assert len(stand_in.requests) == asked  # nothing was asked of the child
+    assert swaps_.ledger.unrestorable("m") == "its restores did not hit"
+    assert swaps_.ledger.restores("m", "another configuration")
+    swaps_.forget("m")  # its preset removed
+    assert forgotten == ["m"] and swaps_.ledger.unrestorable("m") is None
+    assert swaps_.ledger.restores("m", directory.name) and store.usage() == {}
+
+
 async def test_no_request_to_a_child_leaves_its_connection_open(
         tmp_path: Path, model: ModelPreset) -> None:
     """A connection left idle in the shared pool holds up the child's exit when it stops
@@ -197,7 +219,7 @@ async def test_the_cost_learned_from_a_save_decides_the_next_one(
     swaps_, _, _ = swaps_for(tmp_path, model, {"a": stand_in})
     stand_in.save_ms = 5_000.0  # a very slow disk: 5 s for 640 tokens
     assert await swaps_.save(model, [child("a")]) == 1  # nothing known yet: saved
-    io = swaps_.io["m"]
+    io = swaps_.ledger.io["m"]
     assert io.bytes_per_token == 8 and io.save_ms_per_byte == 5_000.0 / (MIN_TOKENS * 80)
     stand_in.prompt_tps = 10_000.0  # 64 ms to compute again
     assert await swaps_.save(model, [child("a")]) == 0  # not worth 5 s of disk
@@ -237,13 +259,13 @@ async def test_a_removed_model_takes_its_states_with_it(tmp_path: Path,
     stand_in = StandIn(tmp_path, [MIN_TOKENS])
     swaps_, store, directory = swaps_for(tmp_path, model, {"a": stand_in}, events)
     assert await swaps_.save(model, [child("a")]) == 1
-    assert swaps_.counts["m"].saved == 1 and "m" in swaps_.io
+    assert swaps_.ledger.counts["m"].saved == 1 and "m" in swaps_.ledger.io
     swaps_.forget("m")
     assert store.usage() == {} and not directory.parent.exists()
     assert [(e["event"], e["data"]["count"]) for e in heard] == [("slot_states", 1),
                                                                  ("slot_states", 0)]
     # Nothing of it is left behind for a model added again under the same id.
-    assert "m" not in swaps_.counts and "m" not in swaps_.io
+    assert "m" not in swaps_.ledger.counts and "m" not in swaps_.ledger.io
 
 
 async def test_replicas_keep_their_own_states(tmp_path: Path, model: ModelPreset) -> None:
@@ -343,7 +365,7 @@ async def test_a_commit_that_stalls_holds_neither_a_load_nor_the_routers_stop(
     async with asyncio.timeout(GUARD_S):
         assert (await swaps_.restore(model, [child("a")])).count == 0
         await swaps_.settle()  # the router's stop: bounded
-    assert swaps_.counts["m"].slow_restores == 1 and not stand_in.restored
+    assert swaps_.ledger.counts["m"].slow_restores == 1 and not stand_in.restored
     release.set()
     async with asyncio.timeout(GUARD_S):
         await swaps_._keeping.settle()

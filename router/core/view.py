@@ -205,14 +205,13 @@ class ModelView:
         model_id = self._model.id
         count, size = warm.usage(model_id)
         states: dict[str, Any] = {"count": count, "bytes": size}
-        counts = warm.counts.get(model_id)
+        counts = warm.ledger.counts.get(model_id)
         if counts is not None:
             states.update(saved=counts.saved, displaced=counts.displaced,
                           restored=counts.restored, on_demand=counts.on_demand,
                           hits=counts.hits, misses=counts.misses,
                           displace_wait_ms=counts.wait_ms_p50())
-        conversations = self._sup.leases.conversations
-        off = conversations.off(model_id) if conversations is not None else None
+        off = warm.ledger.unrestorable(model_id)
         if off is not None:
             states["off"] = off
         return states

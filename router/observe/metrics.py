@@ -229,7 +229,7 @@ class _WarmSwaps(Collector):
     def collect(self) -> Iterator[Metric]:
         for attr, name, text in self.COUNTERS:
             family = CounterMetricFamily(name, text, labels=["model"])
-            for model, counts in sorted(self.warm.counts.items()):
+            for model, counts in sorted(self.warm.ledger.counts.items()):
                 family.add_metric([model], getattr(counts, attr))
             yield family
         files = GaugeMetricFamily("llamarouter_state_files", "Saved slot states on disk",

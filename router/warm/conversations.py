@@ -22,7 +22,8 @@ A restore is proven by the next response (``learn``): its ``timings.cache_n`` mu
 least ``HIT_SHARE`` of the tokens restored. A model whose restores keep missing
 (``MISSES_TO_STOP`` in a row with no hit: llama.cpp's sliding-window and hybrid models can
 restore a state and still compute the whole prompt again) stops saving and restoring
-conversations; it says why once in the log and in ``/models`` (``off``).
+conversations, at its stops too (``WarmSwaps.do_not_restore``); it says why once in the log
+and in ``/models`` (``off``).
 
 Privacy: with API keys, a state's owner is a keyed digest of the key that made it
 (``owner_of``: an HMAC under a secret kept in the state directory, so that it holds across
@@ -85,25 +86,21 @@ class Conversations:
         self.swaps = swaps
         self._secret: bytes | None = None  # read at the first request with a key
         self._index: dict[str, tuple[object, dict[int, list[SavedState]]]] = {}
-        self._missed: dict[str, int] = {}  # restores in a row that missed, per model
         # per model: the conversations saved on displacement whose commit is under way
         self._keeping: dict[str, dict[Conversation, asyncio.Task[int]]] = {}
-        # the models that keep no conversations: the fingerprint whose restores missed, why
-        self._off: dict[str, tuple[str | None, str]] = {}
+        swaps.forgetting.append(self.forget)
 
     def keeps(self, preset: ModelPreset, fingerprint: str | None = None) -> bool:
         """Whether the model can keep its conversations (warm swaps cover it), and with a
         child's ``fingerprint``, whether that child does: not when the restores of that
         configuration did not hit (another configuration, a reload, tries again)."""
-        if not self.swaps.covers(preset):
-            return False
-        off = self._off.get(preset.id)
-        return fingerprint is None or off is None or off[0] != fingerprint
+        return self.swaps.covers(preset) and (
+            fingerprint is None or self.swaps.ledger.restores(preset.id, fingerprint))
 
-    def off(self, model_id: str) -> str | None:
-        """Why the model keeps no conversations now, if so."""
-        found = self._off.get(model_id)
-        return None if found is None else found[1]
+    def forget(self, model_id: str) -> None:
+        """A removed model (``WarmSwaps.forget``): nothing of its conversations stays."""
+        self._index.pop(model_id, None)
+        self._keeping.pop(model_id, None)
 
     def owner_of(self, credential: bytes, preset: ModelPreset) -> str | None:
         """Who may have a request's conversation restored: None (anyone) without a key or
@@ -163,7 +160,7 @@ class Conversations:
         state, stored = self.stored(preset, book.fingerprint, keys, owner) if keys \
             else (None, 0)
         keeping, kept = self._being_kept(preset, keys, owner) if keys else (None, 0)
-        io = self.swaps.io.get(preset.id) or Io()
+        io = self.swaps.ledger.io.get(preset.id) or Io()
         plan = book.plan(keys, owner, max(stored, kept),
                          lambda tokens: worth_saving(tokens, None, io))
         waiting = None if plan.slot is not None else book.waiting[-1]
@@ -196,7 +193,7 @@ class Conversations:
                             preset, placement.book.fingerprint, child, slot, number + slot,
                             plan.save)
             finally:
-                self.swaps.counts_of(preset.id).waited(time.perf_counter() - began)
+                self.swaps.ledger.counts_of(preset.id).waited(time.perf_counter() - began)
         try:
             await self._restore_for(preset, placement, child, slot)
             if plan.erase and not placement.restored:  # another owner's conversation: its
@@ -248,7 +245,7 @@ class Conversations:
             return False
         if not await self.swaps.restore_one(preset.id, child, slot, state):
             return False
-        self.swaps.counts_of(preset.id).on_demand += 1
+        self.swaps.ledger.counts_of(preset.id).on_demand += 1
         return True
 
     def learn(self, preset: ModelPreset, placement: Placement, computed: int, cached: int,
@@ -259,23 +256,22 @@ class Conversations:
         placement.tokens = computed + cached + generated
         if not placement.restored:
             return
-        counts = self.swaps.counts_of(preset.id)
+        counts = self.swaps.ledger.counts_of(preset.id)
         wanted = min(placement.restored, computed + cached)
         if cached >= HIT_SHARE * wanted:
             counts.hits += 1
             counts.spared_tokens += cached
-            self._missed[preset.id] = 0
+            counts.missed_in_row = 0
             return
         counts.misses += 1
-        missed = self._missed[preset.id] = self._missed.get(preset.id, 0) + 1
+        counts.missed_in_row += 1
         fingerprint = placement.book.fingerprint
-        if missed >= MISSES_TO_STOP and counts.hits == 0 \
+        if counts.missed_in_row >= MISSES_TO_STOP and counts.hits == 0 \
                 and self.keeps(preset, fingerprint):
-            why = (f"{missed} restores in a row found none of their tokens cached: this "
-                   "model's states do not restore (llama.cpp: sliding-window or hybrid models)")
-            self._off[preset.id] = (fingerprint, why)
-            log.warning("conversations not kept: %s", why,
-                        extra={"event": "conversations_off", "model": preset.id})
+            self.swaps.ledger.do_not_restore(preset.id, fingerprint, (
+                f"{counts.missed_in_row} restores in a row found none of their tokens cached: "
+                "this model's states do not restore (llama.cpp: sliding-window or hybrid "
+                "models)"))
 
     @staticmethod
     def end(placement: Placement) -> None:

@@ -104,6 +104,7 @@ class Counts:
     on_demand: int = 0  # of ``restored``: restored for the request of its conversation
     hits: int = 0  # restores whose next request found its tokens in the cache
     misses: int = 0  # restores whose next request did not (the child recomputed them)
+    missed_in_row: int = 0  # of ``misses``: since the last hit
     spared_tokens: int = 0  # prompt tokens the hits took from the cache
     displace_wait_s: float = 0.0  # what displacement saves held their requests, in all
     # the last ``RECENT_WAITS`` of those waits, in seconds (for their median in ``/models``)
@@ -120,6 +121,46 @@ class Counts:
             return None
         ordered = sorted(self.recent_waits)
         return round(ordered[len(ordered) // 2] * 1000.0, 1)
+
+
+class Ledger:
+    """Per model, what warm swaps know of its states: what they did (``Counts``), what its
+    saves and restores cost (``Io``), and the configuration whose restores do not hit (found
+    out by ``Conversations``): none of that configuration's states is saved or restored any
+    more, at stops, loads and displacements alike. A model forgotten starts from nothing."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counts] = {}
+        self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
+        self._unrestorable: dict[str, tuple[str | None, str]] = {}  # fingerprint, why
+
+    def counts_of(self, model_id: str) -> Counts:
+        """The model's counters (made at first use)."""
+        return self.counts.setdefault(model_id, Counts())
+
+    def restores(self, model_id: str, fingerprint: str | None) -> bool:
+        """Whether the model's states of ``fingerprint`` are worth saving and restoring: not
+        once their restores did not hit (``do_not_restore``); another configuration (a reload
+        that changes the KV settings, a new child's fingerprint) tries again."""
+        off = self._unrestorable.get(model_id)
+        return off is None or off[0] != fingerprint
+
+    def do_not_restore(self, model_id: str, fingerprint: str | None, why: str) -> None:
+        """Stop saving and restoring the model's states of ``fingerprint``; said once in the
+        log and in ``/models`` (``unrestorable``)."""
+        self._unrestorable[model_id] = (fingerprint, why)
+        log.warning("conversations not kept: %s", why,
+                    extra={"event": "conversations_off", "model": model_id})
+
+    def unrestorable(self, model_id: str) -> str | None:
+        """Why the model's states are not saved or restored now, if so."""
+        found = self._unrestorable.get(model_id)
+        return None if found is None else found[1]
+
+    def forget(self, model_id: str) -> None:
+        self.counts.pop(model_id, None)
+        self.io.pop(model_id, None)
+        self._unrestorable.pop(model_id, None)
 
 
 class Written(NamedTuple):
@@ -230,13 +271,9 @@ class WarmSwaps:
         self.prints = Fingerprints(store, build, digests if digests is not None
                                    else Digests(store.root / CACHE_NAME))
         self._off: set[str] = set()  # models whose preset now says ``warm-swaps = false``
-        self.counts: dict[str, Counts] = {}
-        self.io: dict[str, Io] = {}  # per model: what its saves and restores cost
+        self.ledger = Ledger()
         self._keeping = Commits()  # per model: its commit under way
-
-    def counts_of(self, model_id: str) -> Counts:
-        """The model's counters (made at first use)."""
-        return self.counts.setdefault(model_id, Counts())
+        self.forgetting: list[Callable[[str], None]] = []  # told of each model ``forget``s
 
     def usage(self, model_id: str) -> tuple[int, int]:
         """The model's saved states now: how many, and their bytes."""
@@ -287,8 +324,9 @@ class WarmSwaps:
         if self._keeping.after(model_id, lambda: self.forget(model_id)):
             return
         self.prints.forget(model_id)
-        self.counts.pop(model_id, None)
-        self.io.pop(model_id, None)
+        self.ledger.forget(model_id)
+        for forgotten in self.forgetting:
+            forgotten(model_id)
         try:
             removed = self.store.remove_model(model_id)
         except (OSError, ValueError) as exc:
@@ -330,7 +368,7 @@ class WarmSwaps:
         children are done with the files once this returns: ``keep`` (checksums, renames) may
         run while they stop."""
         found = self.fingerprint_of(preset)
-        if found is None or not replicas:
+        if found is None or not replicas or not self.ledger.restores(preset.id, found):
             return []
         written: list[Written] = []
         pending: list[PendingSave] = []
@@ -342,7 +380,7 @@ class WarmSwaps:
                     await self._save_child(preset, found, index, replica, keys, pending,
                                            written)
         except TimeoutError:
-            self.counts_of(preset.id).slow_saves += 1
+            self.ledger.counts_of(preset.id).slow_saves += 1
             log.warning("saving slot states took over %g s; stopping without the rest",
                         SAVE_BOUND_S, extra={"event": "state_save_slow", "model": preset.id})
         finally:
@@ -359,8 +397,8 @@ class WarmSwaps:
             for save, *_ in written:
                 await asyncio.to_thread(self.store.abandon, save)
             return 0
-        io = self.io.setdefault(model_id, Io())
-        counts = self.counts_of(model_id)
+        io = self.ledger.io.setdefault(model_id, Io())
+        counts = self.ledger.counts_of(model_id)
         kept: list[SavedState] = []
         try:
             for save, answer, keys, conversation, displaced in written:
@@ -400,7 +438,7 @@ class WarmSwaps:
         model_id = preset.id
         child, book = replica.child, replica.book
         slots = await self._child.slots(child)
-        io = self.io.setdefault(model_id, Io())
+        io = self.ledger.io.setdefault(model_id, Io())
         speed = await self._child.prompt_speed(child) if io.cost_ms(1) is not None else None
         wanted = [(slot_id, tokens) for slot_id, tokens in worth_saving_of(slots, speed, io)
                   if book is None or slot_id >= book.n_slots
@@ -410,7 +448,7 @@ class WarmSwaps:
         fits, over = within_budget(wanted, await most_tokens(preset, io,
                                                              self.store.budget_bytes))
         for slot_id, tokens in over:  # never written, never refused later
-            self.counts_of(model_id).refused += 1
+            self.ledger.counts_of(model_id).refused += 1
             log.info("slot %s not saved: %d tokens, over the whole state budget", slot_id,
                      tokens, extra={"event": "state_over_budget", "model": model_id})
         for slot_id, _ in fits:
@@ -460,7 +498,7 @@ class WarmSwaps:
         await self.settle(preset.id)  # a state its last stop is keeping is among them
         try:
             stale = await asyncio.to_thread(self.store.drop_stale, preset.id, found)
-            self.counts_of(preset.id).refused += stale  # made with other weights or settings
+            self.ledger.counts_of(preset.id).refused += stale  # made with other weights or settings
             return await asyncio.to_thread(self.store.states, preset.id, found)
         except (OSError, ValueError) as exc:  # the load goes on, cold
             log.warning("cannot read the saved slot states: %s", exc, extra={"model": preset.id})
@@ -474,7 +512,8 @@ class WarmSwaps:
         many were restored, and the prefix keys each replica learned."""
         learned: list[tuple[int, ...]] = [() for _ in replicas]
         held: list[tuple[tuple[int, Conversation | None, int], ...]] = [() for _ in replicas]
-        if self.fingerprint_of(preset) is None or not replicas:
+        found = self.fingerprint_of(preset)
+        if found is None or not replicas or not self.ledger.restores(preset.id, found):
             return Restored(0, tuple(learned), tuple(held))
         restored = 0
         states: list[SavedState] = []
@@ -490,7 +529,7 @@ class WarmSwaps:
                         held[index] += ((slot, conversation_of(state.prefix),
                                          state.n_saved),)
         except TimeoutError:
-            self.counts_of(preset.id).slow_restores += 1
+            self.ledger.counts_of(preset.id).slow_restores += 1
             log.warning("restoring slot states took over %g s; serving without the rest",
                         RESTORE_BOUND_S, extra={"event": "state_restore_slow",
                                                 "model": preset.id})
@@ -505,7 +544,7 @@ class WarmSwaps:
                            state: SavedState) -> bool:
         """Restore ``state`` into ``slot`` of ``child``; one the child refuses is discarded."""
         answer = await self._child.action(child, slot, "restore", state.filename)
-        counts = self.counts_of(model_id)
+        counts = self.ledger.counts_of(model_id)
         if answer is None or answer.get("n_restored") != state.n_saved:
             log.warning("slot state %s refused by the child: discarded", state.filename,
                         extra={"event": "state_refused", "model": model_id})
@@ -513,7 +552,7 @@ class WarmSwaps:
             counts.refused += 1
             return False
         await asyncio.to_thread(self.store.touch, state)
-        learn(self.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
+        learn(self.ledger.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
               timing(answer, "restore_ms"), "restore")
         counts.restored += 1
         counts.restored_tokens += state.n_saved
