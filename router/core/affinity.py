@@ -39,11 +39,13 @@ MAX_KEYS: Final = 1024  # keys per request at most: bounds the work on huge prom
 TABLE_KEYS: Final = 4096  # keys remembered per replica
 
 
-Decision = Literal["prefix_hit", "miss", "override"]
+Decision = Literal["prefix_hit", "miss", "override", "saved_state"]
 PREFIX_HIT: Final = "prefix_hit"  # the replica that holds the longest prefix of the prompt
 MISS: Final = "miss"  # no replica has seen any prefix of it: the least busy
 OVERRIDE: Final = "override"  # the holder is saturated and another has a free slot
-DECISIONS: Final = (PREFIX_HIT, MISS, OVERRIDE)
+# among nodes: the node that keeps the conversation on disk, its model not loaded there
+SAVED_STATE: Final = "saved_state"
+DECISIONS: Final = (PREFIX_HIT, MISS, OVERRIDE, SAVED_STATE)
 
 CHARS_PER_TOKEN: Final = 4  # what one token id of a tokenized prompt counts as in ``sizes``
 

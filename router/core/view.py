@@ -140,6 +140,13 @@ class ModelView:
                             if routed else None)
                 for r in self._model.replicas]
 
+    @property
+    def keeps_states(self) -> bool:
+        """Whether its conversations are kept on disk (warm swaps cover it): a load restores
+        them."""
+        warm = self._sup.warm
+        return warm is not None and warm.covers(self._model.preset)
+
     def serves_through(self, child: object) -> bool:
         """Whether ``child`` is one of its serving replicas' backends now."""
         return any(r.child is child for r in self._model.replicas)
@@ -194,6 +201,8 @@ class ModelView:
         status.update(self._progress_status())
         status["memory"] = self._memory_status()
         status.update(self._trouble_status())
+        if model.last_load_s is not None:
+            status["load_s"] = round(model.last_load_s, 3)
         warm = sup.warm
         if warm is not None and warm.covers(model.preset):  # a listing reads no file
             status["states"] = self._states_status(warm)

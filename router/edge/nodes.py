@@ -3,7 +3,8 @@
 ``forward`` asks ``serve_across_nodes`` only when some peer that is up lists the request's
 model; a router without peers never gets here. The nodes holding the model (peers, and this
 router when it has the model too) are tried in ``placement.rank`` order (a conversation's
-next turn first where its prompt is cached: ``placement.by_prefix``):
+next turn first where its prompt is cached, ``placement.by_prefix``, or kept on disk while its
+model is not loaded there, ``placement.by_saved_state``):
 
 * this router's turn: ``serve_across_nodes`` returns False and ``forward`` serves the request
   as any other (lease, child);
@@ -24,13 +25,13 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
-from ..core.affinity import PrefixTable, request_keys
+from ..core.affinity import NO_PREFIX, PrefixTable, request_prefix
 from ..errors import UpstreamError
 from ..http.proxy import FailOver, with_model
 from ..http.requests import BODY_METHODS, RequestContext
 from ..peers import hop
 from ..peers.peer import Peer
-from ..peers.placement import by_prefix, candidates
+from ..peers.placement import by_prefix, by_saved_state, candidates
 from .state import State
 
 if TYPE_CHECKING:
@@ -50,10 +51,12 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
     assert peers is not None and request.model is not None and request.body is not None
     model, parsed = request.model, request.parsed
     order = candidates(route.holders, model, route.local, state.node)
-    keys = request_keys(parsed) if parsed is not None else ()
-    if keys:  # a conversation's next turn: where its prompt is cached (``affinity``)
+    prefix = request_prefix(parsed) if parsed is not None else NO_PREFIX
+    keys = prefix.keys
+    if keys:  # a conversation's next turn: where its prompt is cached or kept (``affinity``)
         tables = peers.prefixes.setdefault(model, {})
-        order, decision = by_prefix(order, tables, keys)
+        kept = by_saved_state(order, tables, prefix)
+        order, decision = kept if kept is not None else by_prefix(order, tables, keys)
         if decision is not None:
             state.metrics.observe_routing(model, decision)
         tables.setdefault(order[0].node, PrefixTable()).record(keys)

@@ -3,17 +3,23 @@
 A model that several nodes list (peers, and maybe this router) is one model with replicas
 across machines. ``rank`` orders the nodes for a request: those where it is loaded first, then
 the fewest requests outstanding from this router, this router before a peer on a tie;
-``by_prefix`` puts first the node that holds the longest prefix of a conversation's prompt.
-``admin_targets`` says where a load or unload goes.
+``by_prefix`` puts first the node that holds the longest prefix of a conversation's prompt;
+``by_saved_state`` the node that keeps it on disk while the model is not loaded there (it
+restores the conversation as it loads). ``admin_targets`` says where a load or unload goes.
+
+What a node's ``/models`` entry says of it is read once, here (``facts_of``): whether it keeps
+the model's conversations (``status.states``), how long its last load took
+(``status.load_s``), and how fast its replicas compute a prompt (``status.replicas[].pace``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..core.affinity import Decision, PrefixTable, choose
+from ..core.affinity import SAVED_STATE, Decision, Prefix, PrefixTable, choose
 from ..core.scheduler import Status
 from ..errors import BadRequest
 from .peerstate import LOADED, LOADING
@@ -37,12 +43,48 @@ class Candidate:
     outstanding: int
     peer: Peer | None = None
     peer_model: str | None = None  # the peer's own id for the model
+    facts: NodeFacts | None = None
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a node says of its model, for ``by_saved_state``."""
+
+    keeps: bool = False  # it keeps the model's conversations on disk (``--state-dir``)
+    load_s: float | None = None  # how long its last load of the model took
+    prompt_s_per_char: float | None = None  # its fastest replica's prompt computation
+
+
+def _seconds(value: object) -> float | None:
+    """A duration a peer reported: a finite number of seconds, at least 0; else unknown."""
+    if type(value) not in (int, float):
+        return None
+    number = float(value)  # type: ignore[arg-type]
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def facts_of(entry: Mapping[str, Any]) -> NodeFacts:
+    """A node's facts from its ``/models`` entry for the model; whatever is malformed or
+    missing is unknown (a peer's listing is input, not trusted to be well formed)."""
+    status = entry.get("status")
+    if not isinstance(status, Mapping):
+        return NodeFacts()
+    rates = []
+    replicas = status.get("replicas")
+    for replica in replicas if isinstance(replicas, list) else ():
+        pace = replica.get("pace") if isinstance(replica, Mapping) else None
+        ms = _seconds(pace.get("prompt_ms_per_kchar")) if isinstance(pace, Mapping) else None
+        if ms:
+            rates.append(ms / 1e6)
+    return NodeFacts(isinstance(status.get("states"), Mapping), _seconds(status.get("load_s")),
+                     min(rates, default=None))
 
 
 def candidate_of(peer: Peer, model_id: str) -> Candidate:
     """The peer as a node that can serve ``model_id`` (one it lists)."""
     return Candidate(peer.node, peer.status_of(model_id) == LOADED,
-                     peer.outstanding.get(model_id, 0), peer, peer.peer_ids[model_id])
+                     peer.outstanding.get(model_id, 0), peer, peer.peer_ids[model_id],
+                     facts_of(peer.models.get(model_id) or {}))
 
 
 def rank(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -66,6 +108,43 @@ def by_prefix(order: list[Candidate], tables: dict[str, PrefixTable], keys: Sequ
     return [chosen, *(c for c in order if c is not chosen)], decision
 
 
+def by_saved_state(order: list[Candidate], tables: dict[str, PrefixTable], prefix: Prefix
+                   ) -> tuple[list[Candidate], Decision] | None:
+    """``order`` with a node first that keeps the conversation on disk while the model is not
+    loaded there (``NodeFacts.keeps``; the node was sent a longer prefix of the prompt than
+    any node where the model is loaded), when that is worth a load there: no node has the
+    model loaded (a load comes anyway), or computing that prefix on the fastest loaded node
+    (its measured pace) would take longer than the node's last load. None: no such node, or
+    nothing says the load is worth it (then ``by_prefix`` decides among the loaded)."""
+    keys = prefix.keys
+    if not keys:
+        return None
+
+    def held(c: Candidate) -> int:
+        return (tables.get(c.node) or _EMPTY).longest(keys)
+
+    keeping = [c for c in order if not c.loaded and c.facts is not None and c.facts.keeps]
+    best = max(keeping, key=held, default=None)  # the first of the longest: ranked order
+    matched = held(best) if best is not None else 0
+    loaded = [c for c in order if c.loaded]
+    if best is None or matched == 0 or any(held(c) >= matched for c in loaded):
+        return None
+    if loaded:
+        rates = [c.facts.prompt_s_per_char for c in loaded
+                 if c.facts is not None and c.facts.prompt_s_per_char is not None]
+        load_s = best.facts.load_s if best.facts is not None else None
+        if not rates or load_s is None or prefix.sizes[matched - 1] * min(rates) <= load_s:
+            return None
+    return [best, *(c for c in order if c is not best)], SAVED_STATE
+
+
+def local_facts(local: ModelView) -> NodeFacts:
+    """This router's facts of its model, as its own ``/models`` entry would give them."""
+    rates = [pace["prompt_ms_per_kchar"] / 1e6 for pace in
+             (r.pace for r in local.replicas()) if pace and pace.get("prompt_ms_per_kchar")]
+    return NodeFacts(local.keeps_states, local.snapshot.last_load_s, min(rates, default=None))
+
+
 def candidates(holders: Sequence[Peer], model: str, local: ModelView | None, node: str
                ) -> list[Candidate]:
     """Every node that can serve ``model`` (the peers ``holders``, and ``local``, this
@@ -73,7 +152,7 @@ def candidates(holders: Sequence[Peer], model: str, local: ModelView | None, nod
     found = [candidate_of(peer, model) for peer in holders]
     if local is not None:
         found.append(Candidate(node, local.status is Status.LOADED,
-                               local.in_flight + local.waiting))
+                               local.in_flight + local.waiting, facts=local_facts(local)))
     return rank(found)
 
 
