@@ -245,3 +245,35 @@ def test_one_keys_conversation_never_serves_another_from_a_slot_or_the_ram_cache
     assert argv[argv.index("--cache-ram") + 1] == "0", argv
     assert in_slot["cache_n"] < 64 and from_ram["cache_n"] < 64, (in_slot, from_ram)
     assert own["cache_n"] > 200, own  # alice's own, restored from disk
+
+
+def test_a_request_sent_while_every_slot_is_busy_is_placed_by_the_router_too(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """Bob asks for alice's prefix while alice's request holds the only slot: his request
+    waits in the router's queue (not the child's), so the router places it when the slot
+    frees and erases alice's conversation first; a child choosing for itself would serve him
+    her cached prefix."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice\nsk-bob\n")
+    args = router_args(tmp_path, llama_server, tiny_models, "--api-key-file", str(keys))
+    alice = {"Authorization": "Bearer sk-alice"}
+    with start_router(tmp_path, *args) as router, router.client(headers=alice) as client, \
+            router.client() as other:
+        def waiting() -> object:
+            return next(m for m in client.get("/models").json()["data"]
+                        if m["id"] == "alpha")["status"]["waiting"]
+
+        body = {"model": "alpha", "prompt": OPENINGS["A"], "n_predict": 64, "ignore_eos": True,
+                "stream": True, "cache_prompt": True}
+        with client.stream("POST", "/completion", json=body, timeout=GUARD_S) as running:
+            lines = running.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)  # alice holds the slot
+            bob: dict[str, Any] = {}
+            asking = threading.Thread(target=lambda: bob.update(
+                turn(other, OPENINGS["A"] + MORE, key="sk-bob")))
+            asking.start()
+            assert wait_until(lambda: waiting() == 1, GUARD_S)  # in the router's queue
+            for _ in lines:  # alice's request runs to its end
+                pass
+        asking.join(GUARD_S)
+    assert bob and bob["cache_n"] < 64, bob  # nothing of alice's

@@ -16,7 +16,8 @@ last prompt and its owner (``choice.label``). For a request to a replica whose s
 * **Its conversation is on disk with more of its prompt than any free slot holds** (the
   longest saved prefix, ``stored``): that state is checked (``StateStore.verify``) and
   restored into the slot first, within ``RESTORE_BOUND_S``.
-* **No slot is free**: the child queues it and chooses (the book follows, ``SlotBook.end``).
+* **No slot is free** (rare: the router's slot queue forwards a completion only to a free
+  slot): the child queues it and chooses (the book follows, ``SlotBook.end``).
 
 A restore is proven by the next response (``learn``): its ``timings.cache_n`` must cover at
 least ``HIT_SHARE`` of the tokens restored. A model whose restores keep missing

@@ -14,10 +14,11 @@ requests itself (``id_slot``) whenever a slot is free:
   conversation is saved already or not worth saving, then the least recently used. Taking a
   slot whose conversation is worth keeping and not saved yet saves it first (``Plan.save``).
 
-With no slot free, the child queues the request and picks its slot itself (``Plan.slot`` is
-None); the router takes it to go, in arrival order, to the slots as they free (``end``), as
-llama-server does. A wrong guess costs a cache miss, never a wrong answer: llama-server
-compares the tokens of what a slot holds with every prompt.
+With no slot free (rare: completions beyond the slots wait in the router's slot queue, but a
+request the book does not see may hold one), the child queues the request and picks its slot
+itself (``Plan.slot`` is None); the router takes it to go, in arrival order, to the slots as
+they free (``end``), as llama-server does. A wrong guess costs a cache miss, never a wrong
+answer: llama-server compares the tokens of what a slot holds with every prompt.
 
 A conversation is named by its prefix keys (``affinity``): a saved or held conversation of
 ``n`` keys covers a request whose key ``n - 1`` is its last key.
