@@ -26,6 +26,10 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
   the requests holding a slot (``slotqueue``: each request is one of three teams, in one of
   the three priority classes) equal those holding a lease;
 * a slot never idles while a request waits for one (the slot queue is work-conserving);
+* the teams' quotas hold (``max-concurrent``, tokens a minute: each request is first admitted
+  by them, 429 over one), and their order is fair: VTC's bound between backlogged flows of a
+  class, and no starvation inside a class (``simteams``; ``traffic="teams"`` plays floods
+  that build the queues);
 * what the rest of the router reads of each model (its published snapshot) is its record as
   it is now;
 * each model's published status sequence is a path through the lifecycle, and no event is one
@@ -57,6 +61,7 @@ from typing import Any, cast
 
 import httpx
 from simloop import Stalled, VirtualTimeLoop
+from simteams import CHARGED, GENERATED, PROMPT_TOKENS, USED, TeamsBook, turn_of
 
 from router import clock
 from router.children.backend import Backend
@@ -78,7 +83,8 @@ from router.events import EventBus
 from router.http.shutdown import Shutdown
 from router.http.tail import ResponseTail, Timings
 from router.llama.flags import FlagTable
-from router.teams.fairshare import GENERATED_WEIGHT, Turn
+from router.teams.fairshare import Turn
+from router.teams.quotas import OverQuota
 from router.warm.conversations import DISPLACE_BOUND_S
 from router.warm.digests import Digests
 from router.warm.slotbook import Conversation
@@ -360,6 +366,7 @@ class Simulation:
     events: SimEvents = field(default_factory=SimEvents)
     trace: list[str] = field(default_factory=list)
     saves: str | None = None  # "hang": warm swaps whose saves hang; "none"; default: drawn
+    traffic: str = "mixed"  # "teams": a flood of requests from the three teams (``flood``)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -377,6 +384,7 @@ class Simulation:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drains: dict[str, float] = {}  # model -> since when it drains
         self._seen: set[str] = set()
+        self.teams = TeamsBook()  # the requests' teams: quotas, and the order's invariants
 
     # -- building ------------------------------------------------------------------------
 
@@ -394,7 +402,9 @@ class Simulation:
             liveness_interval=2.0 if c.liveness else 0.0, liveness_timeout=1.0,
             liveness_misses=2, idle_timeout=c.ttl, cpu_sharing=False, max_queue=1000,
             crash_loop_limit=4, shutdown_grace=5.0))
-        presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf"}),
+        # The teams' flood gives each model one or two slots a child: queues build at once.
+        slots = {"parallel": str(self.rng.choice((1, 2)))} if self.traffic == "teams" else {}
+        presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf", **slots}),
                                   replicas=c.replicas[m]) for m in c.models}
         sup = Supervisor(wire(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
                               cast(httpx.AsyncClient, None), self.events, cores=[],
@@ -438,6 +448,8 @@ class Simulation:
         if self.script is not None:
             return [(at, self._scripted(n, at, kind, args))
                     for n, (at, kind, args) in enumerate(self.script)]
+        if self.traffic == "teams":
+            return self.flood()
         rng, c = self.rng, self.cfg
         steps: list[tuple[float, Callable[[], Any]]] = []
         for n in range(self.actions):
@@ -460,6 +472,27 @@ class Simulation:
                 steps.append((at, lambda m=model: self.reconfigure(m)))  # type: ignore[misc]
             else:
                 steps.append((at, lambda m=model: self.freeze(m)))  # type: ignore[misc]
+        steps.sort(key=lambda s: s[0])
+        return steps
+
+    def flood(self) -> list[tuple[float, Callable[[], Any]]]:
+        """The teams' schedule: ``actions`` x 5 requests of the three teams (``simteams``)
+        on one or two models of one or two slots a child (``build``), queues building in
+        front of their slots, with a crash, an unload or a reconfiguration now and then."""
+        rng, c = self.rng, self.cfg
+        models = c.models[:rng.choice((1, 2))]
+        steps: list[tuple[float, Callable[[], Any]]] = []
+        for n in range(self.actions * 5):
+            at = rng.uniform(0, self.horizon)
+            model = rng.choice(models)
+            kind = rng.random()
+            if kind < 0.97:
+                request = Request(n, model, at, duration=rng.choice((0.2, 0.5, 1.0, 2.0)),
+                                  budget=None, leave_after=rng.choice((None,) * 9 + (1.0,)))
+                steps.append((at, lambda r=request: self.request(r)))  # type: ignore[misc]
+            else:
+                act = rng.choice((self.crash, self.unload, self.reconfigure))
+                steps.append((at, lambda a=act, m=model: a(m)))  # type: ignore[misc]
         steps.sort(key=lambda s: s[0])
         return steps
 
@@ -548,9 +581,23 @@ class Simulation:
     # -- actions -------------------------------------------------------------------------
 
     async def request(self, r: Request) -> None:
+        """One request: admitted by its team's quotas (429 over one, never waiting), then
+        served (``_serve``); its place and tokens settled as it ends."""
         self.requests.append(r)
-        sup = self.sup
         r.started = clock.now()
+        turn = turn_of(r.id)
+        try:
+            hold = self.teams.admit(r.id, USED)
+        except OverQuota:
+            return self._end(r, "429 OverQuota")
+        try:
+            await self._serve(r, turn)
+        finally:
+            self.teams.gone(r.id)
+            self.teams.settle(r.id, hold, USED if r.leased_at is not None else 0.0)
+
+    async def _serve(self, r: Request, turn: Turn) -> None:
+        sup = self.sup
         budget = r.budget
         shutdown = Shutdown(5.0)
         leave_at = None if r.leave_after is None else r.started + r.leave_after
@@ -568,9 +615,10 @@ class Simulation:
 
         try:
             runtime = sup.resolve(r.model)
+            self.teams.waits(r.id, r.model)
             lease = await sup.acquire(sup.find(r.model), budget=budget,
                                       ends=Ends(gone, shutdown.over, shutdown.error),
-                                      turn=self._turn(r))
+                                      turn=turn)
         except ClientGone:
             return self._end(r, "left")
         except RouterError as exc:
@@ -581,6 +629,9 @@ class Simulation:
                              f"{clock.now() - r.started:.2f} s, past its budget ({bound:g} s)")
             return self._end(r, f"{exc.status} {type(exc).__name__}")
         r.leased_at = clock.now()
+        capacity = runtime.slots * runtime.preset.replicas
+        for broken in self.teams.leased(r.id, r.model, capacity):
+            self.violate(broken)
         r.lease = lease
         child = cast(FakeChild, lease.child)
         child.serving += 1
@@ -606,15 +657,10 @@ class Simulation:
             child.serving -= 1
             r.lease = None
             # What the child's last chunk says: its slot now holds a conversation worth saving.
-            lease.learn(cast(ResponseTail, SimpleNamespace(timings=Timings(500, 50.0, 0, 8))))
-            lease.spent(500 + GENERATED_WEIGHT * 8)
+            lease.learn(cast(ResponseTail, SimpleNamespace(
+                timings=Timings(PROMPT_TOKENS, 50.0, 0, GENERATED))))
+            lease.spent(CHARGED)
             lease.release()
-
-    @staticmethod
-    def _turn(r: Request) -> Turn:
-        """The request's turn for a slot: one of three teams, in one of the three classes,
-        drawn from its number (the seed's draws stay the same)."""
-        return Turn(f"team{r.id % 3}", r.id // 3 % 3, 100.0 + r.id % 7 * 50)
 
     async def _place(self, r: Request, lease: Lease) -> None:
         """The request's slot, as the proxy places a completion: one of four conversations,
@@ -702,6 +748,10 @@ class Simulation:
             if waiting:
                 self._check_progress(m, now)
         self._check_head(now)
+        backlogged = {m.id: (m.slots * m.preset.replicas, sup.wait.slots.backlogged(m.id))
+                      for m in models}
+        for broken in self.teams.violations(now, backlogged):
+            self.violate(broken)
 
     def _check_status_path(self, m: ModelRuntime) -> None:
         pass  # checked over the event log at the end (``check_events``)

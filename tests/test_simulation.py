@@ -134,6 +134,25 @@ def test_random_schedules_keep_every_invariant() -> None:
                           + "\n\n".join(describe(s) for s in failures))
 
 
+def test_teams_flooding_their_models_keep_fair_share_and_their_quotas() -> None:
+    """Three teams flood one or two models of one or two slots a child (one team sending
+    three times as much), in the three classes, with quotas on two of them, crashes, unloads
+    and reconfigurations: every invariant holds, VTC's bound between backlogged flows and no
+    starvation inside a class among them (``simteams``); the quotas refused requests and the
+    queues built (else the schedules would test nothing)."""
+    failures, refused, queued = [], 0, 0
+    for seed in range(FIRST_SEED, FIRST_SEED + max(SCHEDULES // 100, 12)):
+        sim = run_schedule(seed, traffic="teams")
+        refused += sum(r.outcome.startswith("429") for r in sim.requests)
+        queued += sim.teams.contended
+        if sim.violations:
+            failures.append(sim)
+            if len(failures) >= 3:
+                break
+    assert not failures, "\n\n".join(describe(s) for s in failures)
+    assert refused and queued, (refused, queued)
+
+
 def test_saves_that_hang_never_wedge_a_swap() -> None:
     """Warm swaps on a stalled disk, every slot save and every commit hanging: each stop that
     saves is held by the save's bound only (``warm.SAVE_BOUND_S``), each load that waits for

@@ -61,6 +61,12 @@ class Slots:
         queue = self._queues.get(model_id)
         return queue.waiting if queue is not None else 0
 
+    def backlogged(self, model_id: str) -> dict[int, list[float]]:
+        """The service of the model's flows with requests waiting, by class
+        (``FairQueue.backlogged``)."""
+        queue = self._queues.get(model_id)
+        return queue.backlogged() if queue is not None else {}
+
     def running(self, model_id: str) -> int:
         """Requests holding a slot of the model."""
         queue = self._queues.get(model_id)

@@ -79,6 +79,15 @@ class FairQueue:
         entry = self._flows.get((rank, flow))
         return entry.service if entry is not None else 0.0
 
+    def backlogged(self) -> dict[int, list[float]]:
+        """The service of each flow with requests waiting, by class: between any two of one
+        class the difference stays within ``service_bound`` (VTC)."""
+        found: dict[int, list[float]] = {}
+        for (rank, _), flow in self._flows.items():
+            if flow.waiting:
+                found.setdefault(rank, []).append(flow.service)
+        return found
+
     def arrive(self, turn: Turn) -> _Flow:
         """The turn's flow, lifted to the least service of its class when it was idle."""
         key = (turn.rank, turn.flow)
