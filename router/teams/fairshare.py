@@ -27,7 +27,10 @@ GENERATED_WEIGHT = 2.0  # a generated token weighs two prompt tokens
 
 def service_bound(longest_prompt: float, slot_context: float) -> float:
     """VTC's bound on the service difference between two backlogged flows of one class:
-    twice the larger of the longest prompt and a slot's whole context, weighted."""
+    twice the larger of the longest prompt and the context the model's slots hold at once
+    (``slot_context``: with one slot, its context; VTC's batch capacity), weighted. Several
+    slots widen it: a flow's requests still running are charged their real cost only as they
+    end."""
     return 2 * max(longest_prompt, GENERATED_WEIGHT * slot_context)
 
 
