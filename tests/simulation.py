@@ -25,7 +25,9 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
 * ``in_flight`` and ``waiting`` equal the requests that really hold a replica or wait, and
   the requests holding a slot (``slotqueue``: each request is one of three teams, in one of
   the three priority classes) equal those holding a lease;
-* a slot never idles while a request waits for one (the slot queue is work-conserving);
+* a slot never idles while a request waits for one that it may take (the slot queue is
+  work-conserving), and the classes below the interactive one never hold the slots a
+  preset's ``interactive-slots`` keep for it;
 * the teams' quotas hold (``max-concurrent``, tokens a minute: each request is first admitted
   by them, 429 over one), and their order is fair: VTC's bound between backlogged flows of a
   class, and no starvation inside a class (``simteams``; ``traffic="teams"`` plays floods
@@ -73,7 +75,6 @@ from router.core.affinity import Prefix
 from router.core.leases import Lease
 from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
 from router.core.runtime import Estimated, ModelRuntime
-from router.core.slotqueue import Slots
 from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
 from router.core.wait import Ends
@@ -402,10 +403,13 @@ class Simulation:
             liveness_interval=2.0 if c.liveness else 0.0, liveness_timeout=1.0,
             liveness_misses=2, idle_timeout=c.ttl, cpu_sharing=False, max_queue=1000,
             crash_loop_limit=4, shutdown_grace=5.0))
-        # The teams' flood gives each model one or two slots a child: queues build at once.
-        slots = {"parallel": str(self.rng.choice((1, 2)))} if self.traffic == "teams" else {}
-        presets = {m: ModelPreset(m, MappingProxyType({"model": f"/sim/{m}.gguf", **slots}),
-                                  replicas=c.replicas[m]) for m in c.models}
+        # The teams' flood gives each model one or two slots a child (queues build at once),
+        # and with two, one of them kept for the interactive class half the time.
+        slots = self.rng.choice((1, 2)) if self.traffic == "teams" else 0
+        kept = self.rng.choice((0, 1)) if slots == 2 else 0
+        presets = {m: ModelPreset(m, MappingProxyType(
+            {"model": f"/sim/{m}.gguf", **({"parallel": str(slots)} if slots else {})}),
+            replicas=c.replicas[m], interactive_slots=kept) for m in c.models}
         sup = Supervisor(wire(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
                               cast(httpx.AsyncClient, None), self.events, cores=[],
                               spawner=FakeSpawner(self), warm=self.warm))
@@ -741,6 +745,7 @@ class Simulation:
             if sup.wait.slots.running(m.id) != leased:
                 self.violate(f"{m.id}: {sup.wait.slots.running(m.id)} requests hold a slot, "
                              f"{leased} a lease")
+            self._check_kept(m, live)
             self._check_status_path(m)
             self._check_published(m)
             self._check_phases(m)
@@ -804,10 +809,10 @@ class Simulation:
                 return  # it stops when its requests are done; then its waiters load it
             slots = self.sup.wait.slots
             if slots.waiting(m.id) and m.replicas:
-                if slots.running(m.id) < (Slots.capacity(m) or 0):
+                if self._slot_idles(m):
                     self.violate(f"a slot of {m.id} idles while {slots.waiting(m.id)} "
                                  f"requests wait for one: {m!r}")
-                return  # every slot runs one of its requests
+                return  # every slot the requests waiting may take runs one of them
             if not m.replicas and m.replace_task is not None and not m.replace_task.done():
                 return  # its crashed replica is being replaced
             self.violate(f"requests wait for {m.id}, loaded and nothing will change: {m!r}")
@@ -826,6 +831,29 @@ class Simulation:
             return  # a busy model: the fairness bound drains it (``_check_head``)
         self.violate(f"requests wait for {m.id} in the admission queue and nothing runs, "
                      f"loads or stops: {others}")
+
+    def _check_kept(self, m: ModelRuntime, live: list[Request]) -> None:
+        """The other classes never hold the slots kept for the interactive one."""
+        kept = m.preset.interactive_slots
+        others = sum(1 for r in live if r.lease is not None and r.model == m.id
+                     and turn_of(r.id).rank != 0)
+        if kept and others > (m.slots - kept) * max(len(m.replicas), m.preset.replicas):
+            self.violate(f"{m.id}: {others} requests below the interactive class hold slots, "
+                         f"{kept} of each replica's {m.slots} are kept for it")
+
+    def _slot_idles(self, m: ModelRuntime) -> bool:
+        """Whether a slot of ``m`` is free that its highest waiting request may take: any
+        free one for the interactive class, else one the ``interactive-slots`` leave the
+        other classes (counted from the simulated requests, not the slot queue's books)."""
+        live = [r for r in self.requests if r.ended is None and r.model == m.id]
+        leased = [turn_of(r.id).rank for r in live if r.lease is not None]
+        waiting = [turn_of(r.id).rank for r in live if r.lease is None]
+        replicas = len(m.replicas)
+        if not waiting or len(leased) >= m.slots * replicas:
+            return False
+        kept = m.preset.interactive_slots
+        others = sum(1 for rank in leased if rank != 0)
+        return min(waiting) == 0 or others < (m.slots - kept) * replicas
 
     def _check_head(self, now: float) -> None:
         queue = self.sup.admission.queue

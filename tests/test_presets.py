@@ -314,6 +314,28 @@ def test_warm_swaps_is_a_preset_option(tmp_path: Path, help_table: FlagTable) ->
     assert (problem.origin.line, problem.section, problem.key) == (3, "a", "warm-swaps")
 
 
+def test_interactive_slots_keep_the_other_classes_a_slot(tmp_path: Path,
+                                                        help_table: FlagTable) -> None:
+    """``interactive-slots`` (here or in ``[*]``) must be fewer than the children's slots
+    (``parallel``, llama-server's 4 when unset): refused naming its own line otherwise."""
+    model_file(tmp_path)
+    models = by_id(load(tmp_path, "[*]\ninteractive-slots = 1\n[a]\nmodel = m.gguf\n"
+                        "parallel = 2\n[b]\nmodel = m.gguf\ninteractive-slots = 0\n", help_table))
+    assert (models["a"].interactive_slots, models["a"].slots) == (1, 2)
+    assert (models["b"].interactive_slots, models["b"].slots) == (0, 4)
+    assert "interactive-slots" not in models["a"].args  # never passed to a child
+    [problem] = problems_of(tmp_path, "[*]\nparallel = 2\n[a]\nmodel = m.gguf\n"
+                            "interactive-slots = 2\n", help_table)
+    assert (problem.origin.line, problem.section, problem.key) == (5, "a", "interactive-slots")
+    assert "leaves no slot for the other classes" in str(problem) and "at most 1" in str(problem)
+    [problem] = problems_of(tmp_path, "[*]\ninteractive-slots = 4\n[a]\nmodel = m.gguf\n",
+                            help_table)  # llama-server's own 4 slots
+    assert (problem.origin.line, problem.key) == (2, "interactive-slots")
+    [problem] = problems_of(tmp_path, "[a]\nmodel = m.gguf\ninteractive-slots = -1\n",
+                            help_table)
+    assert problem.key == "interactive-slots" and ">= 0" in str(problem)
+
+
 def test_alias_short_and_env_spellings_set_aliases(tmp_path: Path,
                                                    help_table: FlagTable) -> None:
     preset_file = load(tmp_path, "[a]\nhf = o/r\na = x, y\n[b]\nhf = o/s\nLLAMA_ARG_ALIAS = z\n",

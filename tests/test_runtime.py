@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from router.config.presets import DEFAULT_SLOTS, slots_of
 from router.core.runtime import (
-    DEFAULT_SLOTS,
     MIN_HTTP_THREADS,
     RESERVED_HTTP_THREADS,
     http_threads,
-    slots,
 )
 
 
@@ -17,7 +16,7 @@ from router.core.runtime import (
     ({}, DEFAULT_SLOTS), ({"parallel": "-1"}, DEFAULT_SLOTS), ({"parallel": "2"}, 2),
     ({"parallel": "x"}, DEFAULT_SLOTS)])
 def test_slots(args: dict[str, str], expected: int) -> None:
-    assert slots(args) == expected
+    assert slots_of(args) == expected
 
 
 def test_http_threads_default_leaves_room_for_every_slot() -> None:

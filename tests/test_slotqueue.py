@@ -16,10 +16,10 @@ from router.core.slotqueue import Slots
 from router.teams.fairshare import MAX_PREEMPTIONS, FairQueue, Turn
 
 
-def model(slots: int = 1) -> ModelRuntime:
+def model(slots: int = 1, interactive_slots: int = 0) -> ModelRuntime:
     return cast(ModelRuntime, SimpleNamespace(
         id="m", slots=slots, replicas=[object()], status=Status.LOADED, serving=True,
-        preset=SimpleNamespace(upstream=None)))
+        preset=SimpleNamespace(upstream=None, interactive_slots=interactive_slots)))
 
 
 def test_a_flood_of_requests_that_leave_while_queued_leaves_nothing_behind() -> None:
@@ -134,3 +134,32 @@ def test_no_request_is_taken_back_more_than_the_bound_nor_by_its_own_class() -> 
     streamed = Turn("s", 2, 10)  # no preempt: its answer has begun, or is streamed
     queue.start(streamed)
     assert queue.victim(Turn("a", 0, 1)) is None
+
+
+def test_a_slot_kept_for_the_interactive_class_is_never_taken_by_another() -> None:
+    """``interactive-slots = 1`` of two: batch and default requests take one slot at most and
+    queue for it; an interactive one takes the kept slot at once, and the next interactive
+    one, with both slots busy, waits (and takes no slot back from an answering request)."""
+    async def run() -> None:
+        slots = Slots(Changes())
+        runtime = model(slots=2, interactive_slots=1)
+        first = Turn("etl", 2, 10.0)
+        assert slots.start_now(runtime, first)
+        second = Turn("etl", 2, 10.0)
+        assert not slots.start_now(runtime, second)  # the free slot is kept
+        waiting = asyncio.ensure_future(
+            slots.wait_turn(runtime, second, clock.now() + 60.0, []))
+        await asyncio.sleep(0)
+        assert slots.running("m") == 1 and slots.waiting("m") == 1
+        alice = Turn("alice", 0, 10.0)
+        assert not slots.start_now(runtime, alice)  # someone waits: through the queue
+        assert await slots.wait_turn(runtime, alice, clock.now() + 60.0, [])
+        assert slots.running("m") == 2 and not waiting.done()
+        slots.ended(runtime, first, 0.0)  # the batch slot frees: the batch request takes it
+        assert await asyncio.wait_for(waiting, 5.0)
+        slots.ended(runtime, alice, 0.0)  # the kept slot frees: nobody of the class waits
+        assert slots.running("m") == 1 and slots.waiting("m") == 0
+        assert not slots.start_now(runtime, Turn("etl", 1, 10.0))  # default: not kept for it
+        assert slots.start_now(runtime, Turn("bob", 0, 10.0))
+
+    asyncio.run(run())

@@ -182,3 +182,35 @@ def test_an_interactive_request_takes_the_slot_back_from_a_batch_one(
     assert done == ["a quick question", "batch"]
     assert answer.json()["usage"]["completion_tokens"] == BATCH_TOKENS  # whole, run again
     assert "event=preempted" in log and "Traceback" not in log
+
+
+@pytest.mark.real
+def test_a_slot_kept_for_the_interactive_class(tmp_path: Path, tiny_models: dict[str, Path],
+                                               llama_server: Path) -> None:
+    """Two slots, ``interactive-slots = 1``: a batch stream holds one, the next batch request
+    waits in the router though a slot is free, and an interactive request takes that slot at
+    once and is answered while the stream runs; the waiting batch request runs once the
+    stream ends."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    presets = write_presets(tmp_path / "m.ini", f"[m]\nmodel = {tiny_models['long']}\n"
+                            "ctx-size = 1024\nparallel = 2\ninteractive-slots = 1\n"
+                            "context-shift = true\n")
+    body = {"model": "m", "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "go on"}]}
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
+                      "--api-key-file", str(keys)) as router, \
+            router.client() as client, ThreadPoolExecutor(1) as pool, \
+            client.stream("POST", "/v1/chat/completions", json=body,
+                          headers=auth(ETL)) as stream:
+        chunks = stream.iter_raw()
+        next(chunks)
+        queued: Future[httpx.Response] = pool.submit(ask, router, ETL, "next batch")
+        assert wait_until(lambda: status(router)["waiting"] == 1, TIMEOUT)
+        assert status(router)["in_flight"] == 1  # a slot is free, and kept
+        answer = ask(router, ALICE, "hi")
+        assert answer.status_code == 200, answer.text
+        assert not queued.done() and status(router)["waiting"] == 1
+        for _ in range(3):
+            next(chunks)  # the stream ran on beside it
+    assert queued.result(TIMEOUT).status_code == 200

@@ -47,6 +47,7 @@ FIELDS = ("models", "role", "name", "priority", "max-concurrent", "tokens-per-mi
 _FIELD_NAME = re.compile(r"[a-z][a-z_-]{0,15}")
 # The priority classes, highest first (``KeyPolicy.priority``: the class's rank, 0 highest).
 PRIORITIES = ("interactive", "default", "batch")
+INTERACTIVE = 0  # the highest class: the one a preset's ``interactive-slots`` are kept for
 DEFAULT_PRIORITY = 1
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ADMIN_NAME = "admin"  # the name of the keys given with --api-key

@@ -55,6 +55,7 @@ _TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 ROUTING_PREFIX: Final = "prefix"
 ROUTING_LEAST_BUSY: Final = "least-busy"
 ROUTINGS: Final = (ROUTING_PREFIX, ROUTING_LEAST_BUSY)
+DEFAULT_SLOTS: Final = 4  # a child's slots without ``parallel`` (llama-server's -np auto)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class ModelPreset:
     # shared-conversations: with API keys, a saved conversation is restored for any key, not
     # only the one that made it (``conversations``: a common system prompt)
     shared_conversations: bool = False
+    # interactive-slots: of each child's slots, how many only the interactive class may take
+    # (``core/slotqueue``): fewer than ``slots``, so the other classes keep at least one
+    interactive_slots: int = 0
     # upstream: a remote OpenAI-compatible server (``http://host:port``) serving this model
     # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
     # the client's, unchanged); upstream_key: the bearer key read from upstream-api-key-file
@@ -140,6 +144,11 @@ class ModelPreset:
     @property
     def hf_repo(self) -> str | None:
         return self.args.get("hf-repo")
+
+    @property
+    def slots(self) -> int:
+        """Each child's generation slots (``parallel``; llama-server's own default else)."""
+        return slots_of(self.args)
 
     @property
     def prefix_routing(self) -> bool:
@@ -276,6 +285,18 @@ def _parse_count(value: str) -> int:
     return int(value)
 
 
+def _parse_reserve(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return int(value)
+
+
+def slots_of(args: Mapping[str, str]) -> int:
+    """A child's generation slots (``parallel``), as llama-server would run it."""
+    raw = args.get("parallel", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else DEFAULT_SLOTS
+
+
 def _parse_routing(value: str) -> str:
     if value.lower() not in ROUTINGS:
         raise ValueError(f"bad replica routing {value!r}: use {' or '.join(ROUTINGS)}")
@@ -352,6 +373,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "dedup-cache-models": (_parse_bool, "dedup_cache_models"),
     "warm-swaps": (_parse_bool, "warm_swaps"),
     "shared-conversations": (_parse_bool, "shared_conversations"),
+    "interactive-slots": (_parse_reserve, "interactive_slots"),
     "upstream": (_parse_upstream, "upstream"),
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),
@@ -369,15 +391,19 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
     warnings: list[PresetProblem] = []
     defaults: ParsedSection | None = None
     models: list[ParsedSection] = []
+    origins: dict[str, dict[str, Origin]] = {}
     for section in sections:
         reader = _SectionReader(section, path.parent, table, problems, warnings)
         parsed_section = reader.read()
+        origins[section.name] = reader.origins
         if section.name == GLOBAL_SECTION:
             problems += _defaults_problems(parsed_section, reader.origins)
             defaults = parsed_section
         else:
             problems += _upstream_problems(section.name, parsed_section.args, reader.origins)
             models.append(parsed_section)
+    for model in models:
+        problems += _reserve_problems(model, defaults, origins)
     if problems:
         raise PresetsInvalid(problems)
     return PresetFile(path, defaults, models, warnings)
@@ -469,6 +495,24 @@ def _defaults_problems(section: ParsedSection,
     keys += [key for key in UPSTREAM_KEYS if key in origins]
     return [PresetProblem(origins[key], f"'{key}' cannot be a default for every model",
                           section.name, key) for key in keys]
+
+
+def _reserve_problems(section: ParsedSection, defaults: ParsedSection | None,
+                      origins: Mapping[str, Mapping[str, Origin]]) -> list[PresetProblem]:
+    """``interactive-slots`` (here or in ``[*]``) must leave the other classes a slot."""
+    key = "interactive-slots"
+    where = section if key in origins[section.name] else defaults
+    if where is None or key not in origins[where.name]:
+        return []
+    reserved = where.options.get("interactive_slots")  # absent: refused as it was read
+    args = {**(defaults.args if defaults else {}), **section.args}
+    slots = slots_of(args)
+    if not isinstance(reserved, int) or reserved < slots:
+        return []
+    return [PresetProblem(origins[where.name][key],
+                          f"'interactive-slots = {reserved}' leaves no slot for the other "
+                          f"classes: [{section.name}]'s children have {slots} (parallel); "
+                          f"at most {slots - 1}", section.name, key)]
 
 
 def _upstream_problems(name: str, args: Mapping[str, str],

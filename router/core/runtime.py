@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..children.backend import Backend
-from ..config.presets import ModelPreset
+from ..config.presets import ModelPreset, slots_of
 from ..logs import LogRing
 from ..warm.slotbook import Conversation, SlotBook
 from ..warm.swaps import WarmSwaps
@@ -36,7 +36,6 @@ from .lifecycle import ModelState, Status
 from .pace import Backlog, Option, Pace, by_cost
 from .scheduler import ModelUse
 
-DEFAULT_SLOTS = 4  # llama-server's -np auto
 # HTTP threads each child gets unless its preset sets threads-http: llama-server's own
 # default (slots + 4) leaves a router multiplexing many clients short.
 MIN_HTTP_THREADS = 16
@@ -152,18 +151,12 @@ def books(runtime: ModelRuntime, warm: WarmSwaps | None,
     return book
 
 
-def slots(args: Mapping[str, str]) -> int:
-    """A child's generation slots (``parallel``)."""
-    raw: str = args.get("parallel", "")
-    return int(raw) if raw.lstrip("-").isdigit() and int(raw) > 0 else DEFAULT_SLOTS
-
-
 def http_threads(args: Mapping[str, str]) -> int:
     """A child's HTTP threads: ``threads-http`` from its preset, else the router's choice."""
     raw: str = args.get("threads-http", "")
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
-    return max(slots(args) + 4, MIN_HTTP_THREADS)
+    return max(slots_of(args) + 4, MIN_HTTP_THREADS)
 
 
 class ModelReads:
@@ -266,7 +259,7 @@ class ModelReads:
 
     @property
     def slots(self) -> int:
-        return slots(self.preset.args)
+        return self.preset.slots
 
     @property
     def max_connections(self) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import clock
 from ..changes import Changes
-from ..config.keyfile import PRIORITIES
+from ..config.keyfile import INTERACTIVE, PRIORITIES
 from ..teams.fairshare import FairQueue, Turn
 from .lifecycle import Status
 from .runtime import ModelRuntime
@@ -67,6 +67,11 @@ class Slots:
         queue = self._queues.get(model_id)
         return queue.backlogged() if queue is not None else {}
 
+    def next_rank(self, model_id: str) -> int | None:
+        """The class of the model's turn next in line (None: nobody waits)."""
+        queue = self._queues.get(model_id)
+        return queue.next_rank() if queue is not None else None
+
     def running(self, model_id: str) -> int:
         """Requests holding a slot of the model."""
         queue = self._queues.get(model_id)
@@ -80,11 +85,27 @@ class Slots:
             return None
         return runtime.slots * len(runtime.replicas)
 
-    def start_now(self, runtime: ModelRuntime, turn: Turn) -> bool:
-        """Start ``turn`` now when a slot is free and nobody waits for one."""
-        queue = self.queue(runtime)
+    def may_start(self, runtime: ModelRuntime, rank: int) -> bool:
+        """Whether a turn of class ``rank`` may take a slot now: one is free, and for a
+        class below the interactive one, fewer of the other classes run than the slots
+        that the ``interactive-slots`` of each replica leave them."""
         capacity = self.capacity(runtime)
-        if queue.waiting or (capacity is not None and queue.running >= capacity):
+        if capacity is None:
+            return True
+        queue = self._queues.get(runtime.id)
+        running = queue.running if queue is not None else 0
+        if running >= capacity:
+            return False
+        kept = runtime.preset.interactive_slots
+        if rank == INTERACTIVE or not kept:
+            return True
+        others = running - (queue.running_interactive if queue is not None else 0)
+        return others < (runtime.slots - kept) * len(runtime.replicas)
+
+    def start_now(self, runtime: ModelRuntime, turn: Turn) -> bool:
+        """Start ``turn`` now when nobody waits and it may take a slot (``may_start``)."""
+        queue = self.queue(runtime)
+        if queue.waiting or not self.may_start(runtime, turn.rank):
             return False
         queue.start(turn)
         return True
@@ -140,8 +161,7 @@ class Slots:
         queue = self._queues.get(runtime.id)
         if queue is None or not queue.waiting or not self._may_grant(runtime):
             return
-        capacity = self.capacity(runtime)
-        while queue.waiting and (capacity is None or queue.running < capacity):
+        while (rank := queue.next_rank()) is not None and self.may_start(runtime, rank):
             turn = queue.pop()
             assert turn is not None
             granted = self._granted.get(turn)

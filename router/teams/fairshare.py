@@ -72,6 +72,7 @@ class FairQueue:
         self._seq = 0
         self._started: dict[Turn, None] = {}  # the running turns, oldest first
         self.running = 0
+        self.running_interactive = 0  # of ``running``: turns of the highest class (rank 0)
         self.waiting = 0
 
     def __bool__(self) -> bool:
@@ -141,8 +142,8 @@ class FairQueue:
         self.waiting -= 1
         self._prune()
 
-    def pop(self) -> Turn | None:
-        """The next turn to take a free slot, started (None: nobody waits)."""
+    def _next(self) -> _Flow | None:
+        """The flow whose first waiting turn goes next (None: nobody waits)."""
         best: tuple[int, float, int] | None = None
         chosen: _Flow | None = None
         for (rank, _), flow in self._flows.items():
@@ -150,6 +151,16 @@ class FairQueue:
                 order = (rank, flow.service, flow.waiting[0].seq)
                 if best is None or order < best:
                     best, chosen = order, flow
+        return chosen
+
+    def next_rank(self) -> int | None:
+        """The class of the turn ``pop`` would start (None: nobody waits)."""
+        chosen = self._next()
+        return chosen.waiting[0].rank if chosen is not None else None
+
+    def pop(self) -> Turn | None:
+        """The next turn to take a free slot, started (None: nobody waits)."""
+        chosen = self._next()
         if chosen is None:
             return None
         turn = chosen.waiting.popleft()
@@ -162,6 +173,7 @@ class FairQueue:
         flow.running += 1
         flow.service += turn.cost
         self.running += 1
+        self.running_interactive += turn.rank == 0
         self._started[turn] = None
 
     def end(self, turn: Turn, correction: float) -> None:
@@ -174,6 +186,7 @@ class FairQueue:
         flow.running -= 1
         flow.service = max(0.0, flow.service + correction)
         self.running -= 1
+        self.running_interactive -= turn.rank == 0
         self._started.pop(turn, None)
         self._prune()
 
