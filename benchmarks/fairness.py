@@ -26,6 +26,10 @@ Scenarios, each ``seconds`` long:
   prompt's processing before it looks at a closed connection, so that bounds the wait);
 * ``alone``: one team, 2 open, no contention: its throughput against ``direct``.
 
+The ``priority`` scenarios run on two more targets too, with two slots: ``router-kept``
+(``interactive-slots = 1``: the batch team runs on one slot at most) and ``direct-2``
+(llama-server alone, ``-np 2``).
+
 Goals (issue 48): the flood's Jain's index >= 0.95; its throughput >= 0.95x direct; the late
 team at most about 0.6 of the service in its first seconds; the interactive p90 TTFT within 3x
 of alone; one team alone within 5 % of direct.
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from .harness import Bench
 
 ROUTER, DIRECT = "router", "direct"
+KEPT, DIRECT2 = "router-kept", "direct-2"  # two slots: one kept for interactive / none
 MODEL = "chat"
 KEYS = {"heavy": "sk-bench-heavy", "light": "sk-bench-light",
         "batch": "sk-bench-batch", "interactive": "sk-bench-interactive"}
@@ -195,19 +200,21 @@ class FairnessBench:
 
     def _start(self, target: str) -> tuple[Managed, str]:
         work = self.bench.workdir
-        if target == ROUTER:
+        slots = 2 if target in (KEPT, DIRECT2) else 1
+        if target in (ROUTER, KEPT):
             keys = work / "fairness-keys"
             keys.write_text(KEY_FILE)
-            presets = write_presets(work / "fairness.ini", {MODEL: self.smol}, [],
-                                    parallel=1, ctx_size=2048)
+            presets = write_presets(work / f"{target}.ini", {MODEL: self.smol},
+                                    ["interactive-slots = 1"] if target == KEPT else [],
+                                    parallel=slots, ctx_size=2048 * slots)
             item, url = self.bench._start_router(
-                presets, "fairness-router", extra_args=["--api-key-file", str(keys)])
+                presets, f"fairness-{target}", extra_args=["--api-key-file", str(keys)])
         else:
             port = free_port()
-            item = self.bench.procs.start("fairness-direct", [
-                str(self.bench.binary), "-m", str(self.smol), "-c", "2048", "-np", "1",
-                "--threads-http", "32", *CHILD_CPU.argv(), "--host", "127.0.0.1", "--port",
-                str(port), "--alias", MODEL], env=alike_environment())
+            item = self.bench.procs.start(f"fairness-{target}", [
+                str(self.bench.binary), "-m", str(self.smol), "-c", str(2048 * slots), "-np",
+                str(slots), "--threads-http", "32", *CHILD_CPU.argv(), "--host", "127.0.0.1",
+                "--port", str(port), "--alias", MODEL], env=alike_environment())
             url = f"http://127.0.0.1:{port}"
         wait_healthy(item, url)
         return item, url
@@ -231,25 +238,42 @@ class FairnessBench:
                 "alone": [("light", 2, short, 0.0, 0.0)]}
 
     def run(self) -> dict[str, Any]:
-        """Both targets up at once, each scenario run on one then the other (the order
-        alternating), so a machine whose speed drifts shifts both alike; the throughput rows,
-        the closest calls, ``rounds`` times each, their median kept."""
-        targets = (ROUTER, DIRECT)
+        """The targets up at once, each scenario run on one then the other of a pair (the
+        order alternating), so a machine whose speed drifts shifts both alike; the
+        throughput rows, the closest calls, ``rounds`` times each, their median kept. The
+        interactive scenarios run on the two-slot pair too."""
+        targets = (ROUTER, DIRECT, KEPT, DIRECT2)
         started = {t: self._start(t) for t in targets}
         runs: dict[str, dict[str, list[tuple[Load, float]]]] = {t: {} for t in targets}
         try:
             turn = 0
             for name, plan in self._plans().items():
-                for _ in range(self.s.rounds if name in ("flood", "alone") else 1):
-                    for t in (targets if turn % 2 == 0 else targets[::-1]):
-                        runs[t].setdefault(name, []).append(
-                            self._scenario(started[t][1], t == ROUTER, plan))
-                    turn += 1
+                pairs = [(ROUTER, DIRECT)] + ([(KEPT, DIRECT2)] if name in (
+                    "interactive", "mixed") else [])
+                for pair in pairs:
+                    for _ in range(self.s.rounds if name in ("flood", "alone") else 1):
+                        for t in (pair if turn % 2 == 0 else pair[::-1]):
+                            runs[t].setdefault(name, []).append(
+                                self._scenario(started[t][1], t in (ROUTER, KEPT), plan))
+                        turn += 1
         finally:
             for item, _ in started.values():
                 self.bench.procs.stop(item)
         return {"settings": vars(self.s),
-                "targets": {t: self._summary(runs[t]) for t in targets}}
+                "targets": {**{t: self._summary(runs[t]) for t in (ROUTER, DIRECT)},
+                            **{t: {"priority": self._priority(runs[t])}
+                               for t in (KEPT, DIRECT2)}}}
+
+    @staticmethod
+    def _priority(runs: dict[str, list[tuple[Load, float]]]) -> dict[str, float]:
+        (alone, _), = runs["interactive"]
+        (mixed, _), = runs["mixed"]
+        batch = [x.busy_s for x in mixed.served if x.team == "batch"]
+        return {"alone_p90_ms": p90_ms(alone.served, "interactive"),
+                "flood_p90_ms": p90_ms(mixed.served, "interactive"),
+                # the child's time on one batch request (``timings``): behind the router, a
+                # preempted one comes back with its prompt cached
+                "batch_p50_ms": 1000.0 * statistics.median(batch) if batch else 0.0}
 
     def _summary(self, runs: dict[str, list[tuple[Load, float]]]) -> dict[str, Any]:
         s = self.s
@@ -259,9 +283,6 @@ class FairnessBench:
         (late, start), = runs["late"]
         arrival = start + s.seconds / 2
         late_work = shares(late.served, arrival, arrival + s.late_window)
-        (alone, _), = runs["interactive"]
-        (mixed, _), = runs["mixed"]
-        batch = [x.busy_s for x in mixed.served if x.team == "batch"]
         singles = [sum(shares(load.served, start, start + s.seconds).values()) / s.seconds
                    for load, start in runs["alone"]]
         return {
@@ -271,11 +292,7 @@ class FairnessBench:
             "late": {**late_work,
                      "light_share": late_work.get("light", 0.0) / max(sum(
                          late_work.values()), 1.0)},
-            "priority": {"alone_p90_ms": p90_ms(alone.served, "interactive"),
-                         "flood_p90_ms": p90_ms(mixed.served, "interactive"),
-                         # the child's time on one batch request (``timings``): behind the
-                         # router, a preempted one comes back with its prompt cached
-                         "batch_p50_ms": 1000.0 * statistics.median(batch) if batch else 0.0},
+            "priority": self._priority(runs),
             "alone": {"per_s": statistics.median(singles), "rounds": singles}}
 
 
@@ -315,8 +332,19 @@ def evaluate(targets: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
                                          f"one batch request takes its child "
                                          f"{direct['priority']['batch_p50_ms']:.0f} ms at p50, "
                                          f"and a started one ends no sooner)"},
+        "interactive_kept": _kept(targets[KEPT]["priority"], targets[DIRECT2]["priority"]),
         "alone": {"goal": "one team, no contention, within 5 % of llama-server alone",
                   "met": alone_ratio >= 0.95, "measured": f"{alone_ratio:.2f}x"}}
+
+
+def _kept(kept: dict[str, float], direct: dict[str, float]) -> dict[str, Any]:
+    slowdown = kept["flood_p90_ms"] / max(kept["alone_p90_ms"], 1e-9)
+    return {"goal": "the same with two slots, one kept for the interactive class "
+                    "(interactive-slots = 1), within 3x of alone",
+            "met": slowdown <= 3.0,
+            "measured": f"{kept['flood_p90_ms']:.0f} vs {kept['alone_p90_ms']:.0f} ms = "
+                        f"{slowdown:.1f}x (llama-server alone with two slots: "
+                        f"{direct['flood_p90_ms']:.0f} ms)"}
 
 
 def render(targets: dict[str, dict[str, Any]]) -> str:
@@ -324,6 +352,11 @@ def render(targets: dict[str, dict[str, Any]]) -> str:
              "TTFT alone / flood (ms) | batch request's slot time p50 (ms) | one team work/s |",
              "|---|---:|---:|---:|---|---:|---:|"]
     for name, row in targets.items():
+        if "flood" not in row:  # the two-slot pair: its interactive scenarios only
+            lines.append(f"| {name} | | | | {row['priority']['alone_p90_ms']:.0f} / "
+                         f"{row['priority']['flood_p90_ms']:.0f} | "
+                         f"{row['priority']['batch_p50_ms']:.0f} | |")
+            continue
         lines.append(f"| {name} | {row['flood']['jain']:.3f} | {row['flood']['per_s']:.0f} | "
                      f"{row['late']['light_share']:.2f} | "
                      f"{row['priority']['alone_p90_ms']:.0f} / "

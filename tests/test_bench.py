@@ -232,3 +232,19 @@ def test_kept_cache_phase_reports_every_stage(tmp_path: Path, llama_server: Path
     assert {"warm_after_swap", "warm_after_restart", "displacement_save", "hot_path"} <= set(
         report["targets"])
     assert "Every conversation keeps its cache" in result.stdout
+
+
+@pytest.mark.real
+def test_fairness_phase_reports_every_target(tmp_path: Path, llama_server: Path) -> None:
+    """The teams phase at quick settings (SmolLM2, one slot; the interactive scenarios on two
+    slots too): every target measured, every goal reported."""
+    result, report = run_quick_bench(tmp_path, 400, "--phases", "fairness")
+    targets = report["fairness"]["results"]["targets"]
+    assert set(targets) == {"router", "direct", "router-kept", "direct-2"}
+    for row in targets.values():
+        assert row["priority"]["alone_p90_ms"] > 0 and row["priority"]["flood_p90_ms"] > 0
+    for name in ("router", "direct"):
+        assert targets[name]["flood"]["per_s"] > 0 and targets[name]["alone"]["per_s"] > 0
+    assert {"flood_jain", "flood_throughput", "late_no_burst", "interactive_ttft",
+            "interactive_kept", "alone"} == set(report["fairness"]["targets"])
+    assert "Teams sharing one slot" in result.stdout
