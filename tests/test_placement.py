@@ -151,3 +151,15 @@ def test_a_peers_facts_are_read_from_its_listing() -> None:
                             {"pace": {"prompt_ms_per_kchar": 40.0}},
                             {"pace": {"prompt_ms_per_kchar": 20}}, {"pace": None}]}}
     assert facts_of(entry) == NodeFacts(True, 0.25, 20e-6)
+
+
+def test_this_routers_own_facts_come_from_its_model() -> None:
+    from types import SimpleNamespace
+
+    from router.peers.placement import NodeFacts, candidates, local_facts
+
+    local: Any = SimpleNamespace(keeps_states=True, snapshot=SimpleNamespace(last_load_s=0.4),
+                                 prompt_s_per_char=2e-5, status=None, in_flight=0, waiting=0)
+    assert local_facts(local) == NodeFacts(True, 0.4, 2e-5)
+    [me] = candidates([], "m", local, "gw")
+    assert me.peer is None and me.facts == NodeFacts(True, 0.4, 2e-5)

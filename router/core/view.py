@@ -141,6 +141,14 @@ class ModelView:
                 for r in self._model.replicas]
 
     @property
+    def prompt_s_per_char(self) -> float | None:
+        """How fast its fastest serving replica computes a prompt (measured where it is
+        routed by prefix), None while unknown."""
+        rates = [r.pace.prompt_s_per_char for r in self._model.replicas
+                 if r.pace.prompt_s_per_char is not None]
+        return min(rates, default=None)
+
+    @property
     def keeps_states(self) -> bool:
         """Whether its conversations are kept on disk (warm swaps cover it): a load restores
         them."""

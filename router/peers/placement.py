@@ -139,10 +139,8 @@ def by_saved_state(order: list[Candidate], tables: dict[str, PrefixTable], prefi
 
 
 def local_facts(local: ModelView) -> NodeFacts:
-    """This router's facts of its model, as its own ``/models`` entry would give them."""
-    rates = [pace["prompt_ms_per_kchar"] / 1e6 for pace in
-             (r.pace for r in local.replicas()) if pace and pace.get("prompt_ms_per_kchar")]
-    return NodeFacts(local.keeps_states, local.snapshot.last_load_s, min(rates, default=None))
+    """This router's facts of its model, as its own ``/models`` entry gives them."""
+    return NodeFacts(local.keeps_states, local.snapshot.last_load_s, local.prompt_s_per_char)
 
 
 def candidates(holders: Sequence[Peer], model: str, local: ModelView | None, node: str
