@@ -67,11 +67,6 @@ class Slots:
         queue = self._queues.get(model_id)
         return queue.backlogged() if queue is not None else {}
 
-    def next_rank(self, model_id: str) -> int | None:
-        """The class of the model's turn next in line (None: nobody waits)."""
-        queue = self._queues.get(model_id)
-        return queue.next_rank() if queue is not None else None
-
     def running(self, model_id: str) -> int:
         """Requests holding a slot of the model."""
         queue = self._queues.get(model_id)
@@ -161,9 +156,7 @@ class Slots:
         queue = self._queues.get(runtime.id)
         if queue is None or not queue.waiting or not self._may_grant(runtime):
             return
-        while (rank := queue.next_rank()) is not None and self.may_start(runtime, rank):
-            turn = queue.pop()
-            assert turn is not None
+        while (turn := queue.pop(lambda rank: self.may_start(runtime, rank))) is not None:
             granted = self._granted.get(turn)
             if granted is not None and not granted.done():
                 granted.set_result(None)

@@ -142,8 +142,10 @@ class FairQueue:
         self.waiting -= 1
         self._prune()
 
-    def _next(self) -> _Flow | None:
-        """The flow whose first waiting turn goes next (None: nobody waits)."""
+    def pop(self, admits: Callable[[int], bool] = lambda rank: True) -> Turn | None:
+        """The next turn to take a free slot, started; None when nobody waits, or when the
+        next one's class may not take it (``admits``: e.g. a slot kept for the interactive
+        class, where the next turn is of a lower one: so is every turn behind it)."""
         best: tuple[int, float, int] | None = None
         chosen: _Flow | None = None
         for (rank, _), flow in self._flows.items():
@@ -151,17 +153,7 @@ class FairQueue:
                 order = (rank, flow.service, flow.waiting[0].seq)
                 if best is None or order < best:
                     best, chosen = order, flow
-        return chosen
-
-    def next_rank(self) -> int | None:
-        """The class of the turn ``pop`` would start (None: nobody waits)."""
-        chosen = self._next()
-        return chosen.waiting[0].rank if chosen is not None else None
-
-    def pop(self) -> Turn | None:
-        """The next turn to take a free slot, started (None: nobody waits)."""
-        chosen = self._next()
-        if chosen is None:
+        if best is None or chosen is None or not admits(best[0]):
             return None
         turn = chosen.waiting.popleft()
         self.waiting -= 1
