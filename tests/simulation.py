@@ -727,9 +727,12 @@ class Simulation:
         c = self.cfg
         models = list(sup.models.values())
         holding = [m for m in models if m.status.holds_process]
-        if c.models_max > 0 and len(holding) > c.models_max:
-            self.violate(f"{len(holding)} models hold a process, --models-max {c.models_max}: "
-                         f"{holding}")
+        # A stopping child serves nothing more: the model slots are the others' (no GPUs
+        # here, whose stopping children would hold theirs); its memory counts below.
+        slots = [m for m in holding if m.status is not Status.STOPPING]
+        if c.models_max > 0 and len(slots) > c.models_max:
+            self.violate(f"{len(slots)} models load or serve, --models-max {c.models_max}: "
+                         f"{slots}")
         if c.memory_budget is not None:
             used = sum(m.estimate for m in holding)
             if used > c.memory_budget:

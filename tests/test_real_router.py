@@ -36,8 +36,10 @@ def presets(tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) ->
 
 
 def loaded(router: object) -> list[str]:
+    """The models holding a place against ``--models-max``: loading or loaded, not stopping
+    (a stopping CPU child's place is the next load's at once)."""
     return [m for m, d in router.models().items()  # type: ignore[attr-defined]
-            if d["status"]["value"] in ("loaded", "loading", "stopping")]
+            if d["status"]["value"] in ("loaded", "loading") and not d["status"].get("stopping")]
 
 
 def test_models_max_evicts_least_recently_used(tmp_path: Path, presets: Path) -> None:
@@ -54,8 +56,26 @@ def test_models_max_evicts_least_recently_used(tmp_path: Path, presets: Path) ->
         assert status["gamma"] == "loaded"
         assert status["beta"] == "unloaded"
         assert "failed" not in router.models()["beta"]["status"]
-        servers = [p for p in router.children() if "llama-server" in p.name()]
-        assert len(servers) == 2
+        assert wait_until(lambda: len([p for p in router.children()  # beta's has exited
+                                       if "llama-server" in p.name()]) == 2, timeout=30.0)
+
+
+def test_a_swap_starts_the_next_child_while_the_evicted_one_exits(tmp_path: Path,
+                                                                  presets: Path) -> None:
+    """Under ``--models-max 1`` the evicted CPU child's exit and the next model's load
+    overlap: the next child is spawned before the old one is seen to stop, and both
+    requests are answered."""
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "1") as router, \
+            router.client() as client:
+        for name in ("alpha", "beta"):
+            response = client.post("/v1/chat/completions", json={"model": name, **CHAT})
+            assert response.status_code == 200, response.text
+        assert wait_until(lambda: "event=stopped model=alpha" in router.log(), timeout=30.0)
+        log = router.log()
+        assert log.index("event=evict model=alpha") < log.index("event=spawned model=beta") \
+            < log.index("event=stopped model=alpha"), log
+        status = {m: d["status"] for m, d in router.models().items()}
+        assert status["beta"]["value"] == "loaded" and status["alpha"]["value"] == "unloaded"
 
 
 def child_busy(client: httpx.Client, model: str) -> bool:

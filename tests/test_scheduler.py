@@ -11,9 +11,10 @@ from router.core.scheduler import Admission, ModelUse, Status, plan_admission
 U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
 
 
-def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0.0
-         ) -> ModelUse:
-    return ModelUse(model_id, status, in_flight, last_used)
+def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0.0,
+         gpu: int = 0) -> ModelUse:
+    return ModelUse(model_id, status, in_flight, last_used,
+                    devices={"gpu0": gpu} if gpu else {})
 
 
 def test_status_values_and_holds_process() -> None:
@@ -72,8 +73,16 @@ def test_all_busy_admits_nothing_and_evicts_nothing() -> None:
     assert plan_admission(models, "new", 3) == Admission(admit=False, evict=())
 
 
-def test_stopping_model_holds_a_slot() -> None:
+def test_a_stopping_cpu_model_frees_its_slot_at_once() -> None:
+    # Its host memory counts until it exits (the memory budget), its model slot no longer.
     models = [snap("a", L, in_flight=1), snap("s", S)]
+    assert plan_admission(models, "new", 2) == Admission(admit=True)
+    assert plan_admission(models, "new", 1) == Admission(admit=False, evict=())
+
+
+def test_a_stopping_gpu_model_holds_its_slot_until_it_exits() -> None:
+    # Its GPU memory is freed at its exit, and a device may have no budget to check it by.
+    models = [snap("a", L, in_flight=1), snap("s", S, gpu=1 << 30)]
     assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
 
 
@@ -84,7 +93,7 @@ def test_stopping_models_reduce_what_must_be_evicted() -> None:
 
 
 def test_stopping_model_alone_covers_the_need() -> None:
-    models = [snap("a", L, last_used=1.0), snap("s", S)]
+    models = [snap("a", L, last_used=1.0), snap("s", S, gpu=1 << 30)]
     assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
 
 
@@ -131,10 +140,11 @@ def _reference(models: list[ModelUse], target: str, models_max: int) -> Admissio
     if models_max <= 0:
         return Admission(True)
     others = [m for m in models if m.id != target]
-    using = [m for m in others if m.status is not Status.UNLOADED]
+    using = [m for m in others if m.status is not Status.UNLOADED
+             and (m.status is not Status.STOPPING or m.devices)]  # a stopping CPU model: none
     if len(using) < models_max:
         return Admission(True)
-    going = [m for m in others if m.status is Status.STOPPING]
+    going = [m for m in using if m.status is Status.STOPPING]
     must_go = len(using) + 1 - models_max - len(going)
     if must_go <= 0:
         return Admission(False)
@@ -144,12 +154,12 @@ def _reference(models: list[ModelUse], target: str, models_max: int) -> Admissio
 
 
 def test_exhaustive_small_snapshots() -> None:
-    kinds = [(U, 0), (LOADING, 0), (L, 0), (L, 1), (S, 0)]
+    kinds = [(U, 0, 0), (LOADING, 0, 0), (L, 0, 0), (L, 1, 0), (S, 0, 0), (S, 0, 1)]
     checked = 0
     for n in range(4):
         for combo in itertools.product(kinds, repeat=n):
-            models = [snap(f"m{i}", status, in_flight, last_used=float((i * 7) % 3))
-                      for i, (status, in_flight) in enumerate(combo)]
+            models = [snap(f"m{i}", status, in_flight, last_used=float((i * 7) % 3), gpu=gpu)
+                      for i, (status, in_flight, gpu) in enumerate(combo)]
             for models_max in range(4):
                 plan = plan_admission(models, "target", models_max)
                 assert plan == _reference(models, "target", models_max), (models, models_max)
@@ -159,7 +169,7 @@ def test_exhaustive_small_snapshots() -> None:
                 assert "target" not in plan.evict
                 assert not (plan.admit and plan.evict)
                 checked += 1
-    assert checked == 4 * sum(5 ** n for n in range(4))
+    assert checked == 4 * sum(6 ** n for n in range(4))
 
 
 # --------------------------------------------------------------------------- bytes and fairness

@@ -24,6 +24,7 @@ from ..host.memory import format_size
 from .accounting import Accounting
 from .lifecycle import Event, Queued
 from .runtime import Fact, ModelRuntime, ModelSnapshot, QueueJoined, QueueLeft
+from .scheduler import Admission as Plan
 from .scheduler import plan_admission
 
 log = logging.getLogger("router.admission")
@@ -99,15 +100,8 @@ class Admission:
     def _plan(self, runtime: ModelRuntime, target_memory: int, since: float) -> float | None:
         """One planning round at the head of the queue: None when admitted, else how long to
         wait at most before planning again (0: until the next change)."""
-        accounting = self._accounting
         waited = clock.now() - since
-        plan = plan_admission(
-            [m.use(accounting.memory_held(m), accounting.devices_held(m))
-             if m.status.holds_process else m.use(0) for m in self._models()
-             if m.preset.upstream is None],  # a remote upstream holds nothing here
-            runtime.id, self.settings.models_max, target_memory=target_memory,
-            memory_budget=self.memory_budget, target_devices=runtime.estimate_devices,
-            device_budgets=self.gpu_budgets, waited_s=waited, fairness_s=self.settings.fairness)
+        plan = self._planned(runtime, target_memory, waited)
         if plan.refuse is not None:
             raise LoadFailed(self.never_fits_message(runtime))
         if plan.admit:
@@ -115,6 +109,10 @@ class Admission:
         for victim in plan.evict:
             log.info("evicting least recently used", extra={"event": "evict", "model": victim})
             self._evict(victim)
+        # The evicted are stopping now (``evict`` marks them in this step): one that frees
+        # its model slot at once (``ModelUse.holds_slot``) may be all the room needed.
+        if plan.evict and self._planned(runtime, target_memory, waited).admit:
+            return None
         for busy in plan.drain:
             self._drain(busy, runtime.id)
         if not plan.evict and not plan.drain and waited < self.settings.fairness:
@@ -122,6 +120,17 @@ class Admission:
         # Waiting for a stop, a drain or a busy model's last request: each is a change.
         # Measured memory moves without one, so plan again now and then all the same.
         return REPLAN_S
+
+    def _planned(self, runtime: ModelRuntime, target_memory: int, waited: float) -> Plan:
+        """The planner's answer for ``runtime`` over every model as published now."""
+        accounting = self._accounting
+        return plan_admission(
+            [m.use(accounting.memory_held(m), accounting.devices_held(m))
+             if m.status.holds_process else m.use(0) for m in self._models()
+             if m.preset.upstream is None],  # a remote upstream holds nothing here
+            runtime.id, self.settings.models_max, target_memory=target_memory,
+            memory_budget=self.memory_budget, target_devices=runtime.estimate_devices,
+            device_budgets=self.gpu_budgets, waited_s=waited, fairness_s=self.settings.fairness)
 
     def never_fits_message(self, runtime: ModelRuntime) -> str:
         for pool, need in sorted(runtime.estimate_devices.items()):

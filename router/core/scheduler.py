@@ -9,8 +9,11 @@ Policy:
 
 * Capacity is several limits at once: ``models_max`` models holding a process (<= 0: no
   limit), ``memory_budget`` bytes of host RAM (None: no limit), and ``device_budgets`` bytes per
-  GPU (``{"gpu0": ..., ...}``; a device without a budget is not checked). A model holds capacity
-  while loading, loaded or stopping (a stopping child keeps its memory until it has exited).
+  GPU (``{"gpu0": ..., ...}``; a device without a budget is not checked). A model holds its
+  memory while loading, loaded or stopping (a stopping child keeps it until it has exited). It
+  holds a model slot while loading or loaded, and while stopping only if it holds GPU memory
+  (``ModelUse.holds_slot``): a CPU model's next load starts as the old child exits, within the
+  memory budget, instead of after it.
 * Only idle loaded models (nothing in flight, nobody queued for them) are evicted, least
   recently used first, and only as many as needed once the stopping ones are gone; a model is
   evicted only if it frees something still short (a model slot, or bytes in a pool that is
@@ -48,6 +51,14 @@ class ModelUse:
     @property
     def busy(self) -> bool:
         return self.in_flight > 0 or self.waiting > 0
+
+    @property
+    def holds_slot(self) -> bool:
+        """Counts against ``models_max``: a model holding a process, unless it is stopping
+        and holds no GPU memory. Such a child serves nothing more and frees its host memory
+        as it exits, which the memory budget counts until then; GPU memory too, but a device
+        without a budget is not checked, so a stopping GPU child keeps its slot."""
+        return self.status is not Status.STOPPING or any(self.devices.values())
 
     def pools(self) -> dict[str, int]:
         return {RAM: self.memory, **self.devices}
@@ -115,7 +126,8 @@ class _Shortfall:
     @classmethod
     def of(cls, others: Sequence[ModelUse], need: Mapping[str, int],
            budgets: Mapping[str, int], models_max: int) -> _Shortfall:
-        count_over = (len(others) + 1 - models_max) if models_max > 0 else 0
+        slots = sum(1 for m in others if m.holds_slot)
+        count_over = (slots + 1 - models_max) if models_max > 0 else 0
         # Host RAM always counts; a GPU only if the target needs room on it (a device that is
         # over its budget for other reasons is not this load's business).
         over = {pool: sum(m.pools().get(pool, 0) for m in others) + need.get(pool, 0) - budget
@@ -131,7 +143,8 @@ class _Shortfall:
                                           for p, held in m.pools().items() if p in self.over)
 
     def free(self, m: ModelUse) -> None:
-        self.count_over -= 1
+        if m.holds_slot:
+            self.count_over -= 1
         for pool, held in m.pools().items():
             if pool in self.over:
                 self.over[pool] -= held
