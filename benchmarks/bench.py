@@ -16,7 +16,8 @@ Measured, round-robin across the targets so noise hits all of them alike:
   not the bottleneck;
 * cold start (request to an unloaded model until its first token) and a swap under
   ``--models-max 1`` (after a non-streaming request to the loaded model), against a direct
-  llama-server's own spawn → ``/health`` 200 time;
+  llama-server's own spawn → ``/health`` 200 time, with the router process's own CPU over
+  each (its threads' ``schedstat``; the children's excluded);
 * router RSS (the router process alone) idle and under the throughput load;
 * ``GET /models`` with a 500-section preset file.
 
@@ -102,6 +103,9 @@ def build_rows(res: dict[str, Any], presets: int) -> list[Row]:
                     {DIRECT: first, **{c: cold["cold"][c]["p50"] for c in ROUTERS}}))
     rows.append(Row("swap_ms", "swap (max 1) p50 [direct: spawn->1st token]", "ms",
                     "latency", {DIRECT: first, **{c: cold["swap"][c]["p50"] for c in ROUTERS}}))
+    for key, what in (("cold_cpu", "cold start"), ("swap_cpu", "swap")):
+        rows.append(Row(f"{key}_ms", f"router CPU per {what} p50 [direct: none]", "ms", "info",
+                        {DIRECT: 0.0, **{c: cold[key][c]["p50"] for c in ROUTERS}}))
     rows.append(Row("rss_idle_mb", "RSS idle, MB [direct: llama-server]", "MB", "info",
                     res["rss_idle_mb"]))
     rows.append(Row("rss_load_mb", "RSS under load (peak), MB", "MB", "info",

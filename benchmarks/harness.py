@@ -429,6 +429,25 @@ def _has_content(line: bytes) -> bool:
         return False
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used, its threads' alive now (not its children's):
+    nanoseconds from each thread's ``/proc/PID/task/TID/schedstat`` on Linux, where psutil's
+    clock ticks (10 ms) are far coarser than one load's work; psutil elsewhere."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def timed_first_token(client: httpx.Client, body: bytes,
                       url: str = "/v1/chat/completions", keep_alive: bool = False) -> float:
     """Seconds from sending a streaming chat request to its first ``data:`` with content.
@@ -955,6 +974,8 @@ class Bench:
     def measure_cold(self) -> None:
         cold: dict[str, list[float]] = {c: [] for c in ROUTERS}
         swap: dict[str, list[float]] = {c: [] for c in ROUTERS}
+        cold_cpu: dict[str, list[float]] = {c: [] for c in ROUTERS}
+        swap_cpu: dict[str, list[float]] = {c: [] for c in ROUTERS}
         healthy: list[float] = []
         direct_first: list[float] = []
         cold_model, swap_model = MODELS[1], MODELS[2]
@@ -966,25 +987,34 @@ class Bench:
                     direct_first.append(to_first)
                     continue
                 ep = self.eps[column]
+                pid = ep.item.proc.pid
                 unload_all(ep)
                 time.sleep(0.2)
+                used = process_cpu_s(pid)
                 cold[column].append(attempt(partial(
                     timed_first_token, ep.client, chat_body(cold_model, stream=True)),
                     ep.tally("cold")))
+                cold_cpu[column].append(process_cpu_s(pid) - used)
                 self.procs.note_descendants()
                 # A non-streaming request first, as in normal use: it may leave an idle
                 # keep-alive connection to the child that is about to be evicted.
                 attempt(partial(timed_request, ep.client, "POST", "/tokenize",
                                 tokenize_body(cold_model)), ep.tally("swap"))
                 time.sleep(0.2)
+                used = process_cpu_s(pid)
                 swap[column].append(attempt(partial(
                     timed_first_token, ep.client, chat_body(swap_model, stream=True)),
                     ep.tally("swap")))
+                swap_cpu[column].append(process_cpu_s(pid) - used)
                 self.procs.note_descendants()
         self.results["cold_ms"] = {
             "child_healthy": summary_ms(healthy), "child_first_token": summary_ms(direct_first),
             "cold": {c: summary_ms(v) for c, v in cold.items()},
             "swap": {c: summary_ms(v) for c, v in swap.items()},
+            # the router process's own CPU (its children's excluded) from the request to its
+            # first token: what it spends on a load, beside the child's own work
+            "cold_cpu": {c: summary_ms(v) for c, v in cold_cpu.items()},
+            "swap_cpu": {c: summary_ms(v) for c, v in swap_cpu.items()},
         }
 
     def run(self) -> dict[str, Any]:
