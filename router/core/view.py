@@ -211,14 +211,15 @@ class ModelView:
         status.update(self._trouble_status())
         if model.last_load_s is not None:
             status["load_s"] = round(model.last_load_s, 3)
-        warm = sup.warm
-        if warm is not None and warm.covers(model.preset):  # a listing reads no file
-            status["states"] = self._states_status(warm)
+        if self.keeps_states:  # a listing reads no file
+            status["states"] = self._states_status()
         return status
 
-    def _states_status(self, warm: WarmSwaps) -> dict[str, Any]:
+    def _states_status(self) -> dict[str, Any]:
         """Its saved states (warm swaps, its conversations kept): how many and their bytes,
         what the saves and restores did, and why it keeps none, if so."""
+        warm = self._sup.warm
+        assert warm is not None  # ``keeps_states``
         model_id = self._model.id
         count, size = warm.usage(model_id)
         states: dict[str, Any] = {"count": count, "bytes": size}
