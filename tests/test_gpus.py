@@ -1,7 +1,9 @@
-"""GPU detection, per-process usage, budgets and placement, with a fake nvidia-smi."""
+"""GPU detection, per-process usage, budgets and placement, with a fake nvidia-smi; a GPU device
+held open, with a fake /proc."""
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 from pathlib import Path
@@ -12,7 +14,14 @@ from support import fake_nvidia_smi
 
 from router.core.scheduler import RAM
 from router.host import gpus
-from router.host.gpus import GpuDevice, budgets, detect, placement, usage_by_pid
+from router.host.gpus import (
+    GpuDevice,
+    budgets,
+    detect,
+    holds_gpu_device,
+    placement,
+    usage_by_pid,
+)
 from router.host.memory import BASE_OVERHEAD_BYTES, Estimate
 
 MiB = 1 << 20
@@ -115,3 +124,29 @@ def test_tensor_split_proportions() -> None:
     got = placement(ESTIMATE, {"tensor-split": "3,1"}, DEVICES)
     assert got["gpu0"] == int(10 * GiB * 0.75) + GiB
     assert got["gpu1"] == int(10 * GiB * 0.25)
+
+
+def fake_process(proc: Path, pid: int, targets: list[str]) -> None:
+    """``proc/PID/fd/N`` links to ``targets``, as ``/proc`` shows a process's descriptors."""
+    fds = proc / str(pid) / "fd"
+    fds.mkdir(parents=True)
+    for number, target in enumerate(targets):
+        (fds / str(number)).symlink_to(target)
+
+
+@pytest.mark.parametrize("device", ["/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd",
+                                    "/dev/dri/renderD128", "/dev/accel/accel0", "/dev/dxg"])
+def test_a_process_with_any_vendors_gpu_device_open_may_hold_gpu_memory(
+        tmp_path: Path, device: str) -> None:
+    fake_process(tmp_path, 7, ["pipe:[1234]", "/models/a.gguf", device, "socket:[99]"])
+    assert holds_gpu_device(7, proc=str(tmp_path)) is True
+
+
+def test_a_cpu_child_holds_no_gpu_device_and_an_unreadable_one_is_unknown(
+        tmp_path: Path) -> None:
+    fake_process(tmp_path, 7, ["pipe:[1234]", "/models/a.gguf", "/dev/null", "/dev/drivers"])
+    fake_process(tmp_path, 8, [])  # a zombie: no descriptors
+    assert holds_gpu_device(7, proc=str(tmp_path)) is False
+    assert holds_gpu_device(8, proc=str(tmp_path)) is False
+    assert holds_gpu_device(9, proc=str(tmp_path)) is None  # gone, or not Linux
+    assert holds_gpu_device(os.getpid()) is False  # this test process, on the real /proc

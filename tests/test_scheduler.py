@@ -12,9 +12,9 @@ U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPI
 
 
 def snap(model_id: str, status: Status, in_flight: int = 0, last_used: float = 0.0,
-         gpu: int = 0) -> ModelUse:
+         gpu: int = 0, device_open: bool = False) -> ModelUse:
     return ModelUse(model_id, status, in_flight, last_used,
-                    devices={"gpu0": gpu} if gpu else {})
+                    devices={"gpu0": gpu} if gpu else {}, gpu=device_open)
 
 
 def test_status_values_and_holds_process() -> None:
@@ -81,9 +81,12 @@ def test_a_stopping_cpu_model_frees_its_slot_at_once() -> None:
 
 
 def test_a_stopping_gpu_model_holds_its_slot_until_it_exits() -> None:
-    # Its GPU memory is freed at its exit, and a device may have no budget to check it by.
-    models = [snap("a", L, in_flight=1), snap("s", S, gpu=1 << 30)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
+    # Its GPU memory is freed at its exit, and a device may have no budget to check it by:
+    # measured by nvidia-smi, or a device still open (any vendor's, or not known).
+    for stopping in (snap("s", S, gpu=1 << 30),
+                     ModelUse("s", S, devices={"gpu0": 0}, gpu=True)):
+        models = [snap("a", L, in_flight=1), stopping]
+        assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
 
 
 def test_stopping_models_reduce_what_must_be_evicted() -> None:
@@ -140,8 +143,8 @@ def _reference(models: list[ModelUse], target: str, models_max: int) -> Admissio
     if models_max <= 0:
         return Admission(True)
     others = [m for m in models if m.id != target]
-    using = [m for m in others if m.status is not Status.UNLOADED
-             and (m.status is not Status.STOPPING or m.devices)]  # a stopping CPU model: none
+    using = [m for m in others if m.status is not Status.UNLOADED  # a stopping CPU model: no
+             and (m.status is not Status.STOPPING or m.devices or m.gpu)]
     if len(using) < models_max:
         return Admission(True)
     going = [m for m in using if m.status is Status.STOPPING]
@@ -154,12 +157,14 @@ def _reference(models: list[ModelUse], target: str, models_max: int) -> Admissio
 
 
 def test_exhaustive_small_snapshots() -> None:
-    kinds = [(U, 0, 0), (LOADING, 0, 0), (L, 0, 0), (L, 1, 0), (S, 0, 0), (S, 0, 1)]
+    kinds = [(U, 0, 0, False), (LOADING, 0, 0, False), (L, 0, 0, False), (L, 1, 0, False),
+             (S, 0, 0, False), (S, 0, 1, False), (S, 0, 0, True)]
     checked = 0
     for n in range(4):
         for combo in itertools.product(kinds, repeat=n):
-            models = [snap(f"m{i}", status, in_flight, last_used=float((i * 7) % 3), gpu=gpu)
-                      for i, (status, in_flight, gpu) in enumerate(combo)]
+            models = [snap(f"m{i}", status, in_flight, last_used=float((i * 7) % 3), gpu=gpu,
+                           device_open=device_open)
+                      for i, (status, in_flight, gpu, device_open) in enumerate(combo)]
             for models_max in range(4):
                 plan = plan_admission(models, "target", models_max)
                 assert plan == _reference(models, "target", models_max), (models, models_max)
@@ -169,7 +174,7 @@ def test_exhaustive_small_snapshots() -> None:
                 assert "target" not in plan.evict
                 assert not (plan.admit and plan.evict)
                 checked += 1
-    assert checked == 4 * sum(6 ** n for n in range(4))
+    assert checked == 4 * sum(7 ** n for n in range(4))
 
 
 # --------------------------------------------------------------------------- bytes and fairness

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from simulation import Config, Simulation, describe, run_schedule
+from simulation import Config, FakeSpawner, Simulation, describe, run_schedule
 
-from router.core.lifecycle import NobodyWaits
+from router.core.accounting import Accounting
+from router.core.lifecycle import NobodyWaits, Status
 
 SCHEDULES = int(os.environ.get("LLAMA_ROUTER_SIM_SCHEDULES", "2000"))
 FIRST_SEED = int(os.environ.get("LLAMA_ROUTER_SIM_SEED", "0"))
@@ -119,6 +120,29 @@ def test_swap_while_busy_answers_both_waiters() -> None:
     load_s = 3.0  # the slowest fake start
     assert swap.leased_at <= long.ended + load_s + 1.0, describe(sim)
     assert short.leased_at <= long.ended + 2 * load_s + 1.0, describe(sim)
+
+
+@pytest.mark.parametrize("may_hold_gpu", [False, True])
+def test_a_swap_starts_the_next_child_as_the_evicted_one_exits_unless_it_may_hold_gpu_memory(
+        monkeypatch: pytest.MonkeyPatch, may_hold_gpu: bool) -> None:
+    """Under ``--models-max 1`` the next model's child is spawned while the evicted one
+    stops, when the evicted child holds no GPU device (``Accounting.may_hold_gpu``, read by
+    admission); one that may hold GPU memory is waited for until it has exited."""
+    monkeypatch.setattr(Accounting, "may_hold_gpu", lambda self, model: may_hold_gpu)
+    others_at_spawn: list[dict[str, Status]] = []
+    spawn_ready = FakeSpawner.spawn_ready
+
+    async def recording(self: FakeSpawner, runtime: Any, *args: Any) -> None:
+        others_at_spawn.append({m.id: m.status for m in self.sim.sup.models.values()
+                                if m.id != runtime.id})
+        await spawn_ready(self, runtime, *args)
+
+    monkeypatch.setattr(FakeSpawner, "spawn_ready", recording)
+    sim = play(scenario_config(), [(0.0, "request", {"model": "a"}),
+                                   (5.0, "request", {"model": "b"})])
+    assert not sim.violations, describe(sim)
+    assert [by_id(sim, 0).outcome, by_id(sim, 1).outcome] == ["ok", "ok"], describe(sim)
+    assert others_at_spawn[-1] == {"a": Status.UNLOADED if may_hold_gpu else Status.STOPPING}
 
 
 def test_random_schedules_keep_every_invariant() -> None:

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from ..host.cpus import OtherWork
-from ..host.gpus import GpuDevice, placement, usage_by_pid
+from ..host.gpus import GpuDevice, holds_gpu_device, placement, usage_by_pid
 from ..host.memory import RAM, estimate_for_args, measure_rss
 from .runtime import Estimated, ModelRuntime, ModelSnapshot, own_pids
 
@@ -109,6 +109,13 @@ class Accounting:
     def memory_held(self, model: ModelSnapshot) -> int:
         """What a model holding processes counts against the RAM budget."""
         return max(model.estimate, self.measured(model) or 0)
+
+    def may_hold_gpu(self, model: ModelSnapshot) -> bool:
+        """Whether the children a stop is ending may still hold GPU memory, of any vendor:
+        one has a GPU device open, or that cannot be told (not Linux; a GPU nvidia-smi does
+        not see has no budget to check it by)."""
+        return any(holds_gpu_device(r.child.pid) is not False for r in model.state.stopping
+                   if r.child.pid is not None)
 
     def devices_held(self, model: ModelSnapshot) -> dict[str, int]:
         """Per GPU, the larger of its estimate and its measured use."""

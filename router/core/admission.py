@@ -22,7 +22,7 @@ from ..config.settings import Settings
 from ..errors import LoadFailed
 from ..host.memory import format_size
 from .accounting import Accounting
-from .lifecycle import Event, Queued
+from .lifecycle import Event, Queued, Status
 from .runtime import Fact, ModelRuntime, ModelSnapshot, QueueJoined, QueueLeft
 from .scheduler import Admission as Plan
 from .scheduler import plan_admission
@@ -125,7 +125,8 @@ class Admission:
         """The planner's answer for ``runtime`` over every model as published now."""
         accounting = self._accounting
         return plan_admission(
-            [m.use(accounting.memory_held(m), accounting.devices_held(m))
+            [m.use(accounting.memory_held(m), accounting.devices_held(m),
+                   gpu=m.status is Status.STOPPING and accounting.may_hold_gpu(m))
              if m.status.holds_process else m.use(0) for m in self._models()
              if m.preset.upstream is None],  # a remote upstream holds nothing here
             runtime.id, self.settings.models_max, target_memory=target_memory,

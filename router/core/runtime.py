@@ -392,10 +392,12 @@ class ModelSnapshot(ModelReads):
             return 0
         return len(self.state.replicas) + len(self.state.starting)
 
-    def use(self, memory: int, devices: Mapping[str, int] | None = None) -> ModelUse:
-        """What the admission planner reads of it, with the memory it holds."""
+    def use(self, memory: int, devices: Mapping[str, int] | None = None, *,
+            gpu: bool = False) -> ModelUse:
+        """What the admission planner reads of it, with the memory it holds (``gpu``: its
+        stopping children may still hold GPU memory)."""
         return ModelUse(self.id, self.status, self.in_flight, self.last_used, memory,
-                        self.draining, self.waiting, devices or {})
+                        self.draining, self.waiting, devices or {}, gpu)
 
 
 def snapshot_of(runtime: ModelRuntime) -> ModelSnapshot:

@@ -11,9 +11,9 @@ Policy:
   limit), ``memory_budget`` bytes of host RAM (None: no limit), and ``device_budgets`` bytes per
   GPU (``{"gpu0": ..., ...}``; a device without a budget is not checked). A model holds its
   memory while loading, loaded or stopping (a stopping child keeps it until it has exited). It
-  holds a model slot while loading or loaded, and while stopping only if it holds GPU memory
-  (``ModelUse.holds_slot``): a CPU model's next load starts as the old child exits, within the
-  memory budget, instead of after it.
+  holds a model slot while loading or loaded, and while stopping only if it may hold GPU
+  memory (``ModelUse.holds_slot``): a CPU model's next load starts as the old child exits,
+  within the memory budget, instead of after it.
 * Only idle loaded models (nothing in flight, nobody queued for them) are evicted, least
   recently used first, and only as many as needed once the stopping ones are gone; a model is
   evicted only if it frees something still short (a model slot, or bytes in a pool that is
@@ -47,6 +47,7 @@ class ModelUse:
     draining: bool = False
     waiting: int = 0  # requests queued for it (e.g. woken by its load, not yet served)
     devices: Mapping[str, int] = field(default_factory=dict)  # GPU bytes per device pool
+    gpu: bool = False  # stopping, and its children may still hold GPU memory (any vendor)
 
     @property
     def busy(self) -> bool:
@@ -57,8 +58,9 @@ class ModelUse:
         """Counts against ``models_max``: a model holding a process, unless it is stopping
         and holds no GPU memory. Such a child serves nothing more and frees its host memory
         as it exits, which the memory budget counts until then; GPU memory too, but a device
-        without a budget is not checked, so a stopping GPU child keeps its slot."""
-        return self.status is not Status.STOPPING or any(self.devices.values())
+        without a budget (or that nvidia-smi does not see) is not checked, so a stopping
+        child that may hold GPU memory (``gpu``, or measured ``devices``) keeps its slot."""
+        return self.status is not Status.STOPPING or self.gpu or any(self.devices.values())
 
     def pools(self) -> dict[str, int]:
         return {RAM: self.memory, **self.devices}

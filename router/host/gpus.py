@@ -1,6 +1,7 @@
-"""NVIDIA GPUs: which there are, what each process uses on them, and where a model's memory goes.
+"""NVIDIA GPUs: which there are, what each process uses on them, and where a model's memory goes;
+and, for any vendor's GPU, whether a process holds one open (``holds_gpu_device``).
 
-Everything here comes from ``nvidia-smi``; without it (or when it fails or hangs for
+Everything else here comes from ``nvidia-smi``; without it (or when it fails or hangs for
 ``NVIDIA_SMI_TIMEOUT_S``) there are no GPUs and admission counts host RAM only. Each GPU is a
 memory pool named ``gpu<index>`` (nvidia-smi's index, which is CUDA's with the default
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` ordering) next to the ``ram`` pool.
@@ -22,6 +23,7 @@ arguments (b11434 semantics):
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 from .memory import BASE_OVERHEAD_BYTES, RAM, Estimate, MiB, option_value, parse_size
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
+# Device files a process holds open while it may hold GPU memory, whatever nvidia-smi sees:
+# NVIDIA's, AMD ROCm's, DRM render nodes (Vulkan, SYCL, AMD, Intel), accelerators, WSL2's GPU.
+GPU_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel/", "/dev/dxg")
 DEFAULT_MARGIN_BYTES = 1024 * MiB  # kept free on each GPU (llama-server's --fit-target)
 
 
@@ -61,6 +66,24 @@ def _nvidia_smi(*query: str) -> list[list[str]] | None:
         return None
     return [[part.strip() for part in line.split(",")] for line in proc.stdout.splitlines()
             if line.strip()]
+
+
+def holds_gpu_device(pid: int, proc: str = "/proc") -> bool | None:
+    """Whether process ``pid`` has a GPU device open (``GPU_DEVICE_PREFIXES``), from
+    ``/proc/PID/fd``; None when that cannot be read (not Linux, gone, not ours). A process
+    that holds GPU memory keeps its device open until it has freed it; a zombie has none."""
+    try:
+        descriptors = os.listdir(f"{proc}/{pid}/fd")
+    except OSError:
+        return None
+    for descriptor in descriptors:
+        try:
+            target = os.readlink(f"{proc}/{pid}/fd/{descriptor}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(GPU_DEVICE_PREFIXES):
+            return True
+    return False
 
 
 def detect() -> list[GpuDevice]:
