@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from simulation import Config, FakeSpawner, Simulation, describe, run_schedule
+from simulation import Config, FakeChild, FakeSpawner, Simulation, describe, run_schedule
 
-from router.core.accounting import Accounting
+from router.core import accounting
 from router.core.lifecycle import NobodyWaits, Status
 
 SCHEDULES = int(os.environ.get("LLAMA_ROUTER_SIM_SCHEDULES", "2000"))
@@ -122,13 +122,19 @@ def test_swap_while_busy_answers_both_waiters() -> None:
     assert short.leased_at <= long.ended + 2 * load_s + 1.0, describe(sim)
 
 
+FAKE_PID = 999_999_999  # no process's: nothing reads it but the device check
+
+
 @pytest.mark.parametrize("may_hold_gpu", [False, True])
 def test_a_swap_starts_the_next_child_as_the_evicted_one_exits_unless_it_may_hold_gpu_memory(
         monkeypatch: pytest.MonkeyPatch, may_hold_gpu: bool) -> None:
     """Under ``--models-max 1`` the next model's child is spawned while the evicted one
-    stops, when the evicted child holds no GPU device (``Accounting.may_hold_gpu``, read by
-    admission); one that may hold GPU memory is waited for until it has exited."""
-    monkeypatch.setattr(Accounting, "may_hold_gpu", lambda self, model: may_hold_gpu)
+    stops, when the evicted child holds no GPU device (its pid's descriptors, read through
+    the stopping replicas admission plans over); one that may hold GPU memory is waited for
+    until it has exited."""
+    monkeypatch.setattr(FakeChild, "pid", FAKE_PID)  # every fake child: one pid
+    monkeypatch.setattr(accounting, "holds_gpu_device",
+                        lambda pid: may_hold_gpu if pid == FAKE_PID else None)
     others_at_spawn: list[dict[str, Status]] = []
     spawn_ready = FakeSpawner.spawn_ready
 
