@@ -43,10 +43,14 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
     assert set(report["columns"]) == set(COLUMNS)
     measured = {k: m for k, m in report["metrics"].items() if m["unit"] != "count"}
     assert {"tokenize_p50_ms", "ttft_p50_ms", "ttft_ka_p50_ms", "chat_p50_ms", "tokenize_rps",
-            "cold_vs_healthy_ms", "swap_ms", "rss_idle_mb", "models_p50_ms"} <= set(measured)
+            "cold_vs_healthy_ms", "swap_ms", "cold_cpu_ms", "swap_cpu_ms", "rss_idle_mb",
+            "models_p50_ms"} <= set(measured)
     for key, metric in measured.items():
         for column in COLUMNS:
             value = metric[column]
+            if key in ("cold_cpu_ms", "swap_cpu_ms") and column == DIRECT:
+                assert value == 0, (key, value)  # no router in front of a direct server
+                continue
             assert isinstance(value, int | float) and value > 0, (key, column, value)
     assert len(report["targets"]) == 8
     assert {"ttft_vs_llamacpp", "ttft_ka_vs_llamacpp"} <= set(report["targets"])
