@@ -432,7 +432,8 @@ def _has_content(line: bytes) -> bool:
 def process_cpu_s(pid: int) -> float:
     """CPU seconds process ``pid`` has used, its threads' alive now (not its children's):
     nanoseconds from each thread's ``/proc/PID/task/TID/schedstat`` on Linux, where psutil's
-    clock ticks (10 ms) are far coarser than one load's work; psutil elsewhere."""
+    clock ticks (10 ms) are far coarser than one load's work or a run of a few hundred ms;
+    psutil elsewhere."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:

@@ -33,7 +33,6 @@ the streams alone. With ``--profile``, one more uncounted run of each part is sa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from .harness import (
     Managed,
     _py_spy,
     percentile,
+    process_cpu_s,
     rotate,
     summarize_profile,
     wait_healthy,
@@ -113,21 +113,6 @@ def chat_request(model: str, tokens: int, paced: bool = False) -> str:
     return json.dumps(body)
 
 
-def cpu_seconds(proc: psutil.Process) -> float:
-    """CPU time of ``proc`` alone, every live thread, children excluded: the sum of the
-    threads' ``/proc/PID/task/TID/schedstat`` (nanoseconds; psutil's ``cpu_times`` counts
-    10 ms clock ticks, too coarse for a run of a few hundred ms), else psutil's."""
-    total = 0
-    try:
-        for task in Path(f"/proc/{proc.pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                total += int((task / "schedstat").read_text().split()[0])
-    except OSError:
-        times = proc.cpu_times()
-        return float(times.user + times.system)
-    return total / 1e9
-
-
 def run_streams(url: str, streams: int, body: str, watch: psutil.Process | None,
                 timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """One run of ``benchmarks.streamclient``; with ``watch``, that process's CPU time during
@@ -140,7 +125,7 @@ def run_streams(url: str, streams: int, body: str, watch: psutil.Process | None,
         if proc.stdout.readline().strip() != b"ready":
             proc.kill()
             raise BenchError(f"stream client did not start: {proc.communicate()[1][-800:]!r}")
-        cpu_before = cpu_seconds(watch) if watch is not None else 0.0
+        cpu_before = process_cpu_s(watch.pid) if watch is not None else 0.0
         began = time.perf_counter()
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
@@ -152,7 +137,7 @@ def run_streams(url: str, streams: int, body: str, watch: psutil.Process | None,
                 proc.kill()
                 raise BenchError(f"{streams} streams to {url}: not done after {timeout:g} s")
             time.sleep(0.05)
-        cpu_after = cpu_seconds(watch) if watch is not None else 0.0
+        cpu_after = process_cpu_s(watch.pid) if watch is not None else 0.0
         out, err = proc.communicate()
     if proc.returncode != 0:
         raise BenchError(f"stream client failed ({proc.returncode}): {err.decode()[-800:]}")
