@@ -17,7 +17,7 @@ Measured, round-robin across the targets so noise hits all of them alike:
 * cold start (request to an unloaded model until its first token) and a swap under
   ``--models-max 1`` (after a non-streaming request to the loaded model), against a direct
   llama-server's own spawn → ``/health`` 200 time, with the router process's own CPU over
-  each (its threads' ``schedstat``; the children's excluded);
+  each (the kernel's CPU-time clock of the process; the children's excluded);
 * router RSS (the router process alone) idle and under the throughput load;
 * ``GET /models`` with a 500-section preset file.
 
