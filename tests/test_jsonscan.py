@@ -199,3 +199,24 @@ def test_a_body_not_in_utf8_gets_no_key(encoding: str) -> None:
 def test_what_is_no_object_gets_no_key() -> None:
     for body in (b"", b"  ", b"[1]", b"}", b"{", b'"{}"'):
         assert jsonscan.object_end(body) is None, body
+
+
+def test_the_policy_fields_are_read_as_a_parser_reads_them() -> None:
+    """A large body is decided on as a small one that is parsed: its top-level policy fields
+    (the last of each, escapes decoded), arrays and objects as COMPOUND, nested ones never."""
+    body = (b'{"stream": false, "n\\u005fpredict": 7, "messages": [{"stream": true, '
+            b'"id_slot": 9}], "id_slot": 1, "response_fields": ["content"], "stream": true,'
+            b' "max_tokens": -1, "ignore_eos": null, "other": {"max_tokens": 5}}')
+    fields = jsonscan.scan_now(body).fields
+    assert fields == {"stream": True, "n_predict": 7, "id_slot": 1,
+                      "response_fields": jsonscan.COMPOUND, "max_tokens": -1,
+                      "ignore_eos": None}
+    parsed = json.loads(body)
+    assert {k: parsed[k] for k in fields if fields[k] is not jsonscan.COMPOUND} == \
+        {k: v for k, v in fields.items() if v is not jsonscan.COMPOUND}
+
+
+@pytest.mark.parametrize("bad", [b'{"stream": tru}', b'{"n_predict": -}', b'{"id_slot": +1}'])
+def test_a_policy_field_that_is_no_json_is_refused(bad: bytes) -> None:
+    with pytest.raises(MalformedBody):
+        jsonscan.scan_now(bad)

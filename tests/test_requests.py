@@ -208,9 +208,31 @@ def test_multipart_empty_model_field() -> None:
     assert model_from_body(f"multipart/form-data; boundary={BOUNDARY}", body) == (None, None)
 
 
-def test_multipart_content_type_is_case_insensitive() -> None:
+@pytest.mark.parametrize("media", [
+    "Multipart/Form-Data", "MULTIPART/FORM-DATA", "multipart/form-dataX", "multipart/mixed",
+    "multipart/form-data2", " Multipart/form-data"])
+def test_multipart_only_in_llama_servers_spelling(media: str) -> None:
+    """llama-server (cpp-httplib) reads a body as multipart only for exactly
+    ``multipart/form-data`` and parses any other as JSON: every other ``multipart/`` spelling
+    is refused (400), so that no body is read two ways (the router taking the query's model
+    while a peer routes by the JSON's)."""
     body = multipart([("model", None, b"m1")])
-    assert model_from_body(f"Multipart/Form-Data; boundary={BOUNDARY}", body) == ("m1", None)
+    with pytest.raises(BadRequest, match="multipart body must be sent as exactly"):
+        model_from_body(f"{media}; boundary={BOUNDARY}", body)
+    with pytest.raises(BadRequest, match="multipart"):
+        model_from_body(f"{media}; boundary=zz", b'{"model": "secret"}')
+
+
+@pytest.mark.parametrize("media", [
+    "multipart/form-data", " multipart/form-data ", "multipart/form-data\t", "multipart/form-data"])
+def test_multipart_spelled_as_llama_server_reads_it(media: str) -> None:
+    body = multipart([("model", None, b"m1")])
+    assert model_from_body(f"{media}; boundary={BOUNDARY}", body) == ("m1", None)
+    assert model_from_body(f"{media};boundary={BOUNDARY}", body) == ("m1", None)
+
+
+def test_a_json_body_with_a_json_type_is_json_whatever_its_case() -> None:
+    assert model_from_body("Application/JSON", b'{"model": "m"}') == ("m", {"model": "m"})
 
 
 def test_multipart_without_boundary() -> None:

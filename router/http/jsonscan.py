@@ -8,6 +8,11 @@ held the loop 25 s). ``scan`` walks only the body's strings and brackets, findin
 code (``bytes.find``, one regex), and gives the event loop a turn after every
 ``SLICE_BYTES`` it passed over; its memory is a few objects, whatever the body.
 
+It also reads the top-level fields the router's policies decide on (``POLICY_FIELDS``: whether
+the request streams, its generation limit, its slot, its response fields), each as the value a
+parser would build for a number, a literal or a string, ``COMPOUND`` for an array or object
+(``Scanned.fields``), so that a large body is decided on exactly as a small one that is parsed.
+
 What it reads, on valid JSON, is what a parser reads (Python's ``json``, llama-server's
 nlohmann::json): a top-level key is compared after its escapes are decoded
 (``"mod\\u0065l"`` is ``model``), and of two ``model`` keys the last wins. What it does not
@@ -25,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Generator
-from dataclasses import dataclass
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 from ..errors import MalformedBody, NestedTooDeeply, PayloadTooLarge
 
@@ -37,6 +43,14 @@ SLICE_BYTES = 4 << 20  # bytes walked between two turns of the event loop
 MAX_MARKS = 4_000_000  # quotes, brackets and backslashes in one body
 MAX_MODEL_BYTES = 64 * 1024  # a model name, as written in the body
 _LONGEST_MODEL_KEY = len('"' + "\\u006d" * 5 + '"')  # "model" with every letter escaped
+
+# The top-level fields read besides ``model`` (``Scanned.fields``): those a policy decides on.
+POLICY_FIELDS = frozenset({"stream", "max_tokens", "max_completion_tokens", "n_predict",
+                           "max_output_tokens", "id_slot", "response_fields", "ignore_eos"})
+_LONGEST_FIELD_KEY = 2 + 6 * max(map(len, POLICY_FIELDS))  # every letter escaped
+_MAX_FIELD_STRING = 4096  # a policy field's string value longer than this reads as COMPOUND
+COMPOUND: Final = "<compound>"  # an array or object value (or a long string) of a field
+_SCALAR = re.compile(rb"-?[0-9][0-9.eE+-]{0,63}|true|false|null")
 
 _MARK = re.compile(rb'["\[\]{}]')
 _SPACE = re.compile(rb"[ \t\r\n]*")
@@ -52,13 +66,16 @@ class Scanned:
     * ``model_span``: where that string value lies, its quotes included (a rename writes
       there); None when there is no string ``model``;
     * ``close``: the offset of the object's closing brace (a rename adds ``model`` there);
-    * ``empty``: the object has no key.
+    * ``empty``: the object has no key;
+    * ``fields``: the top-level ``POLICY_FIELDS`` it has, each the last such key's value as a
+      parser builds a number, literal or string (``COMPOUND`` for an array or object).
     """
 
     model: str | None
     model_span: tuple[int, int] | None
     close: int
     empty: bool
+    fields: Mapping[str, Any] = field(default_factory=dict)
 
     def with_model(self, body: bytes, model: str) -> bytes:
         """``body`` naming ``model``: its string ``model`` value replaced, else ``model``
@@ -142,7 +159,7 @@ def _walk(body: bytes) -> Generator[None, None, Scanned]:
             if rest != size:
                 raise MalformedBody("request body is not valid JSON: more follows the "
                                     "top-level object")
-            return Scanned(state.model, state.span, stop, state.empty)
+            return Scanned(state.model, state.span, stop, state.empty, state.fields)
 
 
 STEPS = 50_000  # marks walked between two turns of the event loop
@@ -151,10 +168,11 @@ STEPS = 50_000  # marks walked between two turns of the event loop
 class _State:
     """What the walk has read so far."""
 
-    __slots__ = ("depth", "empty", "model", "span", "steps")
+    __slots__ = ("depth", "empty", "fields", "model", "span", "steps")
 
     def __init__(self) -> None:
         self.depth = 0
+        self.fields: dict[str, Any] = {}
         self.model: str | None = None
         self.span: tuple[int, int] | None = None
         self.empty = True
@@ -197,7 +215,11 @@ def _string(body: bytes, at: int, state: _State) -> Generator[None, None, int]:
         return end  # a value of the top-level object, not a key
     state.empty = False
     if not _is_model_key(body, at, end - 1):
-        return end
+        name = _field_name(body, at, end - 1)
+        if name is None:
+            return end
+        value_at = yield from _after_space(body, after + 1)
+        return _field_value(body, value_at, name, state)
     value_at = yield from _after_space(body, after + 1)
     if value_at < len(body) and body[value_at] == ord('"'):
         value_end = _string_end(body, value_at + 1) + 1
@@ -260,6 +282,41 @@ def _is_model_key(body: bytes, start: int, end: int) -> bool:
         return False
     raw = body[start:end + 1]
     return raw == b'"model"' or (b"\\" in raw and _decoded(raw) == "model")
+
+
+def _field_name(body: bytes, start: int, end: int) -> str | None:
+    """The ``POLICY_FIELDS`` name the key written from ``start`` to ``end`` (its quotes) is,
+    its escapes decoded; None for any other key."""
+    if end - start + 1 > _LONGEST_FIELD_KEY:
+        return None
+    raw = body[start:end + 1]
+    name = _decoded(raw) if b"\\" in raw else raw[1:-1].decode("utf-8", "replace")
+    return name if name in POLICY_FIELDS else None
+
+
+def _field_value(body: bytes, at: int, name: str, state: _State) -> int:
+    """Read the value of field ``name`` starting at ``at`` into ``state.fields``; where the
+    walk goes on: past a string, number or literal, or at an array's or object's opening
+    bracket (the walk counts its brackets)."""
+    if at >= len(body):
+        return at
+    first = body[at]
+    if first == ord('"'):
+        value_end = _string_end(body, at + 1) + 1
+        state.fields[name] = _decoded(body[at:value_end]) \
+            if value_end - at <= _MAX_FIELD_STRING else COMPOUND
+        return value_end
+    if first in _OPEN:
+        state.fields[name] = COMPOUND
+        return at
+    scalar = _SCALAR.match(body, at)
+    if scalar is None:
+        raise MalformedBody(f'request body is not valid JSON: the value of "{name}"')
+    try:
+        state.fields[name] = json.loads(scalar.group())
+    except ValueError:
+        raise MalformedBody(f'request body is not valid JSON: the value of "{name}"') from None
+    return scalar.end()
 
 
 def _model_value(body: bytes, start: int, end: int) -> str | None:

@@ -42,7 +42,14 @@ from starlette.types import Receive, Send
 from ..errors import UpstreamError, envelope
 from ..teams.members import FAIRNESS_HEADER, PRIORITY_HEADER
 from .http11 import BodyWriter, body_writer
-from .requests import CONTEXT, VIA_HEADER, RequestContext, with_multipart_model
+from .requests import (
+    CONTEXT,
+    MULTIPART,
+    VIA_HEADER,
+    RequestContext,
+    media_kind,
+    with_multipart_model,
+)
 from .upstream import Cancel, ChildConnections, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -198,7 +205,7 @@ def with_model(body: bytes, scanned: Scanned | None, content_type: bytes, model:
     unchanged."""
     if scanned is not None:
         return scanned.with_model(body, model)
-    if content_type[:19].lower() == b"multipart/form-data":
+    if media_kind(content_type.decode("latin-1")) == MULTIPART:
         return with_multipart_model(content_type.decode("latin-1"), body, model, add=add)
     return body
 

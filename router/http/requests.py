@@ -35,8 +35,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from itertools import accumulate, count
 from operator import sub
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote_to_bytes, urlencode
 
@@ -59,7 +61,14 @@ from .tail import ResponseTail
 if TYPE_CHECKING:
     from ..config.keyfile import KeyScope
 
-_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
+# The boundary parameter as cpp-httplib reads it: its name exactly ``boundary`` (after a ``;``
+# and optional whitespace), its value up to the next ``;``, quotes dropped.
+_BOUNDARY = re.compile(r';[ \t]*boundary[ \t]*=[ \t]*"?([^";]+)"?')
+# The one media type llama-server (cpp-httplib: ``Request::is_multipart_form_data``, the media
+# type before any ``;``, trimmed, compared exactly) reads a body of as multipart: every other
+# body it parses as JSON. Any other ``multipart/...`` spelling (``Multipart/Form-Data``,
+# ``multipart/form-dataX``) is refused (``media_kind``), so no body is read two ways.
+MULTIPART = "multipart/form-data"
 # The multipart ``model`` field: the header's name and the parameter's name in any case (both
 # are case-insensitive), its value exactly ``model``, as llama.cpp reads form fields: a part
 # named ``MODEL`` is another field, never the model.
@@ -80,6 +89,7 @@ _INNERMOST = re.compile(rb"\[\]|\{\}")  # an empty array or object: the innermos
 _RISE = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # an opening bracket counts 2, a closing 0
 
 
+_NO_FIELDS: Mapping[str, Any] = MappingProxyType({})
 CONTEXT = "llama_router.request"  # the ASGI scope's entry holding its RequestContext
 # The ASGI scope's entry the HTTP server sets when it cut a request body that stopped
 # arriving (``http11``): the app saw the client leave, the client got a 408.
@@ -150,7 +160,7 @@ class RequestContext:
                  "headers", "json_as_form", "key_hash", "key_scope", "local", "member",
                  "method", "model",
                  "model_id", "named", "node", "params", "parsed", "path", "queue_s", "refused",
-                 "scanned", "sent_before", "sent_last", "via")
+                 "scanned", "sent_before", "sent_last", "status", "via")
 
     def __init__(self, scope: Scope) -> None:
         self.method: str = scope["method"]
@@ -194,6 +204,7 @@ class RequestContext:
         self.defaulted = False
         self.named: str | None = None
         self.first_sent = 0.0
+        self.status = 0  # the response's status, once it started
         self.chunks = 0
         self.sent_before = self.sent_last = b""
         self._tail: ResponseTail | None = None
@@ -234,6 +245,38 @@ class RequestContext:
         if self._target is None:
             self._target = upstream_target(self._raw[0], self.path, self.params)
         return self._target
+
+    @property
+    def fields(self) -> Mapping[str, Any]:
+        """The body's top-level fields as llama-server reads them, the one reading every
+        policy decides on (streaming, class, limits, slot, response fields), whatever the
+        body's shape: the parsed JSON object, or for a large one the fields ``jsonscan`` read
+        (``POLICY_FIELDS``, arrays and objects as ``COMPOUND``); empty for a multipart body
+        (llama-server makes each form field a string, which it reads as no value for these)
+        or none."""
+        if self.parsed is not None:
+            return self.parsed
+        if self.scanned is not None:
+            return self.scanned.fields
+        return _NO_FIELDS
+
+    @property
+    def json_object(self) -> bool:
+        """Whether the body was read as a JSON object (parsed, or scanned when large)."""
+        return self.parsed is not None or self.scanned is not None
+
+    def with_field(self, body: bytes, name: str, value: bytes) -> bytes | None:
+        """``body`` with its top-level field ``name`` set to ``value`` (JSON already), added as
+        the object's last key: the one llama-server's parser and the router's keep, whatever
+        the body held before (every other byte kept). None when the body was not read as a
+        JSON object in UTF-8 (multipart, none, UTF-16)."""
+        if not self.json_object:
+            return None
+        end = jsonscan.object_end(body)
+        if end is None:
+            return None
+        empty = body[:end].rstrip(b" \t\r\n").endswith(b"{")
+        return jsonscan.add_key(body, end, empty, name, value)
 
     def json_scan(self) -> jsonscan.Scanned | None:
         """The body as ``jsonscan`` reads a JSON object (what a rename of its model writes
@@ -374,8 +417,25 @@ def model_from_body(content_type: str, body: bytes) -> tuple[str | None, dict[st
     return _checked(model), parsed
 
 
+def media_kind(content_type: str) -> str:
+    """How a body with ``content_type`` is read, by the router and llama-server alike:
+    ``MULTIPART`` for exactly ``multipart/form-data`` (as cpp-httplib compares it: the media
+    type before any ``;``, spaces and tabs trimmed, in lower case), ``"json"`` for any other
+    type but ``multipart/...``; any other ``multipart/`` spelling is refused (400): the router
+    and a peer or upstream that compares otherwise would read one body two ways."""
+    media = content_type.partition(";")[0].strip(" \t")
+    if media == MULTIPART:
+        return MULTIPART
+    if media[:10].lower() == "multipart/":
+        raise BadRequest(
+            f"the media type {media[:64]!r} is not accepted: a multipart body must be sent "
+            f"as exactly {MULTIPART!r} (lower case), which is how llama-server reads one; "
+            "any other spelling it would read as JSON")
+    return "json"
+
+
 def _multipart(content_type: str) -> bool:
-    return content_type[:19].lower() == "multipart/form-data"
+    return media_kind(content_type) == MULTIPART
 
 
 def _checked(model: str | None) -> str | None:
