@@ -402,3 +402,13 @@ async def test_the_hot_path_passes_keys_only_for_models_routed_by_prefix() -> No
     least = ModelPreset(id="hot", args={}, replicas=2, replica_routing="least-busy")
     assert await keys_passed(least, chat) is None
     assert await keys_passed(ModelPreset(id="one", args={}), chat) is None
+
+
+def test_a_responses_input_is_its_prompt() -> None:
+    """OpenAI's Responses API: ``input`` is the prompt (a text, or items read as a chat's
+    messages); elsewhere (embeddings) it is no prompt to key."""
+    items = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert request_prefix({"input": items}, responses=True).keys == chat_keys(items)
+    text = "x" * 1200
+    assert request_prefix({"input": text}, responses=True).keys == text_keys(text)
+    assert request_prefix({"input": text}).keys == ()

@@ -296,3 +296,60 @@ def test_a_slot_of_another_owner_is_erased_before_a_request_runs_there() -> None
     book.end(0, 500)
     plan = book.plan(A5, "bob", 3, always)  # bob's own restored over alice's: erased only
     assert plan.restore_keys == 3 and plan.erase  # if that restore does not happen
+
+
+def test_an_owners_request_without_keys_is_recorded_and_erased_for_another() -> None:
+    """A short prompt (or a body too large to key) has no prefix keys: its slot still records
+    its owner, so that another owner's request there erases it first."""
+    book = SlotBook(1)
+    book.end(book.plan((), "alice", 0, always).slot, 300)
+    assert book.slots[0].held == Conversation((), "alice")
+    plan = book.plan((), "bob", 0, always)
+    assert plan.slot == 0 and plan.erase and plan.save is None  # nothing to save: no keys
+    book.end(plan.slot, 300)
+    assert not book.plan((), "bob", 0, always).erase  # his own
+
+
+def test_a_request_without_keys_goes_to_its_owners_latest_slot() -> None:
+    book = SlotBook(3)
+    book.end(book.plan(A, "alice", 0, always).slot, 500)  # slot 0
+    book.end(book.plan(B, "bob", 0, always).slot, 500)  # slot 1
+    plan = book.plan((), "alice", 0, always)
+    assert (plan.slot, plan.erase) == (0, False)
+
+
+def test_a_named_slot_is_honoured_only_within_its_owners_conversations() -> None:
+    book = SlotBook(2)
+    book.end(book.plan(A, "alice", 0, always).slot, 500)  # slot 0: alice's
+    assert book.honours(0, "alice") and book.honours(1, "bob")  # her own; an empty one
+    assert not book.honours(0, "bob") and not book.honours(2, "bob")  # hers; no such slot
+    plan = book.plan(B, "bob", 0, always, wanted=0)  # not honoured: the book chooses
+    assert plan.slot == 1 and not plan.erase
+    book.end(plan.slot, 500)
+    plan = book.plan(A5, "alice", 0, always, wanted=0)
+    assert plan.slot == 0 and not plan.erase
+    assert not book.honours(0, "alice")  # taken now
+
+
+def test_a_state_restored_without_its_owner_is_erased_for_an_owner() -> None:
+    book = SlotBook(1)
+    book.holding(0, None, 400)  # a state saved without its conversation's label
+    assert book.plan(A, "alice", 0, always).erase
+
+
+def test_an_unpinned_request_makes_every_slot_it_may_take_safe() -> None:
+    """An endpoint whose body reaches the child without its ``id_slot`` (Anthropic's
+    Messages): every free slot another owner's conversation may be in is erased first, and
+    each free slot it may fill is of unknown owner after it, erased before another owner's."""
+    book = SlotBook(3)
+    for keys, owner in ((A, "alice"), (B, "bob"), ((31, 32), "carol")):
+        book.plan(keys, owner, 0, always)
+    for slot in range(3):
+        book.end(slot, 500)
+    plan = book.plan((41,), "bob", 0, always, pinned=False)  # a new conversation of bob's
+    assert plan.slot == 0 and plan.erase  # the least recently used: alice's, erased
+    assert plan.erase_also == (2,)  # carol's: the child may choose it; bob's own stays
+    book.end(plan.slot, 500)
+    for owner in ("alice", "carol"):  # every slot bob's request may have filled
+        assert all(book._foreign(slot, owner) for slot in book.slots)
+    assert book.plan(A5, "alice", 0, always).erase

@@ -86,13 +86,17 @@ def request_keys(body: Mapping[str, Any]) -> tuple[int, ...]:
     return request_prefix(body).keys
 
 
-def request_prefix(body: Mapping[str, Any]) -> Prefix:
-    """The ``Prefix`` of a parsed JSON request body (no keys: ``NO_PREFIX``)."""
+def request_prefix(body: Mapping[str, Any], responses: bool = False) -> Prefix:
+    """The ``Prefix`` of a parsed JSON request body (no keys: ``NO_PREFIX``); ``responses``:
+    a body of OpenAI's Responses API, whose ``input`` is its prompt (a text, or items read as
+    a chat's messages)."""
     messages = body.get("messages")
+    if responses and type(messages) is not list and type(body.get("input")) is list:
+        messages = body["input"]
     if type(messages) is list:
         keys, sizes = _chat(messages)
     else:
-        prompt = body.get("prompt")
+        prompt = body.get("input" if responses else "prompt")
         if type(prompt) is str:
             keys, sizes = _text(prompt, BLOCK_CHARS)
         elif type(prompt) is list and prompt:

@@ -115,10 +115,11 @@ class Leases:
         self.on_routed: RoutedCallback | None = None
         self.on_turn_end = on_turn_end  # the slot queue's (``slotqueue.Slots.ended``)
 
-    def place(self, lease: Lease, keys: tuple[int, ...], credential: bytes
-              ) -> Placement | None:
-        """Take a slot of the lease's replica for its request (``SlotBook.plan``: no await),
-        where its model keeps its conversations; what must happen first is
+    def place(self, lease: Lease, keys: tuple[int, ...], credential: bytes,
+              wanted: int | None = None, pinned: bool = True) -> Placement | None:
+        """Take a slot of the lease's replica for its request (``SlotBook.plan``: no await;
+        ``wanted``: the slot it names; ``pinned``: the child runs it where it is sent), where
+        its model keeps its conversations; what must happen first is
         ``Conversations.prepare``'s. None: the child chooses its slot."""
         conversations, replica = self.conversations, lease.replica
         preset = lease.runtime.preset
@@ -127,7 +128,7 @@ class Leases:
                                                                             book.fingerprint):
             return None
         lease.placement = conversations.plan(
-            preset, book, keys, conversations.owner_of(credential, preset))
+            preset, book, keys, conversations.owner_of(credential, preset), wanted, pinned)
         return lease.placement
 
     def take(self, runtime: ModelRuntime, replica: Replica | None = None,

@@ -146,7 +146,7 @@ def books(runtime: ModelRuntime, warm: WarmSwaps | None,
         return None
     book = SlotBook(runtime.slots, warm.fingerprint_of(runtime.preset))
     for slot, conversation, tokens in held:
-        if conversation is not None and 0 <= slot < book.n_slots:
+        if 0 <= slot < book.n_slots and (conversation is not None or tokens > 0):
             book.holding(slot, conversation, tokens)
     return book
 

@@ -169,11 +169,15 @@ class Supervisor:
         conversations = self.leases.conversations
         return conversations is not None and conversations.keeps(model.preset)
 
-    async def place(self, lease: Lease, prefix: Prefix, credential: bytes) -> int | None:
-        """The slot the lease's request runs in (its ``id_slot``), once what it needs first is
-        done (``conversations``: a displaced conversation saved, its own restored); None:
-        the child chooses. The lease's release frees the slot, also when this is cancelled."""
-        placement = self.leases.place(lease, prefix.stable, credential)
+    async def place(self, lease: Lease, prefix: Prefix, credential: bytes,
+                    wanted: int | None = None, pinned: bool = True) -> int | None:
+        """The slot the lease's request runs in (its ``id_slot``; ``wanted``: the one it
+        names, given when the book honours it: ``SlotBook.plan``), once what it needs first is
+        done (``conversations``: a displaced conversation saved, its own restored, another
+        owner's erased; ``pinned``: whether the child runs it in that slot, else every slot it
+        may choose is made safe for it: ``SlotBook.plan``); None: the child chooses. The
+        lease's release frees the slot, also when this is cancelled."""
+        placement = self.leases.place(lease, prefix.stable, credential, wanted, pinned)
         if placement is None or placement.slot is None:
             return None
         runtime, replica = lease.runtime, lease.replica

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.datastructures import QueryParams
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..core.affinity import Prefix, request_prefix
+from ..core.affinity import NO_PREFIX, Prefix, request_prefix
 from ..core.wait import Ends
 from ..errors import (
     BadRequest,
@@ -27,13 +27,15 @@ from ..errors import (
     send_error,
     send_unexpected,
 )
-from ..http.jsonscan import add_key, object_end
+from ..http.jsonscan import object_end
 from ..http.paths import (
     ADMIN_PROXIED_PREFIXES,
     API_ROOTS,
     CHILD_GET_PATHS,
     METHODS,
+    RESPONSES_PATHS,
     SLOT_PATHS,
+    UNPINNED_SLOT_PATHS,
 )
 from ..http.proxy import (
     Preempted,
@@ -141,11 +143,12 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
             return
         local = route.local  # the handle on the model, decided once
         assert local is not None  # the nodes leave a request to this router only if it has it
+        placed = _placed(state, request, local)
         prefix = _prefix(state, request, local)
         while True:
             lease = await _lease(state, receive, request, local, prefix, metered)
-            if await _serve(state, scope, receive, send, request, route, local, lease, prefix,
-                            body, metered):
+            if await _serve(state, scope, receive, send, request, route, local, lease,
+                            (prefix or NO_PREFIX) if placed else None, body, metered):
                 break
             lease.spent(0)  # preempted: its slot given back, nothing charged; it waits again
             lease.release()
@@ -174,14 +177,17 @@ async def _lease(state: State, receive: Receive, request: RequestContext, local:
 async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
                  request: RequestContext, route: Route, local: ModelView, lease: Lease,
                  prefix: Prefix | None, body: bytes, metered: Metered | None) -> bool:
-    """Relay the request to its leased child: to the slot its conversation needs, and for a
-    resumable stream, with the child that keeps it noted. False: its slot was taken back
-    before the child answered (``Preempted``), nothing sent."""
+    """Relay the request to its leased child: to the slot its conversation needs (``prefix``:
+    placed by the router, ``_placed``), and for a resumable stream, with the child that keeps
+    it noted. False: its slot was taken back before the child answered (``Preempted``),
+    nothing sent."""
     if route.conversation is not None:  # a resumable stream: the child that keeps it
         route.conversation.served_by(lease.child)
     preemption = metered.preemption() if metered is not None else None
+    if metered is not None:
+        body = metered.shaped(request, body)
     try:
-        if prefix is not None and request.path in SLOT_PATHS:
+        if prefix is not None:
             body = await _in_its_slot(state, request, lease, prefix, body)
         await _relay(state, scope, receive, send, request, local, lease, body, preemption)
     except Preempted:
@@ -272,24 +278,54 @@ def _prefix(state: State, request: RequestContext, model: ModelView) -> Prefix |
     if request.parsed is None or not (model.preset.prefix_routing
                                       or state.models.keeps_conversations(model)):
         return None
-    prefix = request_prefix(request.parsed)
+    prefix = request_prefix(request.parsed, request.path in RESPONSES_PATHS)
     return prefix if prefix.keys else None
+
+
+def _placed(state: State, request: RequestContext, model: ModelView) -> bool:
+    """Whether the router places the request in one of its model's slots: a request that
+    runs in one (``SLOT_PATHS``) to a model that keeps its conversations, except one that
+    names its own ``id_slot`` without a key (the child's choice, as llama-server's own). With
+    API keys every such request is placed, whatever its body's shape or its prompt's length,
+    so that no slot serves one key another's cached prefix (``_in_its_slot``); one whose body
+    cannot be placed (not a JSON object in UTF-8: multipart) is refused (400)."""
+    if request.method != "POST" or request.path not in SLOT_PATHS \
+            or not state.models.keeps_conversations(model):
+        return False
+    if _private(request, model):
+        if request.body and (not request.json_object or object_end(request.body) is None):
+            raise BadRequest(
+                f"{request.path} with an API key takes a JSON object body (UTF-8): the router "
+                "places each request in a slot that holds no other key's conversation, "
+                "through its id_slot, which a multipart body cannot carry")
+        return True
+    wanted = request.fields.get("id_slot")
+    return not (type(wanted) is int and wanted >= 0)
+
+
+def _private(request: RequestContext, model: ModelView) -> bool:
+    """Whether the request's conversations are its key's own: it came with an API key, to a
+    model whose preset does not share them (``shared-conversations``)."""
+    return bool(request.key_hash) and not model.preset.shared_conversations
 
 
 async def _in_its_slot(state: State, request: RequestContext, lease: Lease, prefix: Prefix,
                        body: bytes) -> bytes:
     """The body of a completion placed in the slot its model's conversations need (its
-    ``id_slot``, ``conversations``), once what that needs first is done; unchanged where the
-    child chooses: for a model that keeps none, a request naming its own ``id_slot``, or a
-    body not read as a JSON object."""
-    parsed = request.parsed
-    end = object_end(body) if type(parsed) is dict and "id_slot" not in parsed else None
-    if end is None:
-        return body
+    ``id_slot``, ``conversations``), once what that needs first is done (another owner's
+    conversation erased, its own restored). A request that names its ``id_slot`` runs there
+    only where the book honours it (the slot is free and holds nothing or its own key's
+    conversation: ``SlotBook.honours``); else its ``id_slot`` is replaced by the router's
+    choice. Unchanged where the child chooses (no slot free)."""
+    pinned = request.path not in UNPINNED_SLOT_PATHS
+    wanted = request.fields.get("id_slot")
+    named = wanted if pinned and type(wanted) is int and wanted >= 0 else None
     credential = request.credential() if request.key_hash else b""  # the key it matched
-    slot = await state.models.place(lease, prefix, credential)
-    return body if slot is None else add_key(body, end, not parsed, "id_slot",
-                                             str(slot).encode())
+    slot = await state.models.place(lease, prefix, credential, named, pinned)
+    if slot is None or slot == named or not pinned:
+        return body
+    placed = request.with_field(body, "id_slot", str(slot).encode())
+    return body if placed is None else placed
 
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..core.affinity import NO_PREFIX, PrefixTable, request_prefix
 from ..errors import UpstreamError
+from ..http.paths import RESPONSES_PATHS
 from ..http.proxy import FailOver, with_model
 from ..http.requests import BODY_METHODS, RequestContext
 from ..peers import hop
@@ -51,7 +52,8 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
     assert peers is not None and request.model is not None and request.body is not None
     model, parsed = request.model, request.parsed
     order = candidates(route.holders, model, route.local, state.node)
-    prefix = request_prefix(parsed) if parsed is not None else NO_PREFIX
+    prefix = request_prefix(parsed, request.path in RESPONSES_PATHS) if parsed is not None \
+        else NO_PREFIX
     keys = prefix.keys
     if keys:  # a conversation's next turn: where its prompt is cached or kept (``affinity``)
         tables = peers.prefixes.setdefault(model, {})

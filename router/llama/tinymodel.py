@@ -53,6 +53,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 EOS_TOKEN = IM_END
 SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, IM_START, IM_END)
+# Fill-in-the-middle tokens (Qwen's spelling, which llama.cpp recognises by their text), added
+# after the others for a model that ``/infill`` serves (``fim``).
+FIM_TOKENS: tuple[str, ...] = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -105,11 +108,12 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:
+def tokenizer_vocab(fim: bool = False) -> tuple[list[str], list[int], list[str]]:
     """Return ``(tokens, token_types, merges)`` for the tiny byte-level BPE tokenizer.
 
     Token ids: 0..255 are the byte tokens (id == byte value), then the merge results, then
-    the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``.
+    the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, and with ``fim``
+    the fill-in-the-middle ones (``FIM_TOKENS``).
     """
     byte_map = _bytes_to_unicode()
     tokens = [byte_map[b] for b in range(256)]
@@ -122,8 +126,9 @@ def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:
             tokens.append(merged)
             known.add(merged)
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)
-    tokens.extend(SPECIAL_TOKENS)
-    types.extend([int(gguf.TokenType.CONTROL)] * len(SPECIAL_TOKENS))
+    special = SPECIAL_TOKENS + (FIM_TOKENS if fim else ())
+    tokens.extend(special)
+    types.extend([int(gguf.TokenType.CONTROL)] * len(special))
     merges = [f"{left} {right}" for left, right in _MERGES]
     return tokens, types, merges
 
@@ -203,15 +208,17 @@ def write_tiny_model(
     n_head_kv: int = 2,
     n_ctx_train: int = 2048,
     name: str = "tiny",
+    fim: bool = False,
 ) -> Path:
     """Write a tiny random-weight llama GGUF to ``path`` (atomically) and return its path.
 
     The output is a pure function of the arguments: the same arguments give identical bytes,
-    different seeds give different weights.
+    different seeds give different weights. With ``fim`` its vocabulary has the
+    fill-in-the-middle tokens, so that llama-server serves ``/infill`` with it.
     """
     _validate(n_layer, n_embd, n_head, n_head_kv, n_ctx_train)
     out = Path(path)
-    tokens, types, merges = tokenizer_vocab()
+    tokens, types, merges = tokenizer_vocab(fim)
     shape = _Shape(len(tokens), n_layer, n_embd, n_head, n_head_kv, n_ctx_train)
     tensors = _random_tensors(np.random.default_rng(seed), shape, tokens)
     with _replacing(out) as tmp:

@@ -155,15 +155,17 @@ class Conversations:
         return index
 
     def plan(self, preset: ModelPreset, book: SlotBook, keys: Sequence[int],
-             owner: str | None) -> Placement:
+             owner: str | None, wanted: int | None = None, pinned: bool = True
+             ) -> Placement:
         """A request's slot, taken at once (no await: nothing can take it meanwhile), and
-        what must happen before it runs there (``prepare``)."""
+        what must happen before it runs there (``prepare``); ``wanted``: the slot it names,
+        ``pinned``: whether the child runs it in the slot it is sent to (``SlotBook.plan``)."""
         state, stored = self.stored(preset, book.fingerprint, keys, owner) if keys \
             else (None, 0)
         keeping, kept = self._being_kept(preset, keys, owner) if keys else (None, 0)
         io = self.swaps.ledger.io.get(preset.id) or Io()
         plan = book.plan(keys, owner, max(stored, kept),
-                         lambda tokens: worth_saving(tokens, None, io))
+                         lambda tokens: worth_saving(tokens, None, io), wanted, pinned)
         waiting = None if plan.slot is not None else book.waiting[-1]
         if not plan.restore_keys:
             return Placement(book, plan.slot, waiting, plan)
@@ -200,6 +202,8 @@ class Conversations:
             if plan.erase and not placement.restored:  # another owner's conversation: its
                 await self._bounded(self.swaps.erase_slot(child, slot),  # prefix must not
                                     RESTORE_BOUND_S)  # serve this request
+            for other in plan.erase_also:  # the child may choose these too (not pinned)
+                await self._bounded(self.swaps.erase_slot(child, other), RESTORE_BOUND_S)
         finally:  # kept once the restore read its own state: its budget may drop that one
             if written is not None:
                 self._keep(preset, written)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 EMPTY: Final = 0  # a slot's loss if taken: nothing
@@ -70,13 +70,15 @@ class Plan:
     ``save_tokens``), then restore the saved state that covers ``restore_keys`` of the
     request (0: none), or, when nothing was restored, ``erase`` the slot (it holds another
     owner's conversation: a cached prefix would tell the request's key what another sent),
-    then run it in ``slot`` (None: the child's choice)."""
+    and ``erase_also`` the other slots listed, then run it in ``slot`` (None: the child's
+    choice)."""
 
     slot: int | None
     save: Conversation | None = None
     save_tokens: int = 0
     restore_keys: int = 0
     erase: bool = False
+    erase_also: tuple[int, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -102,16 +104,43 @@ class SlotBook:
     def __post_init__(self) -> None:
         self.slots = [Slot() for _ in range(self.n_slots)]
 
-    def holding(self, slot: int, conversation: Conversation, tokens: int) -> None:
-        """``slot`` holds ``conversation`` as saved on disk (a restore at the child's start)."""
+    def holding(self, slot: int, conversation: Conversation | None, tokens: int) -> None:
+        """``slot`` holds ``conversation`` as saved on disk (a restore at the child's start;
+        None: a state without its conversation's label, whose owner is not known)."""
         self.slots[slot] = Slot(conversation, tokens, saved=True)
 
     def plan(self, keys: Sequence[int], owner: str | None, stored: int,
-             worth: Callable[[int], bool]) -> Plan:
+             worth: Callable[[int], bool], wanted: int | None = None,
+             pinned: bool = True) -> Plan:
         """Where a request of prefix ``keys`` from ``owner`` goes, given how many of its keys
         the best saved state on disk covers (``stored``), and which slot sizes are worth
-        saving (``worth(tokens)``). Takes the slot at once (``end`` frees it)."""
-        conversation = Conversation(tuple(keys), owner) if keys else None
+        saving (``worth(tokens)``). Takes the slot at once (``end`` frees it). A request that
+        names its slot (``wanted``, its ``id_slot``) gets it only when it is free and holds
+        nothing or the owner's own conversation (``honours``); else the book chooses.
+
+        A request of an owner is recorded with its owner even when it has no prefix keys (a
+        short prompt, a body too large to key), so that another owner's next request in that
+        slot erases it first. One whose endpoint does not pass its ``id_slot`` to the child
+        (not ``pinned``: llama-server's Anthropic Messages) may run in any free slot: each
+        free slot that may hold another owner's conversation is erased first (``Plan.
+        erase_also``), and each that the request may then fill is taken to hold a
+        conversation of unknown owner, erased in turn before another owner's request."""
+        plan = self._plan(keys, owner, stored, worth, wanted)
+        if pinned or owner is None or plan.slot is None:
+            return plan
+        others = [i for i, s in enumerate(self.slots) if not s.busy]
+        foreign = tuple(i for i in others if self._foreign(self.slots[i], owner))
+        for i in others:
+            slot = self.slots[i]
+            if slot.held is None or slot.held.owner != owner:
+                slot.held, slot.tokens, slot.saved = None, max(slot.tokens, 1), True
+        return replace(plan, erase_also=foreign)
+
+    def _plan(self, keys: Sequence[int], owner: str | None, stored: int,
+              worth: Callable[[int], bool], wanted: int | None) -> Plan:
+        conversation = Conversation(tuple(keys), owner) if keys or owner is not None else None
+        if wanted is not None and self.honours(wanted, owner):
+            return self._take(wanted, conversation, Plan(wanted))
         free = [i for i, s in enumerate(self.slots) if not s.busy]
         if not free:
             self.waiting.append(Waiting(conversation))
@@ -121,6 +150,12 @@ class SlotBook:
         held, holder = max(matches, key=lambda m: (m[0], -self.slots[m[1]].used))
         if held and held >= stored:  # its next turn, where it is: the hot path
             return self._take(holder, conversation, Plan(holder))
+        if not keys and owner is not None:  # a prompt not keyed (a body too large to parse):
+            own = [i for i in free if (h := self.slots[i].held) is not None  # its owner's
+                   and h.owner == owner]  # latest slot, where llama-server finds its prefix
+            if own:  # if it continues that conversation
+                latest = max(own, key=lambda i: self.slots[i].used)
+                return self._take(latest, conversation, Plan(latest))
         restore = stored if stored > held else 0
         if held:  # what it holds is a prefix of the state restored over it: nothing lost
             target, loss = holder, KEPT
@@ -128,16 +163,35 @@ class SlotBook:
             target, loss = min(((self._loss(i, worth), i) for i in free),
                                key=lambda c: (c[0], self.slots[c[1]].used))[::-1]
         slot = self.slots[target]
-        erase = slot.held is not None and slot.held.owner != owner
+        erase = self._foreign(slot, owner)
         if loss == UNSAVED and slot.held is not None:
             return self._take(target, conversation,
                               Plan(target, slot.held, slot.tokens, restore, erase))
         return self._take(target, conversation, Plan(target, restore_keys=restore, erase=erase))
 
+    def honours(self, wanted: int, owner: str | None) -> bool:
+        """Whether a request of ``owner`` naming slot ``wanted`` may run there as it asks: the
+        slot is free and holds nothing, or a conversation of the same owner."""
+        if not 0 <= wanted < self.n_slots:
+            return False
+        slot = self.slots[wanted]
+        return not slot.busy and not self._foreign(slot, owner)
+
+    @staticmethod
+    def _foreign(slot: Slot, owner: str | None) -> bool:
+        """Whether ``slot`` may hold a conversation that a request of ``owner`` must not be
+        served from: another owner's, or, for an owner's request, one of unknown owner (a
+        state restored at a child's start without its label)."""
+        if slot.held is not None:
+            return slot.held.owner != owner
+        return owner is not None and slot.tokens > 0
+
     def _loss(self, index: int, worth: Callable[[int], bool]) -> int:
         slot = self.slots[index]
         if slot.held is None or slot.tokens <= 0:
             return EMPTY
+        if not slot.held.keys:  # nothing names it: no request could have it restored
+            return KEPT
         return KEPT if slot.saved or not worth(slot.tokens) else UNSAVED
 
     def _take(self, index: int, conversation: Conversation | None, plan: Plan) -> Plan:
