@@ -95,12 +95,15 @@ class TeamsBook:
         self.admitted[turn.flow] = self.admitted.get(turn.flow, 0) + 1
         return hold
 
-    def settle(self, number: int, hold: Hold | None, used: float) -> None:
+    def settle(self, number: int, hold: Hold | None, used: float, charged: float) -> None:
+        """Request ``number`` ended having ``used`` tokens (what the invariants count) and
+        been ``charged`` (what its quota hold settles: the meter's charge, which may differ
+        where the child counted nothing)."""
         flow = turn_of(number).flow
         self.admitted[flow] -= 1
         self.used[flow] = self.used.get(flow, 0.0) + used
         if hold is not None:
-            hold.settle(used)
+            hold.settle(charged)
 
     def waits(self, number: int, model: str) -> None:
         turn = turn_of(number)

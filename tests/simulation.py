@@ -79,6 +79,7 @@ from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
 from router.core.wait import Ends
 from router.core.wiring import wire
+from router.edge.metering import charged
 from router.errors import ClientGone, RouterError
 from router.events import EventBus
 from router.http.shutdown import Shutdown
@@ -598,7 +599,14 @@ class Simulation:
             await self._serve(r, turn)
         finally:
             self.teams.gone(r.id)
-            self.teams.settle(r.id, hold, USED if r.leased_at is not None else 0.0)
+            served = r.leased_at is not None
+            # Charged as the edge's meter charges (``metering.charged``); every third child's
+            # answer counts nothing (a client that chose its fields, ``/embedding``): then its
+            # reservation, the prompt's estimate and its limit.
+            counted = r.id % 3 != 0
+            charge = sum(charged(PROMPT_TOKENS if counted else None,
+                                 GENERATED if counted else None, PROMPT_TOKENS, GENERATED, 1))
+            self.teams.settle(r.id, hold, USED if served else 0.0, charge if served else 0.0)
 
     async def _serve(self, r: Request, turn: Turn) -> None:
         sup = self.sup

@@ -3,6 +3,7 @@ the usage ledger and its SQLite file."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -272,21 +273,35 @@ def metered_request(body: bytes) -> Any:
     return request
 
 
-def test_what_a_request_is_charged_reads_what_its_client_was_told() -> None:
+def test_what_a_request_is_charged_is_what_the_child_did_or_its_reservation() -> None:
+    """Charged what the child's answer counts; where it counts nothing (an answer whose client
+    chose its fields, ``/embedding``), the reservation: the prompt's estimate and the limit
+    the request set; an error answer nothing; a stream cut short its events."""
     from router.edge.metering import Meter
 
     meter = Meter(Usage())
-    cases = [
-        ([b'{"usage":{"prompt_tokens":7,"completion_tokens":3}}'], (7, 3)),  # an answer
-        ([b'{"error":{"code":400,"message":"too long"}}'], (0, 0)),  # an error: nothing
-        ([b'data: {"choices":[]}\n\n'] * 5, (100, 5)),  # a stream cut short: its events
-        ([], None),  # never answered (its client left while queued): not counted
+    EST = -1  # the prompt's estimate: the body's bytes over 4
+    counted = b'{"usage":{"prompt_tokens":7,"completion_tokens":3}}'
+    cases = [  # (status, chunks, the body's limit, charged)
+        (200, [counted], None, (7, 3)),  # an answer that counts
+        (200, [counted], 50, (7, 3)),  # its counts, not its limit
+        (200, [b'{"content":"hello"}'], None, (EST, 0)),  # counts nothing: its estimate
+        (200, [b'{"content":"hello"}'], 50, (EST, 50)),  # and its limit
+        (200, [b'[{"index":0,"embedding":[0.1]}]'], None, (EST, 0)),  # /embedding
+        (400, [b'{"error":{"code":400,"message":"too long"}}'], 50, (0, 0)),  # an error
+        (200, [b'data: {"choices":[]}\n\n'] * 5, None, (EST, 5)),  # a stream cut short
+        (200, [b'data: {"choices":[]}\n\n'] * 5, 64, (EST, 64)),
+        (200, [], None, None),  # never answered (its client left while queued)
     ]
-    for n, (chunks, charged) in enumerate(cases):
-        request = metered_request(b"x" * 400)
+    for n, (status, chunks, limit, charged) in enumerate(cases):
+        body = b'{"n_predict": %d, "x": "%s"}' % (limit, b"x" * 380) if limit else b"x" * 400
+        request = metered_request(body)
+        if limit:
+            request.parsed = json.loads(body)
         request.member = member_of(KeyPolicy(f"t{n}"), False, {})
         metered = meter.begin(request, "m")
-        assert metered is not None and metered.turn.cost == 100
+        assert metered is not None and metered.turn.cost == len(body) / 4
+        request.status = status
         for chunk in chunks:
             request.sent(chunk)
         metered.end(request, None)
@@ -296,4 +311,6 @@ def test_what_a_request_is_charged_reads_what_its_client_was_told() -> None:
             assert f"t{n}" not in rows
         else:
             row = rows[f"t{n}"]
-            assert (row.requests, row.prompt_tokens, row.completion_tokens) == (1, *charged)
+            prompt = round(len(body) / 4) if charged[0] is EST else charged[0]
+            assert (row.requests, row.prompt_tokens, row.completion_tokens) == \
+                (1, prompt, charged[1]), n

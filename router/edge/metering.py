@@ -7,18 +7,27 @@ over a quota it raises ``QuotaExceeded`` (429 with ``Retry-After``) and counts t
 and the request never reaches a child. Else the request carries its ``Metered``: its quota
 hold and its turn for a slot (``fairshare.Turn``, with its expected prompt tokens: the body's
 bytes over ``BYTES_PER_TOKEN``); a request of a class below ``interactive`` whose answer is not
-streamed may have its slot taken back before it answers (``preemption``). ``Metered.end``
-reads once what the response told the client
-(``tail``: its prompt and generated tokens; for a stream cut short, the events sent), corrects
-the turn's charge (``Lease.spent``), settles the hold and writes the usage. A request that
-never got an answer (its client left while queued) is charged nothing.
+streamed may have its slot taken back before it answers (``preemption``). What it streams and
+the limit it sets are read from the request's one reading (``RequestContext.fields``), for
+every body shape.
+
+The client cannot shape what it is charged. Its answer is the child's whole answer: a
+``response_fields`` that would hide the counts is overridden (``shaped``: an empty list
+added as the body's last key, which llama-server reads as "every field"). ``Metered.end``
+reads once what the child's answer says (``tail``: its prompt and generated tokens, clamped);
+where it says nothing, the reservation is charged: the prompt's estimate, and the limit the
+request set (for a stream cut short, the events sent, if more). An error answer (a status of
+400 or more) is charged nothing, and so is a request that never got an answer (its client
+left while queued).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import QuotaExceeded, Unavailable
+from ..http.jsonscan import COMPOUND
 from ..http.paths import METERED_PATHS
 from ..http.proxy import Preemption
 from ..http.requests import RequestContext
@@ -29,23 +38,39 @@ from ..teams.usage import Usage
 if TYPE_CHECKING:
     from ..core.leases import Lease
 
+MAX_LIMIT = 1 << 31  # a limit past this is read as this (no request generates more)
 BYTES_PER_TOKEN = 4  # a prompt's expected tokens, from its body's size, until the child counts
-_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
+# The generation limit's names, in the order llama-server reads them (``n_predict`` and its
+# aliases; ``max_output_tokens`` is the Responses API's ``max_tokens``): the first given wins.
+_LIMITS = ("n_predict", "max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 class Metered:
     """One metered request: its ``turn`` for a slot, its quota ``hold``."""
 
-    __slots__ = ("_ended", "_hold", "_meter", "model", "preemptible", "turn")
+    __slots__ = ("_ended", "_hold", "_meter", "limit", "model", "preemptible", "turn")
 
     def __init__(self, meter: Meter, model: str, turn: Turn, hold: Hold | None,
-                 preemptible: bool = False) -> None:
+                 preemptible: bool = False, limit: int = 0) -> None:
         self._meter = meter
         self.model = model
         self.turn = turn
         self._hold = hold
         self.preemptible = preemptible  # its slot may be taken back before it answers
+        self.limit = limit  # the tokens it may generate, as it asked (0: it set none)
         self._ended = False
+
+    @staticmethod
+    def shaped(request: RequestContext, body: bytes) -> bytes:
+        """The body the child gets: one that names ``response_fields`` (which could leave the
+        counts out of the answer) gets an empty list as its last key, which llama-server reads
+        as the whole answer; any other body unchanged, byte for byte."""
+        fields = request.fields.get("response_fields")
+        if fields is None or (fields is not COMPOUND and type(fields) is not list) \
+                or fields == []:
+            return body
+        whole = request.with_field(body, "response_fields", b"[]")
+        return body if whole is None else whole
 
     def preemption(self) -> Preemption | None:
         """What takes this request's slot back while its answer has not begun, set on its
@@ -64,12 +89,11 @@ class Metered:
             return
         self._ended = True
         prompt = completion = 0
-        if request.first_sent:  # an answer went out: what it told the client
-            tail = request.tail()
-            told, generated = tail.prompt_tokens, tail.tokens
-            cut = request.chunks > 1  # a stream cut short; else one body (an error says none)
-            prompt = told if told is not None else round(self.turn.cost) if cut else 0
-            completion = generated if generated is not None else request.chunks if cut else 0
+        if request.first_sent:  # an answer went out (an error's is charged nothing)
+            if request.status < 400:  # what the child said it did
+                tail = request.tail()
+                prompt, completion = charged(tail.prompt_tokens, tail.tokens, self.turn.cost,
+                                             self.limit, request.chunks)
             self._meter.usage.served(request.member.name, self.model, prompt, completion,
                                      request.queue_s or 0.0)
         elif isinstance(error, Unavailable):  # the wait ran out
@@ -78,6 +102,16 @@ class Metered:
             lease.spent(prompt + GENERATED_WEIGHT * completion)
         if self._hold is not None:
             self._hold.settle(prompt + completion)
+
+
+def charged(prompt: int | None, generated: int | None, estimate: float, limit: int,
+            chunks: int) -> tuple[int, int]:
+    """The prompt and generated tokens an answer is charged: what the child counted
+    (``prompt``, ``generated``; None: its answer said nothing); where it said nothing, the
+    reservation: the prompt's ``estimate``, and the ``limit`` the request set (a stream cut
+    short, of more than one of its ``chunks``: the events sent, when more)."""
+    return (prompt if prompt is not None else round(estimate),
+            generated if generated is not None else max(limit, chunks if chunks > 1 else 0))
 
 
 class Meter:
@@ -92,26 +126,26 @@ class Meter:
         body = request.body or b""
         expected = len(body) / BYTES_PER_TOKEN
         member = request.member
+        fields = request.fields
+        limit = _limit(fields)
         hold = None
         if member.policy.max_concurrent is not None or member.policy.tokens_per_minute:
             try:
-                hold = self.quotas.admit(member.policy, expected + _limit(request))
+                hold = self.quotas.admit(member.policy, expected + limit)
             except OverQuota as exc:
                 self.usage.refused(member.name, model)
                 raise QuotaExceeded(str(exc), headers={"Retry-After": str(exc.retry_after)}
                                     ) from None
-        parsed = request.parsed
-        preemptible = member.rank > 0 and type(parsed) is dict and parsed.get("stream") is not True
-        return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible)
+        preemptible = member.rank > 0 and fields.get("stream") is not True
+        return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible,
+                       limit)
 
 
-def _limit(request: RequestContext) -> int:
-    """The generated tokens a request allows itself (0: it names no limit)."""
-    parsed = request.parsed
-    if type(parsed) is not dict:
-        return 0
+def _limit(fields: Mapping[str, Any]) -> int:
+    """The generated tokens a request allows itself, from its one reading (0: it names no
+    limit)."""
     for name in _LIMITS:
-        value = parsed.get(name)
-        if type(value) is int and value > 0:
-            return value
+        value = fields.get(name)
+        if value is not None:
+            return min(value, MAX_LIMIT) if type(value) is int and value > 0 else 0
     return 0

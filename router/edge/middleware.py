@@ -72,7 +72,7 @@ class RequestMetricsMiddleware:
                 if body:
                     sent(body)
             elif message["type"] == "http.response.start":
-                status = message["status"]
+                status = request.status = message["status"]
             await send(message)
 
         try:

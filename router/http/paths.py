@@ -38,20 +38,25 @@ PROXIED_ENDPOINTS = frozenset({
     "/slots", "/lora-adapters", "/v1/chat/completions", "/chat/completions",
     "/v1/completions", "/completions", "/completion", "/v1/responses", "/responses",
     "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking",
-    "/reranking", "/v1/messages", "/v1/messages/count_tokens", "/infill", "/tokenize",
-    "/detokenize", "/apply-template", "/v1/audio/transcriptions", "/audio/transcriptions"})
+    "/reranking", "/v1/messages", "/v1/messages/count_tokens", "/infill", "/v1/systemone",
+    "/tokenize", "/detokenize", "/apply-template", "/v1/audio/transcriptions",
+    "/audio/transcriptions"})
 # llama-server's completion endpoints: a request there runs in a slot, keeps its prompt in it
-# and takes an ``id_slot`` (the router places it where its model keeps its conversations).
+# and takes an ``id_slot`` (the router places it where its model keeps its conversations;
+# OpenAI's Responses and Anthropic's Messages are chat completions inside llama-server).
 SLOT_PATHS = frozenset({
     "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-    "/completion", "/v1/messages", "/infill"})
+    "/completion", "/v1/responses", "/responses", "/v1/messages", "/infill"})
+# Slot paths whose body reaches the slot without its ``id_slot`` (llama-server builds the chat
+# request of an Anthropic Messages body from a few of its fields): the child chooses the slot.
+UNPINNED_SLOT_PATHS = frozenset({"/v1/messages"})
+RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})  # OpenAI's Responses API
 # The requests a model's slots run (completions, responses, embeddings, reranking,
 # transcriptions), when POSTed: each waits in the router for a free slot, and counts against
 # its team's quotas and in its usage (``teams``).
 METERED_PATHS = SLOT_PATHS | frozenset({
-    "/v1/responses", "/responses", "/v1/embeddings", "/embeddings", "/embedding",
-    "/v1/rerank", "/rerank", "/v1/reranking", "/reranking", "/v1/audio/transcriptions",
-    "/audio/transcriptions"})
+    "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking",
+    "/reranking", "/v1/audio/transcriptions", "/audio/transcriptions", "/v1/systemone"})
 # Endpoint label values for metrics; any other path is counted as "other".
 KNOWN_ENDPOINTS = frozenset(LOCAL_ROUTES) | PROXIED_ENDPOINTS
 MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})
