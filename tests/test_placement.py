@@ -138,13 +138,13 @@ def test_a_loaded_node_keeps_the_conversation_unless_a_load_costs_less_than_its_
     {"replicas": [{"pace": {"prompt_ms_per_kchar": 0}}]},
 ])
 def test_a_peers_malformed_facts_are_unknown_never_an_error(status: Any) -> None:
-    from router.peers.placement import NodeFacts, facts_of
+    from router.peers.peerstate import NodeFacts, facts_of
 
     assert facts_of({"status": status}) == NodeFacts()
 
 
 def test_a_peers_facts_are_read_from_its_listing() -> None:
-    from router.peers.placement import NodeFacts, facts_of
+    from router.peers.peerstate import NodeFacts, facts_of
 
     entry = {"status": {"value": "unloaded", "states": {"count": 2, "bytes": 10},
                         "load_s": 0.25, "replicas": [

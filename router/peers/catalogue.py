@@ -12,6 +12,14 @@ events is relayed on this router's ``/models/sse`` with ``"node"`` added. What i
 goes to the peer's state as events (``peer``: ``Listed``, ``Heard``, ...), which keeps the
 listing and publishes.
 
+Each entry of a listing is read once, as the listing arrives (``bounded``): a copy with at
+most ``MAX_ENTRY_ITEMS`` items of each list in it (replicas, aliases, tags, args, nodes...; the
+rest is ignored), and an entry still over ``MAX_ENTRY_VALUES`` values, ``MAX_ENTRY_CHARS``
+characters of strings or ``MAX_ENTRY_DEPTH`` levels is read as its id and status only (what it
+says of its node unknown). The peer's state reads its facts from it then (``Listing.facts``);
+nothing walks an entry per request. JSON is read by ``hop.read_json`` (a number that is not
+finite is unknown).
+
 A model that several nodes list (peers, and this router) is one model with replicas across
 machines: ``merge_entries`` makes its one entry, ``across_nodes`` its status in events.
 """
@@ -19,8 +27,6 @@ machines: ``merge_entries`` makes its one entry, ``across_nodes`` its status in 
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +53,13 @@ log = logging.getLogger("router.peers")
 MAX_LISTING_BYTES = 16 << 20  # a peer's /models answer
 MAX_LISTING_MODELS = 10_000  # models in it
 REFUSED = "listing refused: "  # how the reason of a peer whose listing was refused starts
+# One entry of it, read once (``bounded``): the items kept of each list in it; past the others
+# it is read as its id and status only.
+MAX_ENTRY_ITEMS = 256
+MAX_ENTRY_VALUES = 8192  # each object, list, key, string, number, true, false and null
+MAX_ENTRY_CHARS = 256 << 10  # of its strings and keys together
+MAX_ENTRY_DEPTH = 32
+MAX_STATUS_CHARS = 64  # a model's status in a peer's listing or events ("loaded", ...)
 
 
 class ListingRefused(ValueError):
@@ -64,27 +77,88 @@ async def import_models(peer: Peer) -> Listing:
                              "the most a peer's listing may hold") from None
     if status != 200:
         raise ValueError(f"GET /models answered {status}")
-    data = json.loads(raw).get("data")
+    data = hop.read_json(raw).get("data")
     if not isinstance(data, list):
         raise ValueError("no data list")
     if len(data) > MAX_LISTING_MODELS:
         raise _refused(peer, f"its /models lists {len(data)} models, more than the "
                              f"{MAX_LISTING_MODELS} a peer may list")
+    return _listing(peer, data)
+
+
+def _listing(peer: Peer, data: list[Any]) -> Listing:
+    """The peer's entries (``data``) as its listing: each read once (``bounded``), those
+    over the bounds said in one line."""
     models: dict[str, dict[str, Any]] = {}
     ids: dict[str, str] = {}
-    for entry in data:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+    over = 0
+    for raw in data:
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
             continue
-        peer_id = entry["id"]
+        peer_id = raw["id"]
         local = peer.local_id(peer_id)
-        entry = _foreign(entry, peer.own_instance)
+        entry = bounded(raw)
+        over += entry is None
+        entry = _foreign(entry or _bare(raw), peer.own_instance)
         if entry is None:
             continue  # this router's own model, listed back by a peer that fronts it
         entry.setdefault("node", peer.node)
         entry["id"] = local
         models[local] = entry
         ids[local] = peer_id
+    if over:
+        log.warning("peer %s: %d /models entries over the bounds of an entry, read as their "
+                    "id and status only", peer.node, over, extra={"event": "peer_entry_bounded"})
     return Listing(models, ids)
+
+
+class _Over(Exception):
+    """An entry over one of the bounds of an entry."""
+
+
+def bounded(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of a peer's ``/models`` entry within the bounds of an entry: each list in it
+    cut to its first ``MAX_ENTRY_ITEMS`` items; None when it is still over
+    ``MAX_ENTRY_VALUES`` values, ``MAX_ENTRY_CHARS`` characters or ``MAX_ENTRY_DEPTH``
+    levels (the walk stops there: it costs at most that much, whatever the entry holds)."""
+    left = [MAX_ENTRY_VALUES, MAX_ENTRY_CHARS]
+
+    def copy(value: Any, depth: int) -> Any:
+        left[0] -= 1
+        if isinstance(value, str):
+            left[1] -= len(value)
+        if left[0] < 0 or left[1] < 0 or depth > MAX_ENTRY_DEPTH:
+            raise _Over
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                left[1] -= len(key)
+                out[key] = copy(item, depth + 1)
+            return out
+        if isinstance(value, list):
+            return [copy(item, depth + 1) for item in value[:MAX_ENTRY_ITEMS]]
+        return value
+
+    try:
+        return copy(entry, 0)  # type: ignore[no-any-return]
+    except _Over:
+        return None
+
+
+def _bare(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry over the bounds, as its id and status only (and where it is, for a peer that
+    lists it from another node: ``node``, ``instance``)."""
+    status = entry.get("status")
+    value = status.get("value") if isinstance(status, dict) else status
+    where = {key: entry[key] for key in ("node", "instance")
+             if isinstance(entry.get(key), str) and len(entry[key]) <= MAX_STATUS_CHARS * 4}
+    return {"id": entry["id"], "object": "model", "status": {"value": _status(value)},
+            **where}
+
+
+def _status(value: object) -> str | None:
+    """A model's status as a peer gives it: a short string, else unknown."""
+    return value if isinstance(value, str) and len(value) <= MAX_STATUS_CHARS else None
 
 
 def _refused(peer: Peer, why: str) -> ListingRefused:
@@ -128,7 +202,7 @@ async def follow_events(peer: Peer) -> None:
                 peer.apply(Listed(await import_models(peer)))
             async for event in aiter_events(response.next_chunk):
                 try:
-                    heard = read_event(peer, json.loads(event.data))
+                    heard = read_event(peer, hop.read_json(event.data))
                 except ValueError:
                     heard = Heard()
                 peer.apply(heard)
@@ -151,7 +225,7 @@ def read_event(peer: Peer, event: Any) -> Heard:
         return Heard(resync=event.get("event") == "events_dropped")
     model_id = peer.local_id(peer_id)
     data: dict[str, Any] = event["data"] if isinstance(event.get("data"), dict) else {}
-    status = data["status"] if isinstance(data.get("status"), str) else None
+    status = _status(data.get("status"))
     return Heard(model_id, status, {**event, "model": model_id,
                                     "node": event.get("node", peer.node),
                                     "via": [*via, peer.via]})
@@ -195,13 +269,16 @@ def merge_entries(model_id: str, peers: list[Peer], local: dict[str, Any] | None
                       "status": peer.status_of(model_id),
                       **({} if peer.up else {"unavailable": True, "message": peer.reason})})
     available = [n for n in nodes if not n.get("unavailable")]
+    # A copy of the entry and of its status, the two levels written here (a peer's entry is
+    # never changed in place: a new one comes with the next listing).
     if local is not None:
-        entry = copy.deepcopy(local)
+        entry = dict(local)
     else:
         source = next((p for p in peers if p.up), peers[0])
-        entry = copy.deepcopy(dict(source.models[model_id]))
+        entry = dict(source.models[model_id])
         entry["id"] = model_id
-    status: dict[str, Any] = entry["status"] if isinstance(entry.get("status"), dict) else {}
+    status: dict[str, Any] = dict(entry["status"]) if isinstance(entry.get("status"), dict) \
+        else {}
     entry["status"] = status
     if not available:
         status.update(value="unloaded", unavailable=True,

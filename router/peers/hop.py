@@ -16,6 +16,12 @@ or stop, a metrics scrape, the peer's ``/props`` and ``/models`` and its ``/mode
 * read bounded answers: at most ``limit`` bytes (``TooLarge``), and event streams through
   ``sse.aiter_events`` (a line or event over 1 MiB ends the stream).
 
+A peer's JSON (its listing, events, ``/props``, admin answers) is parsed in one place,
+``read_json``: a number that is not finite (``NaN``, ``Infinity``, ``1e999``: Python's json
+takes them, no JSON encoder of this router writes them back) is read as unknown (``null``), so
+that one such number never breaks the answers made of it (``/models`` answered 500 for every
+client).
+
 Health probes are the one exception: ``GET /health`` on a connection of its own
 (``process.ask_health``; children's is ``upstream.probe``, on its own connection too), so that
 a pool full of long streams never delays them; ``/health`` is never relayed, so it needs no
@@ -28,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +71,20 @@ class AlreadyRelayed(RouterError):
 
     status = 409
     type = "invalid_request_error"
+
+
+def _finite(text: str) -> float | None:
+    number = float(text)
+    return number if math.isfinite(number) else None
+
+
+def read_json(raw: bytes | str) -> Any:
+    """A peer's JSON document, every number in it that is not finite read as unknown
+    (``None``); ValueError when it is not JSON (nested too deep included)."""
+    try:
+        return json.loads(raw, parse_constant=lambda _: None, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
 
 
 def came_through(request: RequestContext | None, instance: str) -> bool:
@@ -205,7 +226,7 @@ async def forward_admin(peer: Peer, path: str, payload: dict[str, Any], model: s
         return 502, envelope(502, f"node {peer.node} ({peer.url}) could not be reached: "
                                   f"{exc.message}")
     try:
-        answer = json.loads(raw)
+        answer = read_json(raw)
     except ValueError:
         return 502, envelope(502, f"node {peer.node} answered {status} without JSON")
     return status, answer if isinstance(answer, dict) else {"answer": answer}

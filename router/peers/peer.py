@@ -41,6 +41,7 @@ from .peerstate import (  # the peer's state: its one writer is ``Peer.apply``
     FollowerEnded,
     Frozen,
     Log,
+    NodeFacts,
     PeerConfig,
     PeerEvent,
     PeerState,
@@ -166,6 +167,11 @@ class Peer:
     def peer_ids(self) -> Mapping[str, str]:
         """This router's id -> the peer's id."""
         return self._state.listing.ids
+
+    @property
+    def facts(self) -> Mapping[str, NodeFacts]:
+        """This router's id -> what the peer's entry says of it (read once per listing)."""
+        return self._state.listing.facts
 
     @property
     def events_problem(self) -> str:

@@ -20,7 +20,6 @@ models are imported (``catalogue``), and it is up; its events are then followed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -73,7 +72,7 @@ async def learn_node(peer: Peer) -> Identified:
     try:
         status, raw = await hop.ask(peer, "GET", b"/props", deadline=peer.timeout,
                                     limit=MAX_PROPS_BYTES)
-        info = json.loads(raw).get("llama_router", {}) if status == 200 else {}
+        info = hop.read_json(raw).get("llama_router", {}) if status == 200 else {}
         node, instance = info.get("node"), info.get("instance")
     except (UpstreamError, ValueError, AttributeError):
         node = instance = None

@@ -3,11 +3,11 @@
 A peer's state is one frozen value, ``PeerState``: its ``phase`` (``unknown``: not reached
 yet; ``up``; ``down``; ``self``: it is this router; ``closed``: removed), why it is not used
 (``reason``), what it knows of it (its instance id, node name and label, its models: a
-snapshot of its listing, the problem of its event stream, its health checks missed in a row)
-and which of its tasks run. ``transition(state, event, config)`` is the only way to a new
-state. It performs nothing: it returns the effects (publish an event, log, begin or end one of
-its tasks, abort the calls in flight), so every phase x event pair is unit-tested
-(``tests/test_peer_state.py``).
+snapshot of its listing, with what each entry says of its node read once, ``Listing.facts``;
+the problem of its event stream, its health checks missed in a row) and which of its tasks
+run. ``transition(state, event, config)`` is the only way to a new state. It performs nothing:
+it returns the effects (publish an event, log, begin or end one of its tasks, abort the calls
+in flight), so every phase x event pair is unit-tested (``tests/test_peer_state.py``).
 
 ============ ============================ ================================================
 phase        event                        to (effects)
@@ -43,6 +43,7 @@ peer that is not up, and probes of a peer that is this router, are ignored.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -76,18 +77,67 @@ def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(dict(mapping))
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a node says of its model, for placement (``by_saved_state``)."""
+
+    keeps: bool = False  # it keeps the model's conversations on disk (``--state-dir``)
+    load_s: float | None = None  # how long its last load of the model took
+    prompt_s_per_char: float | None = None  # its fastest replica's prompt computation
+
+
+UNKNOWN = NodeFacts()
+
+
+def _seconds(value: object) -> float | None:
+    """A duration a peer reported: a finite number of seconds, at least 0; else unknown."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past any float
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def facts_of(entry: Mapping[str, Any]) -> NodeFacts:
+    """A node's facts from its ``/models`` entry for the model (read once, as its listing
+    arrives: ``Listing.facts``): whether it keeps the model's conversations
+    (``status.states``), how long its last load took (``status.load_s``), and how fast its
+    replicas compute a prompt (``status.replicas[].pace``). Whatever is malformed or missing
+    is unknown (a peer's listing is input, not trusted to be well formed)."""
+    status = entry.get("status")
+    if not isinstance(status, Mapping):
+        return UNKNOWN
+    rates = []
+    replicas = status.get("replicas")
+    for replica in replicas if isinstance(replicas, list) else ():
+        pace = replica.get("pace") if isinstance(replica, Mapping) else None
+        ms = _seconds(pace.get("prompt_ms_per_kchar")) if isinstance(pace, Mapping) else None
+        if ms:
+            rates.append(ms / 1e6)
+    return NodeFacts(isinstance(status.get("states"), Mapping), _seconds(status.get("load_s")),
+                     min(rates, default=None))
+
+
 @dataclass(frozen=True, slots=True)
 class Listing:
     """A peer's models as this router knows them: this router's id of each -> the peer's
-    ``/models`` entry (with its ``node``), and -> the peer's own id. Never changed in place:
-    a change is a new listing."""
+    ``/models`` entry (with its ``node``), -> the peer's own id, and -> what the entry says
+    of the node (``facts``: read once, here, when the listing is made; a model missing there
+    is read from its entry now). Never changed in place: a change is a new listing."""
 
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: _NOTHING)
     ids: Mapping[str, str] = field(default_factory=lambda: _NOTHING)
+    facts: Mapping[str, NodeFacts] = field(default_factory=lambda: _NOTHING)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", _frozen(self.models))
         object.__setattr__(self, "ids", _frozen(self.ids))
+        facts = self.facts
+        if facts.keys() != self.models.keys():
+            facts = {m: facts.get(m) or facts_of(e) for m, e in self.models.items()}
+        object.__setattr__(self, "facts", _frozen(facts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +468,8 @@ def _heard(s: PeerState, e: Heard, c: PeerConfig) -> Result:
         status = entry.get("status")
         entry = {**entry, "status": {**status, "value": e.status} if isinstance(status, dict)
                  else {"value": e.status}}
-        new = replace(new, listing=Listing({**new.models, e.model: entry}, new.listing.ids))
+        new = replace(new, listing=Listing({**new.models, e.model: entry}, new.listing.ids,
+                                           new.listing.facts))  # its facts as listed
     if e.relay is not None:
         effects.append(Publish(e.relay))
     return new, tuple(effects)

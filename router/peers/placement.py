@@ -7,22 +7,22 @@ the fewest requests outstanding from this router, this router before a peer on a
 ``by_saved_state`` the node that keeps it on disk while the model is not loaded there (it
 restores the conversation as it loads). ``admin_targets`` says where a load or unload goes.
 
-What a node's ``/models`` entry says of it is read once, here (``facts_of``): whether it keeps
-the model's conversations (``status.states``), how long its last load took
-(``status.load_s``), and how fast its replicas compute a prompt (``status.replicas[].pace``).
+What a node's ``/models`` entry says of it (``NodeFacts``: whether it keeps the model's
+conversations, how long its last load took, how fast its replicas compute a prompt) is read
+once, as its listing arrives (``peerstate.facts_of``, kept in ``Listing.facts``): a request
+reads the facts, never the entry.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..core.affinity import SAVED_STATE, Decision, Prefix, PrefixTable, choose
 from ..core.scheduler import Status
 from ..errors import BadRequest
-from .peerstate import LOADED, LOADING
+from .peerstate import LOADED, LOADING, NodeFacts
 
 if TYPE_CHECKING:
     from ..core.view import ModelView
@@ -46,45 +46,11 @@ class Candidate:
     facts: NodeFacts | None = None
 
 
-@dataclass(frozen=True)
-class NodeFacts:
-    """What a node says of its model, for ``by_saved_state``."""
-
-    keeps: bool = False  # it keeps the model's conversations on disk (``--state-dir``)
-    load_s: float | None = None  # how long its last load of the model took
-    prompt_s_per_char: float | None = None  # its fastest replica's prompt computation
-
-
-def _seconds(value: object) -> float | None:
-    """A duration a peer reported: a finite number of seconds, at least 0; else unknown."""
-    if type(value) not in (int, float):
-        return None
-    number = float(value)  # type: ignore[arg-type]
-    return number if math.isfinite(number) and number >= 0 else None
-
-
-def facts_of(entry: Mapping[str, Any]) -> NodeFacts:
-    """A node's facts from its ``/models`` entry for the model; whatever is malformed or
-    missing is unknown (a peer's listing is input, not trusted to be well formed)."""
-    status = entry.get("status")
-    if not isinstance(status, Mapping):
-        return NodeFacts()
-    rates = []
-    replicas = status.get("replicas")
-    for replica in replicas if isinstance(replicas, list) else ():
-        pace = replica.get("pace") if isinstance(replica, Mapping) else None
-        ms = _seconds(pace.get("prompt_ms_per_kchar")) if isinstance(pace, Mapping) else None
-        if ms:
-            rates.append(ms / 1e6)
-    return NodeFacts(isinstance(status.get("states"), Mapping), _seconds(status.get("load_s")),
-                     min(rates, default=None))
-
-
 def candidate_of(peer: Peer, model_id: str) -> Candidate:
     """The peer as a node that can serve ``model_id`` (one it lists)."""
     return Candidate(peer.node, peer.status_of(model_id) == LOADED,
                      peer.outstanding.get(model_id, 0), peer, peer.peer_ids[model_id],
-                     facts_of(peer.models.get(model_id) or {}))
+                     peer.facts.get(model_id))
 
 
 def rank(candidates: Iterable[Candidate]) -> list[Candidate]:
