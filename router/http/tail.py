@@ -16,7 +16,10 @@ things from them, each at most once and only when asked (``ResponseTail``):
   ``input_tokens``, ``tokens_evaluated``), else the timings' ``prompt_n`` and ``cache_n``
   together, for the teams' usage.
 
-Whole bodies are never buffered or parsed.
+Whole bodies are never buffered or parsed. What they say is the upstream's word, clamped:
+a token count to ``0..MAX_TOKENS``, a duration to ``0..MAX_MS`` (an upstream that reports more
+tokens than SQLite's 64-bit integers hold must not break the teams' usage, nor a number of
+5,000 digits a request).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import re
 from dataclasses import dataclass
 
 TAIL_BYTES = 4096  # of each of the last two body chunks: a stream's last event, then [DONE]
+MAX_TOKENS = 2**31 - 1  # a token count read here is at most this (no context holds more)
+MAX_MS = float(2**31 - 1)  # a duration read here, in ms (24 days), at most this
 
 _TIMINGS = re.compile(rb'"timings"\s*:\s*\{([^{}]*)\}')
 _FIELD = re.compile(rb'"(prompt_n|prompt_ms|cache_n|predicted_n|predicted_ms)"\s*:\s*'
@@ -48,10 +53,18 @@ def parse_timings(tail: bytes) -> Timings | None:
         return None
     values: dict[str, float] = {}
     for match in _FIELD.finditer(found[-1].group(1)):
-        values[match.group(1).decode()] = float(match.group(2))
+        name = match.group(1).decode()
+        bound = MAX_MS if name.endswith("_ms") else MAX_TOKENS
+        values[name] = min(max(float(match.group(2)), 0.0), bound)  # inf: the bound
     return Timings(int(values.get("prompt_n", 0)), values.get("prompt_ms", 0.0),
                    int(values.get("cache_n", 0)), int(values.get("predicted_n", 0)),
                    values.get("predicted_ms", 0.0))
+
+
+def _count(digits: bytes) -> int:
+    """A token count as the upstream wrote it (decimal digits), at most ``MAX_TOKENS``
+    (never parsed past that: ``int`` refuses 4,300 digits and more)."""
+    return MAX_TOKENS if len(digits) > 10 else min(int(digits), MAX_TOKENS)
 
 
 _TOKENS = re.compile(
@@ -65,9 +78,9 @@ def generated_tokens(tail: bytes) -> int | None:
     usage: int | None = None
     for match in _TOKENS.finditer(tail[-TAIL_BYTES:]):
         if match.group(1) == b"predicted_n":
-            predicted = int(match.group(2))
+            predicted = _count(match.group(2))
         else:
-            usage = int(match.group(2))
+            usage = _count(match.group(2))
     return predicted if predicted is not None else usage
 
 
@@ -78,9 +91,9 @@ def prompt_tokens(tail: bytes, timings: Timings | None) -> int | None:
     """The prompt's tokens as the end of a response body tells them; None when it does not."""
     found = None
     for match in _PROMPT.finditer(tail[-TAIL_BYTES:]):
-        found = int(match.group(2))
+        found = _count(match.group(2))
     if found is None and timings is not None:
-        return timings.prompt_n + timings.cache_n
+        return min(timings.prompt_n + timings.cache_n, MAX_TOKENS)
     return found
 
 

@@ -7,6 +7,13 @@ It keeps every total in memory (one row per team and model, a handful) and ``flu
 the rows changed since to ``usage.sqlite3`` (``UsageStore``), off the event loop, every few
 seconds and when the router stops. Without a state directory it lives in memory only.
 
+The writer survives what it is given: a row SQLite cannot hold (a count past its 64-bit
+integers, which only a bug or a hostile upstream could make: ``tail`` clamps the counts it
+reads) is skipped and logged once, the other rows written; a write that fails is logged and
+tried again with the next. ``usage.sqlite3`` (and its journal files) must be regular files,
+not symbolic links: anything else there is refused (``UnsafeFile``) before SQLite opens it,
+which would follow a link out of the state directory or wait on a FIFO.
+
 For the fairness figures (``/metrics``), it also keeps each team's weighted service over the
 last ``WINDOW_S`` seconds, and when its requests last waited: ``jain`` is Jain's index over the
 teams that waited in that window (1: equal shares; 1/n: one team took all).
@@ -17,9 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import errno
 import io
 import logging
+import math
+import os
 import sqlite3
+import stat
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
@@ -56,13 +67,57 @@ def jain(values: Iterable[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * square) if square else None
 
 
+class UnsafeFile(OSError):
+    """``usage.sqlite3`` (or one of its journal files) is a symbolic link or not a regular
+    file: refused, never opened through."""
+
+    def __str__(self) -> str:
+        return f"{self.filename} is {self.strerror}: refused (remove it)"
+
+
+# The files SQLite opens for a database: each must be a regular file, never a link.
+_SQLITE_SUFFIXES = ("", "-journal", "-wal", "-shm")
+_INSERT = (f"INSERT OR REPLACE INTO usage ({', '.join(COLUMNS)}) VALUES "
+           f"({', '.join('?' * len(COLUMNS))})")
+
+
+def check_file(path: Path) -> None:
+    """Refuse (``UnsafeFile``) a ``path`` that is a symbolic link or anything but a regular
+    file (one that is missing is fine: SQLite makes it), and the same of its journal files,
+    without following a link or opening a FIFO. ``statestore.open_regular`` is the check of
+    the state directory's other files; SQLite opens this one itself."""
+    for name in (f"{path}{suffix}" for suffix in _SQLITE_SUFFIXES):
+        try:
+            mode = os.lstat(name).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise UnsafeFile(errno.ELOOP, "a symbolic link (never followed)", name)
+        if not stat.S_ISREG(mode):
+            raise UnsafeFile(errno.EINVAL, "not a regular file", name)
+
+
+def _count(value: object) -> int:
+    """A count read back from the file: a non-negative integer, else 0 (a file edited by
+    hand must not break the ledger)."""
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _seconds(value: object) -> float:
+    """Seconds read back from the file: a finite number, at least 0, else 0."""
+    number = float(value) if type(value) in (int, float) else 0.0  # type: ignore[arg-type]
+    return number if math.isfinite(number) and number >= 0 else 0.0
+
+
 class UsageStore:
-    """The rows in SQLite (``usage.sqlite3``): read once at start, written by ``save``."""
+    """The rows in SQLite (``usage.sqlite3``): read once at start, written by ``save``; the
+    file is checked (``check_file``) before every connection."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def _connect(self) -> sqlite3.Connection:
+        check_file(self.path)
         db = sqlite3.connect(self.path, timeout=10)
         db.execute("CREATE TABLE IF NOT EXISTS usage (name TEXT NOT NULL, model TEXT NOT NULL,"
                    " requests INTEGER, prompt_tokens INTEGER, completion_tokens INTEGER,"
@@ -71,14 +126,23 @@ class UsageStore:
 
     def load(self) -> list[Row]:
         with contextlib.closing(self._connect()) as db:
-            return [Row(*values) for values in db.execute(
-                f"SELECT {', '.join(COLUMNS)} FROM usage")]
+            return [Row(str(name), str(model), _count(requests), _count(prompt),
+                        _count(completion), _seconds(queued), _count(refusals))
+                    for name, model, requests, prompt, completion, queued, refusals
+                    in db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage")]
 
-    def save(self, rows: list[Row]) -> None:
+    def save(self, rows: list[Row]) -> list[tuple[Row, str]]:
+        """Write ``rows`` in one transaction; those SQLite cannot hold (a number past its
+        64-bit integers) are skipped, and returned with why."""
+        skipped = []
         with contextlib.closing(self._connect()) as db, db:
-            db.executemany(f"INSERT OR REPLACE INTO usage ({', '.join(COLUMNS)}) VALUES "
-                           f"({', '.join('?' * len(COLUMNS))})",
-                           [tuple(asdict(row).values()) for row in rows])
+            for row in rows:
+                try:
+                    db.execute(_INSERT, tuple(asdict(row).values()))
+                except (OverflowError, ValueError, TypeError, sqlite3.InterfaceError,
+                        sqlite3.ProgrammingError) as exc:
+                    skipped.append((row, f"{type(exc).__name__}: {exc}"))
+        return skipped
 
 
 class Usage:
@@ -90,6 +154,8 @@ class Usage:
         self._dirty: set[tuple[str, str]] = set()
         self._served: deque[tuple[float, str, float]] = deque()  # (when, name, service)
         self._waited: dict[str, float] = {}  # name: when one of its requests last waited
+        self._bad: set[tuple[str, str]] = set()  # rows the file cannot hold, said once each
+        self._said = ""  # the last write's problem, said once while it lasts
         if store is not None:
             for row in store.load():
                 self._rows[(row.name, row.model)] = row
@@ -158,9 +224,12 @@ class Usage:
             return
         rows = self._changed()
         try:
-            await asyncio.to_thread(self.store.save, rows)
-        except (OSError, sqlite3.Error) as exc:
+            skipped = await asyncio.to_thread(self.store.save, rows)
+        except Exception as exc:  # whatever it was, the writer carries on
             self._unwritten(rows, exc)
+        else:
+            self._said = ""
+            self._skipped(skipped)
 
     async def run(self) -> None:
         """Flush every ``FLUSH_S`` until cancelled, then write what is left at once."""
@@ -177,9 +246,12 @@ class Usage:
             return
         rows = self._changed()
         try:
-            self.store.save(rows)
-        except (OSError, sqlite3.Error) as exc:
+            skipped = self.store.save(rows)
+        except Exception as exc:  # the router stops anyway: said, not raised
             self._unwritten(rows, exc)
+        else:
+            self._said = ""
+            self._skipped(skipped)
 
     def _changed(self) -> list[Row]:
         """The rows changed since the last write, copied (a thread may write them), and
@@ -189,7 +261,23 @@ class Usage:
         return rows
 
     def _unwritten(self, rows: list[Row], exc: BaseException) -> None:
-        """``rows`` could not be written: they are written with the next ones."""
+        """``rows`` could not be written: they are written with the next ones (a problem is
+        said once while it lasts)."""
         self._dirty.update((row.name, row.model) for row in rows)
         assert self.store is not None
-        log.warning("could not write the usage to %s: %s", self.store.path, exc)
+        problem = f"{type(exc).__name__}: {exc}"
+        if problem != self._said:
+            self._said = problem
+            log.warning("could not write the usage to %s (%s); it is tried again with the "
+                        "next write", self.store.path, problem,
+                        extra={"event": "usage_unwritten"})
+
+    def _skipped(self, skipped: list[tuple[Row, str]]) -> None:
+        """Rows the file cannot hold: left out of it (each said once), the rest written."""
+        for row, why in skipped:
+            key = (row.name, row.model)
+            if key not in self._bad:
+                self._bad.add(key)
+                log.warning("usage of %r on model %r cannot be written (%s): left out of "
+                            "%s, the other rows written", row.name, row.model, why,
+                            FILE_NAME, extra={"event": "usage_row_skipped"})

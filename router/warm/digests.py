@@ -11,7 +11,10 @@ changes with every write and no tool can set it back), in memory and in ``digest
 under the state directory. A load pays for a file version once, and a restart pays nothing.
 
 A file that changes while it is hashed is hashed again. Nothing here follows a path twice
-for one answer: a version is read from one ``stat`` of the resolved path.
+for one answer: a version is read from one ``stat`` of the resolved path. ``digests.json`` is
+read as every file of the state directory is (``statestore.open_regular``): a link, a FIFO or
+anything but a regular file there is ignored with a warning (and replaced at the next write),
+never followed or waited on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from .statestore import open_regular
 
 log = logging.getLogger("router.digests")
 
@@ -146,7 +151,7 @@ class Digests:
 
     def _load(self, cache_file: Path) -> None:
         try:
-            fd = os.open(cache_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_regular(cache_file)  # a FIFO or a link there: refused, never waited on
             with open(fd, "rb") as handle:
                 data = json.loads(handle.read(CACHE_MAX_BYTES + 1) or b"{}")
             for row in data.get("digests", [])[-MAX_KEPT:]:

@@ -30,10 +30,13 @@ starting with a dot or a space: llama-server accepts it as a slot filename.
 
 Trust: a file is handed out for restore only once verified (a regular file, its size what the
 child reported writing, its sha256 as at commit), since llama-server aborts on a file truncated
-in its KV data and restores garbled bytes silently. The store never follows a symbolic link,
-and it deletes only names of its own patterns: a symlink or a file found at one of its own
-names is unlinked (the link, never its target); anything else under root is left alone. It
-assumes that nothing but itself and the children it names files for writes under root.
+in its KV data and restores garbled bytes silently. The store never follows a symbolic link:
+every file of the state directory (the router's others too: ``owners.key``, ``digests.json``)
+is opened by ``open_regular``, without following a link, without blocking, and refused unless
+it is a regular file (a FIFO there would freeze whoever opens it). It deletes only names of
+its own patterns: a symlink or a file found at one of its own names is unlinked (the link,
+never its target); anything else under root is left alone. It assumes that nothing but itself
+and the children it names files for writes under root.
 
 States are evicted least recently used first (``touch`` marks one used) to keep their total
 within ``budget_bytes``; a model keeps at most ``MAX_STATES_PER_MODEL``.
@@ -42,6 +45,7 @@ within ``budget_bytes``; a model keeps at most ``MAX_STATES_PER_MODEL``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -75,7 +79,9 @@ _MODEL_DIR: Final = re.compile(r"(?:[A-Za-z0-9_-]{1,48}\.)?[0-9a-f]{32}")
 _FINGERPRINT: Final = re.compile(r"[0-9a-f]{64}")
 # kind, slot, token, extension: every file name the store or a child writes for it
 _FILE: Final = re.compile(r"(slot|tmp)-(0|[1-9][0-9]{0,4})-([0-9a-f]{16})\.(bin|json)")
-_O_NOFOLLOW_READ: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# How every file of the state directory is opened (``open_regular``): never through a
+# symbolic link, never waiting (a FIFO's open would wait for a writer), never inherited.
+_O_SAFE: Final = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 # ---- the fingerprint ---------------------------------------------------------------------
@@ -339,10 +345,12 @@ def _parse_manifest(data: bytes, directory: Path) -> SavedState:
 
 def _read_manifest(path: Path) -> bytes:
     """A manifest's bytes, at most MANIFEST_MAX_BYTES, never through a symlink or a FIFO."""
-    fd = os.open(path, _O_NOFOLLOW_READ)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MANIFEST_MAX_BYTES:
+        fd = open_regular(path)
+    except NotRegularFile:
+        raise _Invalid("manifest is not a regular file of at most 64 KiB") from None
+    try:
+        if os.fstat(fd).st_size > MANIFEST_MAX_BYTES:
             raise _Invalid("manifest is not a regular file of at most 64 KiB")
         return os.read(fd, MANIFEST_MAX_BYTES + 1)
     finally:
@@ -365,6 +373,41 @@ def _write_atomically(target: Path, data: bytes, slot: int) -> None:
 
 # ---- files -------------------------------------------------------------------------------
 
+class NotRegularFile(OSError):
+    """A file of the state directory that is a symbolic link or not a regular file (a FIFO,
+    a socket, a device, a directory): refused, never read or written through."""
+
+    def __str__(self) -> str:
+        return f"{self.filename} is {self.strerror}"
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """A descriptor of the regular file at ``path``, opened with ``flags`` (``O_RDONLY``,
+    ``O_RDWR | O_CREAT``...) and never through a symbolic link, never blocking, then checked
+    (``fstat``): a link, a FIFO or anything else but a regular file is ``NotRegularFile``
+    (which says what it is), other failures as ``os.open`` raises them. The one way every
+    file of the state directory is opened to be read (``owners.key``, ``digests.json``,
+    manifests, states, the lock): a FIFO planted there never freezes the router."""
+    try:
+        fd = os.open(path, flags | _O_SAFE, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the last part of the path is a link
+            raise NotRegularFile(errno.ELOOP, "a symbolic link (never followed)",
+                                 str(path)) from None
+        raise
+    found = os.fstat(fd).st_mode
+    if not stat.S_ISREG(found):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"not a regular file ({_kind(found)})", str(path))
+    return fd
+
+
 def _unlink(path: Path) -> bool:
     """Remove a file or a symlink (never what it points to); False when there was none or it
     is a directory."""
@@ -378,15 +421,15 @@ def _unlink(path: Path) -> bool:
 def _sha256(path: Path, size: int) -> str:
     """The sha256 of a regular file of ``size`` bytes; _Invalid if it is something else."""
     try:
-        fd = os.open(path, _O_NOFOLLOW_READ)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise _Invalid("file missing") from None
+    except NotRegularFile:
+        raise _Invalid("not a regular file") from None
     except OSError as exc:
         raise _Invalid(f"cannot open the file ({exc.strerror})") from None
     with os.fdopen(fd, "rb", buffering=0) as handle:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _Invalid("not a regular file")
         if info.st_size != size:
             raise _Invalid(f"{info.st_size} bytes where {size} were written")
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
@@ -464,7 +507,7 @@ def claim_root(root: Path) -> int:
     life (the descriptor returned): a second router on the same directory is refused with
     ValueError, since a store removes what it did not write."""
     root = _prepare_root(root)
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = open_regular(root / LOCK_NAME, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
