@@ -39,9 +39,12 @@ LARGE_PAD = 300 * 1024  # pushes a body past the scan threshold (256 KiB)
 KEYS = ("sk-ops-0123456789 name=ops\n"
         "sk-alice-0123456789 role=infer\n"
         "sk-bob-0123456789 role=infer\n"
-        "sk-pub-0123456789 role=infer models=pub\n")
+        "sk-pub-0123456789 role=infer models=pub\n"
+        + "".join(f"sk-tpm-{n}-0123456789 role=infer tokens-per-minute=400\n"
+                  for n in range(32)))  # a team of its own for each cell
 OPS, ALICE, BOB, PUB = ("sk-ops-0123456789", "sk-alice-0123456789", "sk-bob-0123456789",
                         "sk-pub-0123456789")
+TPM_CELLS = iter(range(32))
 ENDPOINTS = ("/completion", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/messages", "/infill")
 SHAPES = ("small", "large", "no-type", "form", "chunked", "id_slot-0", "id_slot-1",
@@ -256,3 +259,20 @@ def test_embeddings_are_charged(router: RouterProcess, endpoint: str) -> None:
         assert answer.status_code == 200, answer.text
         after = usage_of(client, "key-3")
     assert after[0] == before[0] + 1 and after[1] - before[1] >= 50, (before, after)
+
+
+@pytest.mark.parametrize("shape", ["small", "large", "chunked"])
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_one_request_cannot_overrun_its_teams_tokens_a_minute(router: RouterProcess,
+                                                              endpoint: str, shape: str) -> None:
+    """A team of 400 tokens a minute asks for 3,000 tokens that never stop (``ignore_eos``):
+    the child generates at most a minute's worth less the prompt's estimate."""
+    body = body_of(endpoint, "pub", unique(200), ignore_eos=True, n_predict=3000,
+                   max_tokens=3000, max_output_tokens=3000)
+    with router.client() as client:
+        answer = send(client, endpoint, body, shape, f"sk-tpm-{next(TPM_CELLS)}-0123456789")
+    assert answer.status_code == 200, answer.text
+    generated = answer.json()
+    tokens = generated.get("tokens_predicted") or generated["usage"].get(
+        "completion_tokens", generated["usage"].get("output_tokens"))
+    assert 1 <= tokens <= 400 - 50, generated

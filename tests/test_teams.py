@@ -314,3 +314,32 @@ def test_what_a_request_is_charged_is_what_the_child_did_or_its_reservation() ->
             prompt = round(len(body) / 4) if charged[0] is EST else charged[0]
             assert (row.requests, row.prompt_tokens, row.completion_tokens) == \
                 (1, prompt, charged[1]), n
+
+
+def test_a_teams_tokens_a_minute_cap_one_requests_generation() -> None:
+    """A request of a team with tokens a minute cannot overrun them by its generation: one
+    with no limit, or one past a minute's worth less its prompt, gets that limit written into
+    the body the child gets (the last key, which llama-server reads); one within it is left
+    byte for byte."""
+    from router.edge.metering import Meter
+
+    meter = Meter(Usage())
+    policy = KeyPolicy("tpm", tokens_per_minute=300)
+    for path, body, written in [
+            ("/completion", b'{"prompt": "hi"}', b', "n_predict": 296}'),
+            ("/completion", b'{"prompt": "hi", "n_predict": 5000}', b', "n_predict": 291}'),
+            ("/v1/messages", b'{"messages": []}', b', "max_tokens": 296}'),
+            ("/completion", b'{"prompt": "hi", "n_predict": 10}', None),
+            ("/v1/embeddings", b'{"input": "hi"}', None)]:
+        request = metered_request(body)
+        request.path = path
+        request.parsed = json.loads(body)
+        request.member = member_of(policy, False, {})
+        metered = meter.begin(request, "m")
+        assert metered is not None
+        shaped = metered.shaped(request, body)
+        if written is None:
+            assert shaped is body
+        else:
+            assert shaped == body[:-1] + written and json.loads(shaped)
+        metered.end(request, None)

@@ -19,6 +19,10 @@ where it says nothing, the reservation is charged: the prompt's estimate, and th
 request set (for a stream cut short, the events sent, if more). An error answer (a status of
 400 or more) is charged nothing, and so is a request that never got an answer (its client
 left while queued).
+
+A team with tokens a minute cannot overrun them by one request's generation: a completion
+whose limit is unset or larger than a minute's worth less its prompt gets that as its limit
+(``Metered.cap``, written into the body the child gets).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import QuotaExceeded, Unavailable
 from ..http.jsonscan import COMPOUND
-from ..http.paths import METERED_PATHS
+from ..http.paths import METERED_PATHS, SLOT_PATHS, UNPINNED_SLOT_PATHS
 from ..http.proxy import Preemption
 from ..http.requests import RequestContext
 from ..teams.fairshare import GENERATED_WEIGHT, Turn
@@ -48,29 +52,33 @@ _LIMITS = ("n_predict", "max_completion_tokens", "max_tokens", "max_output_token
 class Metered:
     """One metered request: its ``turn`` for a slot, its quota ``hold``."""
 
-    __slots__ = ("_ended", "_hold", "_meter", "limit", "model", "preemptible", "turn")
+    __slots__ = ("_ended", "_hold", "_meter", "cap", "limit", "model", "preemptible", "turn")
 
     def __init__(self, meter: Meter, model: str, turn: Turn, hold: Hold | None,
-                 preemptible: bool = False, limit: int = 0) -> None:
+                 preemptible: bool = False, limit: int = 0, cap: int = 0) -> None:
         self._meter = meter
         self.model = model
         self.turn = turn
         self._hold = hold
         self.preemptible = preemptible  # its slot may be taken back before it answers
-        self.limit = limit  # the tokens it may generate, as it asked (0: it set none)
+        self.limit = limit  # the tokens it may generate (0: it set none)
+        self.cap = cap  # the limit the router sets it (its team's tokens a minute; 0: none)
         self._ended = False
 
-    @staticmethod
-    def shaped(request: RequestContext, body: bytes) -> bytes:
+    def shaped(self, request: RequestContext, body: bytes) -> bytes:
         """The body the child gets: one that names ``response_fields`` (which could leave the
         counts out of the answer) gets an empty list as its last key, which llama-server reads
-        as the whole answer; any other body unchanged, byte for byte."""
+        as the whole answer; one whose generation its team's tokens a minute cap
+        (``cap``) gets that limit as its last key (``n_predict``, which llama-server reads
+        over its aliases; Anthropic's ``max_tokens``); any other body unchanged, byte for
+        byte."""
         fields = request.fields.get("response_fields")
-        if fields is None or (fields is not COMPOUND and type(fields) is not list) \
-                or fields == []:
-            return body
-        whole = request.with_field(body, "response_fields", b"[]")
-        return body if whole is None else whole
+        if fields is not None and (fields is COMPOUND or type(fields) is list) and fields != []:
+            body = request.with_field(body, "response_fields", b"[]") or body
+        if self.cap:
+            name = "max_tokens" if request.path in UNPINNED_SLOT_PATHS else "n_predict"
+            body = request.with_field(body, name, str(self.cap).encode()) or body
+        return body
 
     def preemption(self) -> Preemption | None:
         """What takes this request's slot back while its answer has not begun, set on its
@@ -128,6 +136,10 @@ class Meter:
         member = request.member
         fields = request.fields
         limit = _limit(fields)
+        rate = member.policy.tokens_per_minute
+        cap = 0
+        if rate and request.path in SLOT_PATHS and not 0 < limit <= rate - expected:
+            limit = cap = max(1, int(rate - expected))  # one request, one minute's worth
         hold = None
         if member.policy.max_concurrent is not None or member.policy.tokens_per_minute:
             try:
@@ -138,7 +150,7 @@ class Meter:
                                     ) from None
         preemptible = member.rank > 0 and fields.get("stream") is not True
         return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible,
-                       limit)
+                       limit, cap)
 
 
 def _limit(fields: Mapping[str, Any]) -> int:
