@@ -52,7 +52,7 @@ from ..children.backend import Backend
 from ..config.presets import ModelPreset
 from .choice import Io, covers, labelled, worth_saving
 from .slotbook import Conversation, Plan, SlotBook, Waiting
-from .statestore import SavedState
+from .statestore import SavedState, open_regular
 from .swaps import WarmSwaps, Written
 
 log = logging.getLogger("router.conversations")
@@ -285,10 +285,11 @@ class Conversations:
 
 
 def _secret(root: Path) -> bytes:
-    """The state directory's secret for owners' digests (made once, 0600, never a link)."""
+    """The state directory's secret for owners' digests (made once, 0600; read as a regular
+    file only: ``statestore.open_regular``)."""
     path = root / SECRET_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path)  # a link, a FIFO...: refused at once, never waited on
         with os.fdopen(fd, "rb") as handle:
             secret = handle.read(64)
         if len(secret) == 32:
@@ -296,7 +297,8 @@ def _secret(root: Path) -> bytes:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("cannot read the owners' secret (%s): making another", exc.strerror)
+        log.warning("cannot read the owners' secret %s (%s): making another", path,
+                    exc.strerror)
     secret = secrets.token_bytes(32)
     temp = root / f".{SECRET_NAME}.{secrets.token_hex(4)}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
