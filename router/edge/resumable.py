@@ -251,7 +251,7 @@ async def lookup(request: Request, models: Models, owners: ConversationOwners,
                                              json={"conversation_ids": wanted},
                                              timeout=CHILD_TIMEOUT_S)
                 status, raw = response.status_code, response.content
-            sessions = json.loads(raw) if status == 200 else []
+            sessions = hop.read_json(raw) if status == 200 else []  # a peer's or a child's
         except (httpx.HTTPError, UpstreamError, ValueError):
             return []
         return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
