@@ -35,6 +35,7 @@ from .core.supervisor import Supervisor
 from .core.wiring import wire
 from .edge import defaults
 from .edge.app import State, create_app
+from .edge.keys import Keys
 from .edge.reload import Reloader
 from .events import EventBus
 from .host import gpus
@@ -184,6 +185,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
               refusals: Refusals | None = None) -> Starlette:
     """The app; ``refusals``: what the HTTP/1.1 edge refused, for ``/metrics``."""
     metrics = RouterMetrics()  # the edge counts into it from the first request
+    keys = Keys(prepared.api_keys)  # in force: the key check reads them, a reload swaps them
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -205,8 +207,7 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
             ring_handler.setFormatter(KeyValueFormatter(FORMAT))
             ring_handler.addFilter(lambda record: record.name != "router.child.output")
             logging.getLogger().addHandler(ring_handler)
-            reloader = Reloader(prepared.settings, prepared.table, prepared.overrides,
-                                supervisor, events, (notifier or Notifier({})).notify)
+            reloader = _reloader(prepared, supervisor, events, notifier, keys)
             settings = prepared.settings
             peers = Peers(client=client, events=events,
                           own_node=settings.node_name or default_node_name(),
@@ -238,8 +239,16 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
                 atexit.unregister(supervisor.kill_all_now)
                 logging.getLogger().removeHandler(ring_handler)
 
-    return create_app(lifespan, prepared.api_keys, metrics, webui=_webui(prepared),
+    return create_app(lifespan, keys, metrics, webui=_webui(prepared),
                       cors=CorsPolicy.parse(prepared.settings.cors_origins))
+
+
+def _reloader(prepared: Prepared, supervisor: Supervisor, events: EventBus,
+              notifier: Notifier | None, keys: Keys) -> Reloader:
+    """What re-reads the presets, the models directories and the key file (``reload``): a
+    new catalogue goes to the supervisor, new keys into ``keys``."""
+    return Reloader(prepared.settings, prepared.table, prepared.overrides, supervisor, events,
+                    (notifier or Notifier({})).notify, keys=keys)
 
 
 def _usage(state_dir: Path | None) -> Usage:

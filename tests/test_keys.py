@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from starlette.applications import Starlette
-from support import fake_binary, start_router, write_presets
+from support import fake_binary, serve_in_uvicorn, start_router, write_presets
 
 from router.config.keyfile import (
     ADMIN,
@@ -30,12 +30,15 @@ from router.config.keyfile import (
     _allows,
     parse_file,
     parse_line,
+    policy_of,
 )
-from router.config.settings import ConfigurationError, Settings
+from router.config.settings import ApiKeysInvalid, ConfigurationError, Settings
 from router.edge.app import create_app
-from router.edge.keys import needed_role
+from router.edge.keys import ApiKeyMiddleware, Keys, KeysChanged, needed_role
+from router.edge.middleware import RequestMetricsMiddleware
 from router.edge.routes import EventStream
 from router.edge.state import State
+from router.http import sse
 from router.http.requests import RequestContext
 from router.server import build_app, prepare
 
@@ -96,7 +99,7 @@ def test_a_hash_inside_a_key_stops_the_start_naming_file_and_line(tmp_path: Path
     with pytest.raises(ConfigurationError) as caught:
         settings_with(tmp_path, f"# keys\nfirst-key\n{SECRET}#team-a\n").all_api_keys()
     message = str(caught.value)
-    assert message.startswith(f"--api-key-file {tmp_path / 'api-keys'}, line 3: '#' inside")
+    assert f"\n  {tmp_path / 'api-keys'}:3: '#' inside" in message
     assert SECRET not in message and "team-a" not in message
 
 
@@ -161,17 +164,52 @@ def test_settings_give_file_keys_with_their_scope_and_flag_keys_full_access(
 
 
 @pytest.mark.parametrize(("text", "problem"), [
-    (f"# first\n{SECRET} role=boss\n", ", line 2: role= has an unknown role 'boss'"),
-    (f"{SECRET} models=a\n{SECRET} models=b\n", ", line 2: the key of line 1 again"),
-    ("# only comments\n", "gives no API key"),
+    (f"# first\n{SECRET} role=boss\n", ":2: role= has an unknown role 'boss'"),
+    (f"{SECRET} models=a\n{SECRET} models=b\n", ":2: the key of line 1 again"),
+    ("# only comments\n", ": gives no API key"),
 ])
 def test_settings_errors_name_the_file_and_line_not_the_key(tmp_path: Path, text: str,
                                                             problem: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
         settings_with(tmp_path, text).all_api_keys()
     message = str(caught.value)
-    assert f"--api-key-file {tmp_path / 'api-keys'}" in message and problem in message
+    assert f"{tmp_path / 'api-keys'}{problem}" in message
     assert SECRET not in message
+
+
+def test_every_bad_line_of_a_key_file_is_named(tmp_path: Path) -> None:
+    text = (f"{SECRET}-1 role=boss\n{SECRET}-2 role=infer\n# fine\n{SECRET}-3 colour=red\n"
+            f"{SECRET}-2 role=metrics\n")
+    with pytest.raises(ApiKeysInvalid) as caught:
+        settings_with(tmp_path, text).all_api_keys()
+    where = tmp_path / "api-keys"
+    assert [p.split(": ", 1)[0] for p in caught.value.problems] == \
+        [f"{where}:1", f"{where}:4", f"{where}:5"]
+    assert "the key of line 2 again" in caught.value.problems[2]
+    assert SECRET not in str(caught.value)
+    with pytest.raises(ValueError, match=r"^line 1: role= .* \(and 2 more\)$"):
+        parse_file(text)
+
+
+def test_each_key_without_a_name_is_a_team_of_its_own_named_after_its_line() -> None:
+    keys = parse_file("sk-a role=infer\n# a comment\n\nsk-b role=infer\nsk-c\n"
+                      "sk-d models=x role=infer\n")
+    assert [k.policy.name for k in keys] == ["key-1", "key-4", "key-5", "key-6"]
+    again = parse_file("sk-a role=infer\nsk-b role=infer\nsk-a role=infer\n")
+    assert [k.policy.name for k in again] == ["key-1", "key-2", "key-1"]  # its first line's
+
+
+def test_the_name_admin_is_taken_only_by_keys_given_with_api_key(tmp_path: Path) -> None:
+    keys = settings_with(tmp_path, "sk-a name=admin role=infer\n").all_api_keys()
+    assert [policy_of(k).name for k in keys] == ["admin"]
+    with pytest.raises(ApiKeysInvalid) as caught:
+        settings_with(tmp_path, "# ops\nsk-a name=admin role=infer\n",
+                      api_key=["flag-key"]).all_api_keys()
+    assert caught.value.problems == [
+        f"{tmp_path / 'api-keys'}:2: name=admin is the name of the keys given with --api-key: "
+        "choose another"]
+    with pytest.raises(ValueError, match="name=admin"):  # a caller that does not say
+        parse_file("sk-a name=admin\n")
 
 
 def test_a_flag_key_cannot_also_be_a_scoped_file_key(tmp_path: Path) -> None:
@@ -188,7 +226,7 @@ def test_serve_refuses_a_bad_key_file(tmp_path: Path) -> None:
                              "--api-key-file", str(key_file)],
                             capture_output=True, text=True, timeout=60, env=os.environ)
     assert result.returncode == 2
-    assert f"{key_file}, line 2: unknown field 'rol'" in result.stderr
+    assert f"{key_file}:2: unknown field 'rol'" in result.stderr
     assert SECRET not in result.stderr + result.stdout
 
 
@@ -511,6 +549,108 @@ def test_the_middleware_refuses_one_key_with_two_scopes() -> None:
     application = create_app(no_lifespan, same)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="twice with different scopes"):
         application.build_middleware_stack()
+
+
+# --------------------------------------------------------------------------- keys swapped
+
+HANG_GUARD_S = 30.0  # generous: every wait below ends at once when the router is right
+KEY_A, KEY_B = "sk-a-removed-0123456789", "sk-b-kept-0123456789"
+
+
+class Held:
+    """A stand-in for what runs behind the key check: the response each path gives, held
+    open until ``release`` is set. ``/sse``: an event stream, one event sent; ``/body``: a
+    plain body, one chunk sent; ``/wait``: nothing answered yet (a request that waits for its
+    model)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+        if path != "/wait":
+            kind = b"text/event-stream" if path == "/sse" else b"text/plain"
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", kind)]})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n",
+                        "more_body": True})
+        await self.release.wait()
+        if path != "/wait":
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                        "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+
+async def poll(predicate: Any) -> None:
+    async with asyncio.timeout(HANG_GUARD_S):
+        while not predicate():  # noqa: ASYNC110 (a count, no event to await)
+            await asyncio.sleep(0.01)
+
+
+async def read_all(client: httpx.AsyncClient, path: str, key: str) -> tuple[int, bytes]:
+    async with client.stream("GET", path, headers={"Authorization": f"Bearer {key}"}) as r:
+        body = b""
+        async for chunk in r.aiter_raw():
+            body += chunk
+        return r.status_code, body
+
+
+async def test_a_removed_keys_requests_end_and_the_other_keys_go_on() -> None:
+    """Swapping the keys ends every request of a key removed, wherever it is: a 503 envelope
+    for one not answered yet, a last error event for an event stream, a cut body otherwise;
+    the requests of a key kept go on, and the removed key is refused from then on."""
+    held = Held()
+    keys = Keys([ApiKey(KEY_A, KeyScope(frozenset({INFER}))), ApiKey(KEY_B)])
+    app = RequestMetricsMiddleware(ApiKeyMiddleware(held, keys), None)
+    async with serve_in_uvicorn(app, HANG_GUARD_S, lifespan="off") as url, \
+            httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as client:
+        a_sse, a_body, a_wait, b_sse = (
+            asyncio.ensure_future(read_all(client, path, key)) for path, key in
+            (("/sse", KEY_A), ("/body", KEY_A), ("/wait", KEY_A), ("/sse", KEY_B)))
+        await poll(lambda: keys.in_flight() == 4)
+        changed = keys.swap([ApiKey(KEY_B, KeyScope(frozenset({INFER})))])
+        assert changed == KeysChanged(added=0, removed=1, changed=1, ended=3)
+        status, body = await a_sse
+        assert status == 200 and body.startswith(b"data: 1\n\n")
+        ended = json.loads(body.split(b"data: ")[-1])
+        assert ended["error"]["code"] == 503 and "API key" in ended["error"]["message"]
+        status, body = await a_wait
+        assert status == 503 and json.loads(body)["error"]["type"] == "unavailable_error"
+        assert "removed from the router's key file" in json.loads(body)["error"]["message"]
+        with pytest.raises(httpx.RemoteProtocolError):
+            await a_body  # cut: the client sees a body that never completed
+        assert (await read_all(client, "/wait", KEY_A))[0] == 401  # refused from now on
+        assert not b_sse.done()
+        held.release.set()
+        assert await b_sse == (200, b"data: 1\n\ndata: [DONE]\n\n")  # untouched
+        assert keys.in_flight() == 0
+        assert keys.current.scopes[0] is not None  # B's new scope for its next requests
+
+
+async def test_a_key_removal_ends_an_event_stream_of_the_routers_own(
+        tmp_path: Path) -> None:
+    """``/models/sse`` of a removed key ends too (with its last error event), and leaves no
+    task of its own behind."""
+    keys = Keys([KEY_A])
+    closing = asyncio.Event()
+    pending: asyncio.Queue[str] = asyncio.Queue()
+
+    async def events(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await sse.respond(scope, receive, send, pending.get, closing)
+
+    app = RequestMetricsMiddleware(ApiKeyMiddleware(events, keys), None)
+    async with serve_in_uvicorn(app, HANG_GUARD_S, lifespan="off") as url, \
+            httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as client:
+        before = len(asyncio.all_tasks())
+        stream = asyncio.ensure_future(read_all(client, "/models/sse", KEY_A))
+        await poll(lambda: keys.in_flight() == 1)
+        pending.put_nowait('{"event": "first"}')
+        assert keys.swap([KEY_B]).ended == 1
+        status, body = await stream
+        assert status == 200 and body.endswith(b"\n\n") and b'"code": 503' in body
+        await poll(lambda: len(asyncio.all_tasks()) <= before)
 
 
 # --------------------------------------------------------------------------- real server

@@ -1,15 +1,20 @@
 """Live configuration: edits apply without dropping a request (against the real llama-server,
 marker ``real``); a configuration left without models is refused (also with the fake child,
-marker ``fake``)."""
+marker ``fake``); the API key file re-read with the presets (in process: the reloader, its
+watch and the keys it puts in force; against real children: ``test_keyfile_live_real.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,6 +28,12 @@ from support import (
     wait_until,
     write_presets,
 )
+
+from router.config.settings import Settings
+from router.edge.keys import Keys
+from router.edge.reload import Reloader
+from router.events import EventBus
+from router.llama.flags import FlagTable
 
 real = pytest.mark.real
 fake = pytest.mark.fake
@@ -358,3 +369,126 @@ def test_emptied_file_keeps_serving_until_allow_empty(tmp_path: Path,
         assert wait_until(lambda: not router.models() and not alive(pid), HANG_GUARD_S)
         assert wait_until(lambda: any(e["event"] == "models_reload" for e in sse.events),
                           HANG_GUARD_S)
+
+
+# --- The API key file, re-read with the presets (in process) -----------------------------------
+
+SECRET = "sk-Never-In-A-Log-0123456789"
+KEY_A, KEY_B = f"{SECRET}-a", f"{SECRET}-b"
+KEY_GUARD_S = 30.0  # generous: each wait ends within a step of the watcher when right
+
+
+class NoModels:
+    """The models' handle as a reload of no presets sees it: nothing configured, nothing
+    changed."""
+
+    catalogue = SimpleNamespace(models={})
+
+    def reconfigure(self, catalogue: object) -> dict[str, list[str]]:
+        return {"added": [], "removed": [], "changed": []}
+
+
+def key_reloader(tmp_path: Path, text: str, **settings: Any) -> tuple[Reloader, Keys, Path]:
+    """A reloader of a key file holding ``text`` (and no presets), with the keys read from it
+    at start in force."""
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(text)
+    config = Settings(api_key_file=key_file, **settings)
+    keys = Keys(config.all_api_keys())
+    table = FlagTable({})
+    reloader = Reloader(config, table, [], NoModels(), EventBus(),  # type: ignore[arg-type]
+                        keys=keys)
+    return reloader, keys, key_file
+
+
+def in_force(keys: Keys) -> dict[bytes, tuple[str, str]]:
+    """Each key in force: its scope and its policy, as the key check reads them."""
+    return {key: (scope.describe(), policy.describe())
+            for key, (scope, policy) in keys.current.entries.items()}
+
+
+async def test_a_key_file_edit_puts_its_keys_in_force_whole(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """A key removed, a key added, a scope and a team changed: all in force after one
+    reload; the keys given with --api-key stay."""
+    reloader, keys, key_file = key_reloader(
+        tmp_path, f"{KEY_A} role=infer\n{KEY_B} models=m role=infer\n", api_key=["flag-key"])
+    caplog.set_level(logging.INFO)
+    save_atomically(key_file, f"{KEY_B} models=m,n role=infer name=bees priority=batch\n"
+                              f"{SECRET}-c role=metrics\n")
+    outcome = await reloader.reload("file change", force=False)
+    assert outcome == {"success": True,
+                       "keys": {"added": 1, "removed": 1, "changed": 1, "ended": 0}}
+    assert in_force(keys) == {
+        b"flag-key": ("role=admin", "name=admin priority=default"),
+        KEY_B.encode(): ("role=infer models=m,n", "name=bees priority=batch"),
+        f"{SECRET}-c".encode(): ("role=metrics", "name=key-2 priority=default")}
+    assert "API keys reloaded (file change): 1 added, 1 removed, 1 changed" in caplog.text
+    assert reloader.error is None and SECRET not in caplog.text
+    assert await reloader.reload("file change", force=False) == {"success": True,
+                                                                 "unchanged": True}
+
+
+async def test_a_broken_key_file_keeps_the_last_good_keys(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    reloader, keys, key_file = key_reloader(tmp_path, f"{KEY_A}\n{KEY_B} role=infer\n")
+    before = in_force(keys)
+    key_file.write_text(f"{KEY_A} role=boss\n# fine\n{KEY_B} rol=infer\n")
+    outcome = await reloader.reload("SIGHUP")
+    assert outcome["success"] is False and in_force(keys) == before
+    assert outcome["errors"] == reloader.error == [
+        f"{key_file}:1: role= has an unknown role 'boss' (roles: admin, or infer and/or "
+        "metrics as a comma list)",
+        f"{key_file}:3: unknown field 'rol' (known: models, role, name, priority, "
+        "max-concurrent, tokens-per-minute)"]
+    for problem in outcome["errors"]:
+        assert f"reload rejected: {problem}" in caplog.text
+    assert SECRET not in caplog.text
+    key_file.write_text(f"{KEY_B}\n")  # fixed: in force, and the error gone
+    assert (await reloader.reload("SIGHUP"))["keys"]["removed"] == 1
+    assert reloader.error is None and list(in_force(keys)) == [KEY_B.encode()]
+
+
+@pytest.mark.parametrize("emptied", ["", "# nothing\n\n"], ids=["empty", "comments only"])
+async def test_a_key_file_left_without_keys_is_refused(tmp_path: Path, emptied: str) -> None:
+    """As at start: a router that serves with keys never ends up serving without them."""
+    reloader, keys, key_file = key_reloader(tmp_path, f"{KEY_A}\n")
+    key_file.write_text(emptied)
+    outcome = await reloader.reload("POST /models/reload")
+    assert outcome["success"] is False and list(in_force(keys)) == [KEY_A.encode()]
+    assert outcome["errors"] == [
+        f"{key_file}: gives no API key (empty, blank or only comments); keeping the last good "
+        "keys: a router started with keys never serves without them (restart it without "
+        "--api-key-file to serve without keys)"]
+    key_file.unlink()  # unreadable: the same
+    outcome = await reloader.reload("POST /models/reload")
+    assert outcome["errors"][0].startswith(f"{key_file}: No such file")
+    assert list(in_force(keys)) == [KEY_A.encode()]
+
+
+async def test_emptying_a_key_file_beside_api_key_leaves_those_keys(tmp_path: Path) -> None:
+    """With keys given by --api-key, an empty file is no empty key set (as at start): its
+    keys are removed, the flag's stay."""
+    reloader, keys, key_file = key_reloader(tmp_path, f"{KEY_A} role=infer\n",
+                                            api_key=["flag-key"])
+    key_file.write_text("")
+    assert (await reloader.reload("SIGHUP"))["keys"]["removed"] == 1
+    assert list(in_force(keys)) == [b"flag-key"]
+
+
+async def test_the_watch_applies_a_key_file_edit(tmp_path: Path) -> None:
+    reloader, keys, key_file = key_reloader(tmp_path, f"{KEY_A}\n{KEY_B}\n")
+    watching = asyncio.ensure_future(reloader.watch())
+    try:
+        async with asyncio.timeout(KEY_GUARD_S):
+            while KEY_A.encode() in keys.current.entries:
+                # Saved again until seen: the watch tells nobody when it has started.
+                save_atomically(key_file, f"{KEY_B}\n")
+                await asyncio.sleep(0.1)
+        assert list(in_force(keys)) == [KEY_B.encode()]
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching

@@ -57,9 +57,11 @@ LAYERS = ("http11", "middleware", "cors", "keys", "forward", "metering", "route"
           "resumable", "supervisor", "wait", "leases", "slotqueue", "executor", "lifecycle",
           "modelset", "changes", "cpugate", "proxy", "upstream")
 # Where the response's way up begins (module, qualified name or its prefix): the ASGI send
-# chain, and the direct body (``proxy.DirectBody``: the child's bytes written by the upstream
-# connection through ``http11``'s writer straight to the client's transport).
-UP = (("middleware", "RequestMetricsMiddleware.__call__.<locals>.send_wrapper"),
+# chain (a keyed request's ``keys.Flight``, then the edge's wrapper), and the direct body
+# (``proxy.DirectBody``: the child's bytes written by the upstream connection through
+# ``http11``'s writer straight to the client's transport).
+UP = (("keys", "Flight.__call__"),
+      ("middleware", "RequestMetricsMiddleware.__call__.<locals>.send_wrapper"),
       ("proxy", "DirectBody."), ("http11", "body_writer"), ("http11", "BodyWriter."),
       ("http11", "OneWrite."))
 # Values read or written along the way, and pure functions of them: callable from anywhere,

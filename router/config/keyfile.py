@@ -25,19 +25,24 @@ A key's policy among the teams sharing the router (``KeyPolicy``, enforced by ``
     sk-batch  name=etl    priority=batch  max-concurrent=4  tokens-per-minute=20000
 
 ``name=`` what every view shows instead of the key (letters, digits, ``.``, ``_``, ``-``;
-default ``key-N``, N the line); keys sharing a name are one team: one fair share, one quota,
-so they must give the same policy. ``priority=`` ``interactive``, ``default`` (the default)
-or ``batch``: the highest class its requests may ask for. ``max-concurrent=`` requests of the
-team queued or running at once; ``tokens-per-minute=`` prompt and generated tokens a minute.
+default ``key-N``, N the line of the file where the key first appears: each key without a
+name is a team of its own); keys sharing a name are one team: one fair share, one quota, so
+they must give the same policy. ``admin`` is the team of the keys given with ``--api-key``:
+a file may use that name only when no key is given so (``parse_file``'s ``flag_keys``).
+``priority=`` ``interactive``, ``default`` (the default) or ``batch``: the highest class its
+requests may ask for. ``max-concurrent=`` requests of the team queued or running at once;
+``tokens-per-minute=`` prompt and generated tokens a minute.
 
 Each key's scope is parsed once into an immutable ``KeyScope``. Whether a scope allows a model
-is cached per (scope, model). The messages here name the file line, never the key, and an
-``ApiKey``'s repr hides it.
+is cached per (scope, model). ``parse_file`` reports every bad line (``KeyFileInvalid``), not
+only the first. The messages here name the file line, never the key, and an ``ApiKey``'s repr
+hides it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -148,9 +153,10 @@ def policy_of(key: str) -> KeyPolicy:
 # ------------------------------------------------------------------------------- parsing
 
 def parse_line(line: str, number: int = 1) -> ApiKey | None:
-    """One line of a key file (its ``number``, for the default name): None for a blank or
-    comment line; ValueError with the problem (never quoting the key, nor anything that may
-    be part of one) for a bad line."""
+    """One line of a key file; ``number``: the line where its key first appears in the file
+    (1 for the first), which names the key's team when the line gives no ``name=``
+    (``key-N``). None for a blank or comment line; ValueError with the problem (never quoting
+    the key, nor anything that may be part of one) for a bad line."""
     words = _words(line)
     if not words:
         return None
@@ -159,25 +165,31 @@ def parse_line(line: str, number: int = 1) -> ApiKey | None:
     if "=" in key and name in FIELDS:
         raise ValueError(f"starts with the field {name}= where the key belongs "
                          "(the key comes first, then its fields)")
+    values = _fields(fields)
+    models = _parse_models(values["models"]) if "models" in values else None
+    roles = _parse_roles(values["role"]) if "role" in values else frozenset({ADMIN})
+    return ApiKey(key, KeyScope(roles, models), _parse_policy(values, line_number=number))
+
+
+def _fields(words: list[str]) -> dict[str, str]:
+    """The ``name=value`` fields after the key (its words 2 and on), by name."""
     values: dict[str, str] = {}
-    for number, word in enumerate(fields, start=2):
+    for position, word in enumerate(words, start=2):  # the word's place on the line
         name, equals, value = word.partition("=")
         if not equals:
-            raise ValueError(f"word {number} is not a name=value field (a key is one word; "
+            raise ValueError(f"word {position} is not a name=value field (a key is one word; "
                              f"the fields after it are {' and '.join(f + '=' for f in FIELDS)})")
         if name not in FIELDS:
-            shown = f"'{name}'" if _FIELD_NAME.fullmatch(name) else f"of word {number}"
+            shown = f"'{name}'" if _FIELD_NAME.fullmatch(name) else f"of word {position}"
             raise ValueError(f"unknown field {shown} (known: {', '.join(FIELDS)})")
         if name in values:
             raise ValueError(f"{name}= given twice")
         values[name] = value
-    models = _parse_models(values["models"]) if "models" in values else None
-    roles = _parse_roles(values["role"]) if "role" in values else frozenset({ADMIN})
-    return ApiKey(key, KeyScope(roles, models), _parse_policy(values, number))
+    return values
 
 
-def _parse_policy(values: dict[str, str], number: int) -> KeyPolicy:
-    name = values.get("name", f"key-{number}")
+def _parse_policy(values: dict[str, str], *, line_number: int) -> KeyPolicy:
+    name = values.get("name", f"key-{line_number}")
     if not NAME.fullmatch(name):
         raise ValueError("name= needs 1 to 64 letters, digits, '.', '_' or '-', starting with "
                          "a letter or digit")
@@ -231,31 +243,67 @@ def _parse_roles(value: str) -> frozenset[str]:
     return frozenset(roles)
 
 
-def parse_file(text: str) -> list[ApiKey]:
-    """Every key of a key file; ValueError ``line N: problem`` for the first bad line, or a
-    key given twice with different scopes."""
+class KeyFileInvalid(ValueError):
+    """A key file with bad lines: ``problems`` holds every one as (line number, problem), in
+    the file's order; the message is the first as ``line N: problem``, and how many more."""
+
+    def __init__(self, problems: list[tuple[int, str]]) -> None:
+        self.problems = problems
+        number, first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(f"line {number}: {first}{more}")
+
+
+def parse_file(text: str, flag_keys: Collection[str] | None = None) -> list[ApiKey]:
+    """Every key of a key file, in its order; ``KeyFileInvalid`` with every bad line (a key
+    given twice with different scopes or policies, a name shared with another policy among
+    them). ``flag_keys``: the keys given with ``--api-key`` (full access, team ``admin``): a
+    file may not give one of them a scope, and while there is one, it may not use the name
+    ``admin``; None (a caller that does not know them): the name is refused as well."""
     keys: list[ApiKey] = []
+    problems: list[tuple[int, str]] = []
     seen: dict[str, tuple[int, KeyScope, KeyPolicy]] = {}
     teams: dict[str, tuple[int, KeyPolicy]] = {}
+    first_lines: dict[str, int] = {}  # each key's first line: its default name's
     for number, line in enumerate(text.splitlines(), start=1):
         try:
-            key = parse_line(line, number)
+            words = _words(line)
+            first = first_lines.setdefault(words[0], number) if words else number
+            key = parse_line(line, first)
+            if key is not None:
+                _check_against_others(key, number, seen, teams, flag_keys)
         except ValueError as exc:
-            raise ValueError(f"line {number}: {exc}") from None
-        if key is None:
+            problems.append((number, str(exc)))
             continue
-        earlier = seen.setdefault(str(key), (number, key.scope, key.policy))
-        if earlier[1:] != (key.scope, key.policy):
-            raise ValueError(f"line {number}: the key of line {earlier[0]} again, with another "
-                             "scope or policy: give each key once")
-        team = teams.setdefault(key.policy.name, (number, key.policy))
-        if team[1] != key.policy:
-            raise ValueError(f"line {number}: name={key.policy.name} is also the name of line "
-                             f"{team[0]} with another policy: keys sharing a name share one "
-                             "fair share and one quota, so give them the same priority= and "
-                             "limits")
-        keys.append(key)
-    if ADMIN_NAME in teams:
-        raise ValueError(f"line {teams[ADMIN_NAME][0]}: name={ADMIN_NAME} is the name of the "
-                         "keys given with --api-key: choose another")
+        if key is not None:
+            keys.append(key)
+    if problems:
+        raise KeyFileInvalid(problems)
     return keys
+
+
+def _check_against_others(key: ApiKey, number: int,
+                          seen: dict[str, tuple[int, KeyScope, KeyPolicy]],
+                          teams: dict[str, tuple[int, KeyPolicy]],
+                          flag_keys: Collection[str] | None) -> None:
+    """ValueError if the key on line ``number`` contradicts an earlier line (``seen`` keys,
+    ``teams`` by name, both recorded here once it does not) or the ``flag_keys``."""
+    if flag_keys and key in flag_keys and not key.scope.full:
+        raise ValueError(f"a key with a scope ({key.scope.describe()}) is also given by "
+                         "--api-key / LLAMA_ROUTER_API_KEY, which gives full access: give "
+                         "each key once")
+    name = key.policy.name
+    if (flag_keys is None or flag_keys) and name == ADMIN_NAME:
+        raise ValueError(f"name={ADMIN_NAME} is the name of the keys given with --api-key: "
+                         "choose another")
+    earlier = seen.get(str(key))
+    if earlier is not None and earlier[1:] != (key.scope, key.policy):
+        raise ValueError(f"the key of line {earlier[0]} again, with another scope or policy: "
+                         "give each key once")
+    team = teams.get(name)
+    if team is not None and team[1] != key.policy:
+        raise ValueError(f"name={name} is also the name of line {team[0]} with another "
+                         "policy: keys sharing a name share one fair share and one quota, so "
+                         "give them the same priority= and limits")
+    seen.setdefault(str(key), (number, key.scope, key.policy))
+    teams.setdefault(name, (number, key.policy))

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..errors import ConfigurationError as ConfigurationError  # its home: errors
-from .keyfile import ApiKey
+from .keyfile import ApiKey, KeyFileInvalid
 from .keyfile import parse_file as parse_key_file
 
 DEFAULT_HOST = "127.0.0.1"
@@ -38,6 +38,16 @@ DEFAULT_PEER_DNS_INTERVAL_S = 10.0
 DEFAULT_STATE_BUDGET = "10G"  # saved slot states (warm swaps), least recently used dropped
 MAX_STATE_BUDGET_BYTES = 1 << 50  # 1 PiB: past any disk, short of a number that means none
 DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
+
+
+class ApiKeysInvalid(ConfigurationError):
+    """The API key settings give no key set to serve with. ``problems``: every one, a key
+    file's bad line as ``FILE:LINE: problem``, anything else as ``FILE: problem`` or naming
+    its option; none quotes a key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid API keys:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 class Settings(BaseSettings):
@@ -219,43 +229,52 @@ class Settings(BaseSettings):
         return parse_size(self.memory_budget)
 
     def all_api_keys(self) -> list[str]:
-        """Keys from ``--api-key`` (full access) plus ``--api-key-file``: one key per line,
-        ``#`` comments, each optionally followed by its scope (``models=`` and ``role=``
-        fields, see ``keyfile.py``). Each comes back as a ``keyfile.ApiKey``: the key with its
-        scope (full access for ``--api-key``), whose repr hides it.
-
-        A bad line is a ConfigurationError naming the file, the line and the problem (never
-        the key). Asking for keys and getting none (``--api-key ""``,
-        ``LLAMA_ROUTER_API_KEY=" , "``, a key file of comments only) is a ConfigurationError
-        too: serving without authentication is never the silent result of a typo. (An empty
-        ``LLAMA_ROUTER_API_KEY=`` is unset.)"""
-        keys: list[str] = [ApiKey(key) for key in self.api_key if key]  # full access
-        if self.api_key_file is not None:
-            where = f"--api-key-file {self.api_key_file}"
-            try:
-                text = self.api_key_file.read_text()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigurationError(f"{where}: {getattr(exc, 'strerror', None) or exc}"
-                                         ) from None
-            try:
-                scoped = parse_key_file(text)
-            except ValueError as exc:
-                raise ConfigurationError(f"{where}, {exc}") from None
-            for key in scoped:
-                if key in keys and not key.scope.full:
-                    raise ConfigurationError(
-                        f"{where}: a key with a scope ({key.scope.describe()}) is also given "
-                        "by --api-key / LLAMA_ROUTER_API_KEY, which gives full access: give "
-                        "each key once")
-            keys += scoped
-        asked = bool(self.api_key) or self.api_key_file is not None
-        if asked and not keys:
-            where = f"--api-key-file {self.api_key_file}" if self.api_key_file is not None \
-                else "--api-key / LLAMA_ROUTER_API_KEY"
-            raise ConfigurationError(
-                f"{where} gives no API key (empty, blank or only comments): refusing to start "
-                "without authentication; set a key, or remove the option to serve without keys")
+        """The keys to start with (``read_api_keys``); asking for keys and getting none
+        (``--api-key ""``, ``LLAMA_ROUTER_API_KEY=" , "``, a key file of comments only) is an
+        ``ApiKeysInvalid`` too: serving without authentication is never the silent result of
+        a typo. (An empty ``LLAMA_ROUTER_API_KEY=`` is unset.)"""
+        keys = self.read_api_keys()
+        if self.api_keys_asked() and not keys:
+            raise ApiKeysInvalid([f"{self.no_keys()}: refusing to start without "
+                                  "authentication; set a key, or remove the option to serve "
+                                  "without keys"])
         return keys
+
+    def read_api_keys(self) -> list[str]:
+        """The keys now: ``--api-key``'s (full access, team ``admin``), then
+        ``--api-key-file``'s as the file reads now (one key per line, ``#`` comments, each
+        optionally followed by its scope and policy, see ``keyfile.py``), each a
+        ``keyfile.ApiKey`` whose repr hides it. The one reading of the keys: at start
+        (``all_api_keys``) and at every reload of the key file (``reload``), which may find
+        none (its caller decides what that means).
+
+        A bad file is an ``ApiKeysInvalid`` with every problem, each naming the file and the
+        line, never the key."""
+        flag_keys = [key for key in self.api_key if key]
+        keys: list[str] = [ApiKey(key) for key in flag_keys]  # full access
+        path = self.api_key_file
+        if path is None:
+            return keys
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiKeysInvalid([f"{path}: {getattr(exc, 'strerror', None) or exc}"]
+                                 ) from None
+        try:
+            return keys + parse_key_file(text, flag_keys=frozenset(flag_keys))
+        except KeyFileInvalid as exc:
+            raise ApiKeysInvalid([f"{path}:{number}: {problem}"
+                                  for number, problem in exc.problems]) from None
+
+    def api_keys_asked(self) -> bool:
+        """Whether keys are asked for (``--api-key`` or ``--api-key-file`` given)."""
+        return bool(self.api_key) or self.api_key_file is not None
+
+    def no_keys(self) -> str:
+        """What gave no key, when keys are asked for and none is read."""
+        if self.api_key_file is not None:
+            return f"{self.api_key_file}: gives no API key (empty, blank or only comments)"
+        return "--api-key / LLAMA_ROUTER_API_KEY gives no API key (empty or blank)"
 
 
 def describe(error: ValidationError) -> str:

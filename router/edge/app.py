@@ -11,7 +11,7 @@ middleware as before. What escapes any layer unanswered gets the envelope at the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
@@ -22,7 +22,7 @@ from ..observe.activity import Activity
 from ..observe.metrics import RouterMetrics
 from .cors import CorsMiddleware
 from .forward import ProxyMiddleware
-from .keys import ApiKeyMiddleware
+from .keys import ApiKeyMiddleware, Keys
 from .middleware import EXCEPTION_HANDLERS, RequestMetricsMiddleware
 from .routes import routes
 from .state import State
@@ -48,11 +48,13 @@ class RouterApp(Starlette):
         return app
 
 
-def create_app(lifespan: Lifespan, api_keys: list[str], metrics: RouterMetrics | None = None,
-               webui: StaticUI | None = None, cors: CorsPolicy | None = None) -> RouterApp:
-    """The router's ASGI app; ``metrics``: what the edge counts every request into (None:
-    nothing); ``webui``: the web UI served at ``/``, None for none; ``cors``: what pages of
-    other origins may use (default: llama-server's ``*``)."""
+def create_app(lifespan: Lifespan, api_keys: Keys | Sequence[str],
+               metrics: RouterMetrics | None = None, webui: StaticUI | None = None,
+               cors: CorsPolicy | None = None) -> RouterApp:
+    """The router's ASGI app; ``api_keys``: the keys in force (a ``Keys`` that a reload
+    swaps, or the keys themselves); ``metrics``: what the edge counts every request into
+    (None: nothing); ``webui``: the web UI served at ``/``, None for none; ``cors``: what
+    pages of other origins may use (default: llama-server's ``*``)."""
     app = RouterApp(routes=routes(), lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(ProxyMiddleware)
     app.state.webui = webui

@@ -75,13 +75,17 @@ async def respond(scope: Scope, receive: Receive, send: Send,
 
 async def until_disconnect(work: Coroutine[Any, Any, None], receive: Receive,
                            closing: asyncio.Event) -> None:
-    """Run ``work`` until it ends, the client disconnects or the router shuts down."""
+    """Run ``work`` until it ends, the client disconnects or the router shuts down; none of
+    its tasks outlives it, also when the request itself is cancelled (its API key removed:
+    ``keys.Keys``)."""
     tasks = {asyncio.ensure_future(work), asyncio.ensure_future(wait_disconnect(receive)),
              asyncio.ensure_future(closing.wait())}
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # --------------------------------------------------------------------- reading event streams
