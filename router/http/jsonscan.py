@@ -32,6 +32,8 @@ import json
 import re
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate, count
+from operator import sub
 from typing import Any, Final
 
 from ..errors import MalformedBody, NestedTooDeeply, PayloadTooLarge
@@ -52,7 +54,7 @@ _MAX_FIELD_STRING = 4096  # a policy field's string value longer than this reads
 COMPOUND: Final = "<compound>"  # an array or object value (or a long string) of a field
 _SCALAR = re.compile(rb"-?[0-9][0-9.eE+-]{0,63}|true|false|null")
 
-_MARK = re.compile(rb'["\[\]{}]')
+_BRACKET = re.compile(rb"[\[\]{}]")
 _SPACE = re.compile(rb"[ \t\r\n]*")
 _OPEN = frozenset(b"[{")
 
@@ -136,7 +138,7 @@ def _step(walk: Generator[None, None, Scanned]) -> Scanned | None:
 
 def _walk(body: bytes) -> Generator[None, None, Scanned]:
     """The scan, yielding where the event loop may run: after every ``SLICE_BYTES`` passed
-    over, and every ``STEPS`` marks."""
+    over, and after every ``RUN`` bytes of brackets counted."""
     yield from _count_marks(body)
     size = len(body)
     pos = yield from _after_space(body, 0)
@@ -162,13 +164,12 @@ def _walk(body: bytes) -> Generator[None, None, Scanned]:
             return Scanned(state.model, state.span, stop, state.empty, state.fields)
 
 
-STEPS = 50_000  # marks walked between two turns of the event loop
 
 
 class _State:
     """What the walk has read so far."""
 
-    __slots__ = ("depth", "empty", "fields", "model", "span", "steps")
+    __slots__ = ("depth", "empty", "fields", "model", "span")
 
     def __init__(self) -> None:
         self.depth = 0
@@ -176,32 +177,48 @@ class _State:
         self.model: str | None = None
         self.span: tuple[int, int] | None = None
         self.empty = True
-        self.steps = 0
 
 
 def _brackets(body: bytes, pos: int, window: int, state: _State
               ) -> Generator[None, None, int | None]:
     """Count the brackets from ``pos`` up to the first quote before ``window`` (returned),
-    or up to the top-level object's close (returned); None when neither came first."""
-    for found in _MARK.finditer(body, pos, window):
-        at = found.start()
-        char = body[at]
-        if char == ord('"'):
-            return at
-        state.steps += 1
-        if state.steps >= STEPS:
-            state.steps = 0
-            yield
-        if char in _OPEN:
-            state.depth += 1
-            if state.depth > MAX_JSON_DEPTH:
-                raise NestedTooDeeply(f"request body is nested too deeply to read (more than "
-                                      f"{MAX_JSON_DEPTH} levels of arrays and objects)")
-        else:
-            state.depth -= 1
-            if state.depth == 0:
-                return at
-    return None
+    or up to the top-level object's close (returned); None when neither came first.
+
+    The brackets between two strings are counted in C (``bytes.translate``, ``accumulate``),
+    ``RUN`` bytes at a time: the depth after each is the opening ones so far less the closing
+    ones, checked against ``MAX_JSON_DEPTH``; only the run where the object closes is walked
+    one bracket at a time (``_close``), to find where."""
+    quote = body.find(b'"', pos, window)
+    end = window if quote < 0 else quote
+    for start in range(pos, end, RUN):
+        stop = min(start + RUN, end)
+        brackets = body[start:stop].translate(None, _NOT_BRACKET)
+        if not brackets:
+            continue
+        depths = list(map(sub, accumulate(brackets.translate(_RISE)), count(1)))
+        if state.depth + max(depths) > MAX_JSON_DEPTH:
+            raise NestedTooDeeply(f"request body is nested too deeply to read (more than "
+                                  f"{MAX_JSON_DEPTH} levels of arrays and objects)")
+        if state.depth + min(depths) <= 0:  # the object closes in this run: find where
+            return _close(body, start, stop, state)
+        state.depth += depths[-1]
+        yield
+    return None if quote < 0 else quote
+
+
+RUN = 1 << 12  # bytes whose brackets are counted between two turns of the event loop
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_RISE = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # an opening bracket 2, a closing 0
+
+
+def _close(body: bytes, pos: int, end: int, state: _State) -> int:
+    """Where the top-level object closes between ``pos`` and ``end`` (no quote there),
+    walked one bracket at a time from ``state.depth``."""
+    for found in _BRACKET.finditer(body, pos, end):
+        state.depth += 1 if body[found.start()] in _OPEN else -1
+        if state.depth == 0:
+            return found.start()
+    raise AssertionError("the object closes in this run")  # (its depths said so)
 
 
 def _string(body: bytes, at: int, state: _State) -> Generator[None, None, int]:
