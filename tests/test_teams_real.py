@@ -127,8 +127,9 @@ def leave_while_queued(router: RouterProcess) -> None:
 @pytest.mark.real
 def test_tokens_a_minute_settle_what_was_used(tmp_path: Path, tiny_models: dict[str, Path],
                                               llama_server: Path) -> None:
-    """A request may take a full bucket and leave it in debt; the next waits for it to fill
-    (429 with the seconds it takes), and never reaches the child meanwhile."""
+    """A request may take a full bucket, but no more: its generation is capped at a minute's
+    worth less its prompt's estimate, whatever limit it asked for; the next waits for the
+    bucket to fill (429 with the seconds it takes), and never reaches the child meanwhile."""
     keys = tmp_path / "keys"
     keys.write_text("sk-small-0123456789 name=small tokens-per-minute=60\n")
     presets = write_presets(tmp_path / "m.ini", f"[m]\nmodel = {tiny_models['alpha']}\n"
@@ -141,7 +142,8 @@ def test_tokens_a_minute_settle_what_was_used(tmp_path: Path, tiny_models: dict[
                             headers=auth("sk-small-0123456789"))
         assert first.status_code == 200
         used = first.json()["usage"]
-        assert used["prompt_tokens"] + used["completion_tokens"] > 60  # more than a minute's
+        estimate = len(first.request.content) / 4  # the body's bytes over 4
+        assert 0 < used["completion_tokens"] <= 60 - estimate + 1  # not the 100 it asked
         second = client.post("/v1/chat/completions", json=body,
                              headers=auth("sk-small-0123456789"))
         assert second.status_code == 429
