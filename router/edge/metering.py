@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import QuotaExceeded, Unavailable
+from ..errors import BadRequest, QuotaExceeded, Unavailable
 from ..http.jsonscan import COMPOUND
 from ..http.paths import METERED_PATHS, SLOT_PATHS, UNPINNED_SLOT_PATHS
 from ..http.proxy import Preemption
@@ -140,6 +140,10 @@ class Meter:
         cap = 0
         if rate and request.path in SLOT_PATHS and not 0 < limit <= rate - expected:
             limit = cap = max(1, int(rate - expected))  # one request, one minute's worth
+            if body and not request.json_object:  # (a multipart body: no field can cap it)
+                raise BadRequest(f"team {member.name} has tokens-per-minute={rate}: its "
+                                 f"completions take a JSON body, whose generation limit the "
+                                 "router caps (a multipart field is no limit to llama-server)")
         hold = None
         if member.policy.max_concurrent is not None or member.policy.tokens_per_minute:
             try:
