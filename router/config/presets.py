@@ -90,16 +90,24 @@ class PresetsInvalid(ValueError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
+# The metadata of a ``ModelPreset`` field that shapes how its children start (their command
+# line, their count, the upstream they are): a change to one needs the running children
+# replaced (``reconfig.needs_restart``); any other field is applied in place. A test holds it
+# to the spawner (every field whose change changes ``Spawner.launch_of`` is marked so).
+LAUNCH: Final = MappingProxyType({"launch": True})
+
+
 @dataclass(frozen=True)
 class ModelPreset:
     """One model: its llama-server args (canonical key → value) and router-side options.
 
     ``args`` values are strings; boolean flags hold ``"true"``/``"false"``. ``origin`` is the
-    section header (or models-dir file) the model came from.
+    section header (or models-dir file) the model came from. The fields marked ``LAUNCH``
+    shape how its children start.
     """
 
     id: str
-    args: Mapping[str, str]
+    args: Mapping[str, str] = field(metadata=LAUNCH)
     source: str = "preset"
     origin: Origin | None = None
     aliases: tuple[str, ...] = ()
@@ -109,7 +117,7 @@ class ModelPreset:
     load_timeout: float | None = None
     wait_budget: float | None = None
     ttl: float | None = None
-    replicas: int = 1
+    replicas: int = field(default=1, metadata=LAUNCH)
     # replica-routing: how requests choose among replicas (``affinity``): "prefix" (the
     # replica that served the prompt's longest prefix) or "least-busy".
     replica_routing: str = ROUTING_PREFIX
@@ -119,10 +127,10 @@ class ModelPreset:
     listed: bool = True
     # warm-swaps: with --state-dir, save this model's slots before its children stop and
     # restore them into the next ones (``warm``); false keeps none of its conversations on disk.
-    warm_swaps: bool = True
+    warm_swaps: bool = field(default=True, metadata=LAUNCH)  # its children's slot directory
     # shared-conversations: with API keys, a saved conversation is restored for any key, not
     # only the one that made it (``conversations``: a common system prompt)
-    shared_conversations: bool = False
+    shared_conversations: bool = field(default=False, metadata=LAUNCH)  # their RAM cache
     # interactive-slots: of each child's slots, how many only the interactive class may take
     # (``core/slotqueue``): fewer than ``slots``, so the other classes keep at least one
     interactive_slots: int = 0
@@ -130,12 +138,12 @@ class ModelPreset:
     # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
     # the client's, unchanged); upstream_key: the bearer key read from upstream-api-key-file
     # (never shown: not in repr, /models or /props).
-    upstream: str | None = None
+    upstream: str | None = field(default=None, metadata=LAUNCH)
     upstream_model: str | None = None
-    upstream_key: str | None = field(default=None, repr=False)
+    upstream_key: str | None = field(default=None, repr=False, metadata=LAUNCH)
     # upstream-connections: connections open to the upstream at once, at most (None: as to a
     # child with llama-server's default HTTP threads, ``runtime.ModelRuntime.max_connections``).
-    upstream_connections: int | None = None
+    upstream_connections: int | None = field(default=None, metadata=LAUNCH)
 
     @property
     def model_path(self) -> str | None:

@@ -9,7 +9,8 @@ in place, the child keeps running). The supervisor applies it without dropping a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Final
 
 from .presets import ModelPreset
 
@@ -26,11 +27,20 @@ class CatalogueDiff:
         return {"added": self.added, "removed": self.removed, "changed": self.restart}
 
 
+# The preset's fields that shape how its children start (``presets.LAUNCH``), read once.
+LAUNCH_FIELDS: Final = tuple(f.name for f in fields(ModelPreset) if f.metadata.get("launch"))
+
+
 def needs_restart(old: ModelPreset, new: ModelPreset) -> bool:
-    """A running child cannot take the new preset: its arguments or replica count differ
-    (or, for a remote upstream, its address or key)."""
-    return (dict(old.args) != dict(new.args) or old.replicas != new.replicas
-            or old.upstream != new.upstream or old.upstream_key != new.upstream_key)
+    """A running child cannot take the new preset: a field that shapes how its children
+    start differs (``LAUNCH_FIELDS``: its arguments, replica count, slot directory, RAM
+    cache, upstream)."""
+    return any(_plain(getattr(old, name)) != _plain(getattr(new, name))
+               for name in LAUNCH_FIELDS)
+
+
+def _plain(value: object) -> object:
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def diff(old: Mapping[str, ModelPreset], new: Mapping[str, ModelPreset]) -> CatalogueDiff:

@@ -118,6 +118,28 @@ class Spawner:
         """A removed model's cached command line goes with it (``Executor.forget``)."""
         self._argv_cache.pop(model_id, None)
 
+    def launch_of(self, preset: ModelPreset) -> tuple[object, ...]:
+        """How a child of ``preset`` starts, as far as its preset decides it (its port, its
+        cores and the router's memory estimate aside): its command line, or for a remote
+        upstream its address, key and connections. A reconfiguration that leaves it as it is
+        keeps the running children (``reconfig.needs_restart``, held to this by a test)."""
+        if preset.upstream is not None:
+            return ("upstream", preset.upstream, preset.upstream_key,
+                    preset.upstream_connections, preset.replicas)
+        return (*self.launch_argv(preset, 0, None, None), preset.replicas)
+
+    def launch_argv(self, preset: ModelPreset, port: int, cache_ram_mib: int | None,
+                    cpu: CpuShare | None) -> list[str]:
+        """A child's whole command line: ``child_argv`` with the router's own choices for the
+        preset: its slot directory (warm swaps), and no RAM prompt cache where its
+        conversations are private (``private``)."""
+        slot_dir = self.slot_dir(preset) if self.slot_dir else None
+        private = self.private and slot_dir is not None and not preset.shared_conversations
+        argv = self.child_argv(preset, port, 0 if private else cache_ram_mib, cpu)
+        if slot_dir is not None:
+            argv += ["--slot-save-path", str(slot_dir)]
+        return argv
+
     def child_argv(self, preset: ModelPreset, port: int,
                    cache_ram_mib: int | None = None, cpu: CpuShare | None = None) -> list[str]:
         """``cache_ram_mib``: the router's ``--cache-ram`` (see ``memory``), once estimated;
@@ -222,14 +244,7 @@ class Spawner:
             try:
                 port = free_port()
                 cpu = self.at_spawn(runtime, cpu)  # no await from here to ChildStarted
-                preset = runtime.preset
-                slot_dir = self.slot_dir(preset) if self.slot_dir else None
-                private = self.private and slot_dir is not None \
-                    and not preset.shared_conversations
-                argv = self.child_argv(preset, port, 0 if private else runtime.cache_ram_mib,
-                                       cpu)
-                if slot_dir is not None:
-                    argv += ["--slot-save-path", str(slot_dir)]
+                argv = self.launch_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
                 env = {**child_environment(), **(cpu.environment() if cpu is not None
                                                   else spin_environment())} \
                     if self.cores else None
