@@ -13,6 +13,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 SUBSCRIBER_QUEUE_SIZE = 256
+# The event of a model dropped from the router (the lifecycle's ``Forgotten``): the one signal
+# on which every part drops what it keeps of that model (``EventBus.on_removed``).
+MODEL_REMOVED = "model_remove"
 
 Event = dict[str, Any]
 
@@ -48,6 +51,17 @@ class EventBus:
         self._maxsize = maxsize
         # Called synchronously with every event (metrics); must be quick and never raise.
         self.listeners: list[Callable[[Event], None]] = []
+
+    def on_removed(self, forget: Callable[[str], None]) -> None:
+        """Call ``forget(model_id)`` whenever one of this router's models is removed
+        (``MODEL_REMOVED``; a peer's, relayed with its ``node``, is the peer's own): every
+        table kept per model registers its own, so that a removed model leaves nothing."""
+
+        def listener(event: Event) -> None:
+            if event.get("event") == MODEL_REMOVED and "node" not in event:
+                forget(event["model"])
+
+        self.listeners.append(listener)
 
     def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
         payload: Event = {"model": model, "event": event}

@@ -509,10 +509,10 @@ PLANTED_WRITES = [
     # the file that has known exceptions in others.
     ("router/warm/conversations.py",
      "def _p_ledger(swaps: WarmSwaps) -> None:\n"
-     "    swaps.ledger.counts_of('m').waited(1.0)\n    swaps.forgetting.clear()\n"
+     "    swaps.ledger.counts_of('m').waited(1.0)\n    swaps.ledger.counts.clear()\n"
      "    swaps.store.remove_model('m')",  # a held field: its own record's write
      "_p_ledger", "WarmSwaps.ledger Counts.displace_wait_s Counts.recent_waits "
-                  "WarmSwaps.forgetting StateStore._index"),
+                  "Ledger.counts StateStore._index"),
     ("router/edge/routes.py", "def _p_queue(queue: FairQueue, usage: Usage) -> None:\n"
                               "    queue.pop()\n    usage.refused('team', 'model')",
      "_p_queue", "FairQueue.waiting Usage._rows"),

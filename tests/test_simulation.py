@@ -233,3 +233,60 @@ def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
         loop.run_until_complete(scenario())
     finally:
         loop.close()
+
+
+def test_a_removed_model_leaves_nothing_in_any_table() -> None:
+    """Removal through one signal: a model that used every part keeping something per model
+    (its cached command line, its slot queue, its conversations' index, warm swaps' ledger,
+    the CPU gate) leaves none of it once removed: each part drops it on the one signal the
+    lifecycle's ``Forgotten`` publishes (``events.MODEL_REMOVED``), no part told by another."""
+    from simloop import VirtualTimeLoop
+    from simulation import HangingSaves
+
+    from router.core.affinity import Prefix
+    from router.teams.fairshare import Turn
+    from router.warm.swaps import WarmSwaps
+
+    class Forgetting(HangingSaves):  # its saves hang; its forget is the real one
+        def forget(self, model_id: str) -> None:
+            WarmSwaps.forget(self, model_id)
+
+    sim = Simulation(0, config=scenario_config(), script=[], saves="none")
+    sim.warm = Forgetting()
+
+    async def scenario() -> None:
+        sup = sim.build()
+        core, runtime = sup.core, sup.models["a"]
+        conversations = core.leases.conversations
+        assert conversations is not None and core.warm is sim.warm
+        await sup.wait.load_task(runtime, on_demand=False)
+        # its /models listing caches its command line (the simulation's table has no flags)
+        core.spawner._argv_cache["a"] = (runtime.preset, None, ["llama-server"])
+        lease = await sup.acquire(sup.find("a"), turn=Turn("team", 1, 100.0))
+        await sup.place(lease, Prefix((1, 2), (600, 1200)), b"sk-key")
+        sim.warm.ledger.counts_of("a").hits += 1
+        queued = core.wait.slots.queue(runtime)  # (a queue made for it, as a waiter's)
+
+        def kept() -> dict[str, bool]:
+            return {"argv": "a" in core.spawner._argv_cache,
+                    "slot queue": "a" in core.wait.slots._queues,
+                    "conversations": "a" in conversations._index,
+                    "ledger": "a" in sim.warm.ledger.counts,
+                    "cpu gate": "a" in core.cpu_gate._busy}
+
+        assert all(kept().values()), kept()
+        lease.release()
+        assert queued is not None
+        stop = core.executor.stop(runtime, "removed")
+        assert stop is not None
+        await stop
+        sup.remove_model("a")
+        assert not any(kept().values()), kept()
+        assert "a" not in sup.models
+        await sup.close()
+
+    loop = VirtualTimeLoop()
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()

@@ -174,14 +174,12 @@ class Executor:
 
     def forget(self, runtime: ModelRuntime) -> None:
         """Drop a removed model once nothing of it runs (``Forget``; a model removed while
-        not running): its record and snapshot, its saved states and counters, its cached
-        command line, in one step; a model added again under its id starts from nothing."""
+        not running): its record and snapshot here, and everything the other parts keep of
+        it (its saved states and counters, its cached command line, its conversations, its
+        slot queue) on the one signal its ``Forgotten`` publishes (``events.MODEL_REMOVED``,
+        ``EventBus.on_removed``); a model added again under its id starts from nothing."""
         if self._model_set.drop(runtime):
             self.apply(runtime, Forgotten())
-        if runtime.id not in self._model_set.records:
-            self._spawner.forget(runtime.id)
-            if self._warm is not None:
-                self._warm.forget(runtime.id)  # its saved states go with its preset
 
     def set_preset(self, runtime: ModelRuntime, preset: ModelPreset) -> None:
         """The model's preset from now on (a reconfiguration; a download that resolved its

@@ -66,6 +66,8 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
+from ..events import MODEL_REMOVED
+
 STABLE_RUN_S = 60.0  # a child that ran this long before crashing resets the failure count
 
 
@@ -751,7 +753,7 @@ def _listed(s: ModelState, e: Listed, limit: int) -> Result:
 
 
 def _forgotten(s: ModelState, e: Forgotten, limit: int) -> Result:
-    return s, (Publish("model_remove", MappingProxyType({})),)
+    return s, (Publish(MODEL_REMOVED, MappingProxyType({})),)
 
 
 U, D, L, OK, S = (Status.UNLOADED, Status.DOWNLOADING, Status.LOADING, Status.LOADED,

@@ -50,6 +50,11 @@ class Slots:
         self._queues: dict[str, FairQueue] = {}
         self._granted: dict[Turn, asyncio.Future[None]] = {}
 
+    def forget(self, model_id: str) -> None:
+        """A removed model (``EventBus.on_removed``): its queue goes (its waiters, if any,
+        end as their model is gone)."""
+        self._queues.pop(model_id, None)
+
     def queue(self, runtime: ModelRuntime) -> FairQueue:
         queue = self._queues.get(runtime.id)
         if queue is None:

@@ -132,12 +132,26 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                     on_turn_end=slots.ended)
     admission = executor.loads.admission
     wait = ModelWait(settings, executor, admission, leases, slots, models.values)
+    _forget_removed(events, spawner, slots, warm, leases.conversations)
     model_changes = ModelChanges(model_set, executor, wait, changes)
     background = Background(settings, models, executor, accounting, liveness, cpu_gate,
                             cpu_sharing=bool(shared))
     return Core(settings, events, shared, devices, model_set, model_changes, changes, cpu_gate,
                 accounting, spawner, executor, admission, liveness, leases, wait, background,
                 warm)
+
+
+def _forget_removed(events: EventBus, spawner: Spawner, slots: Slots, warm: WarmSwaps | None,
+                    conversations: Conversations | None) -> None:
+    """Every table kept per model drops a removed model on the one signal its ``Forgotten``
+    publishes (``events.MODEL_REMOVED``): its command line, its slot queue, its saved states
+    and counters (they go with its preset), its conversations."""
+    events.on_removed(spawner.forget)
+    events.on_removed(slots.forget)
+    if warm is not None:
+        events.on_removed(warm.forget)
+    if conversations is not None:
+        events.on_removed(conversations.forget)
 
 
 def _room_makers(models: dict[str, ModelRuntime], executor: Executor) -> tuple[

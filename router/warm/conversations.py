@@ -89,7 +89,6 @@ class Conversations:
         self._index: dict[str, tuple[object, dict[int, list[SavedState]]]] = {}
         # per model: the conversations saved on displacement whose commit is under way
         self._keeping: dict[str, dict[Conversation, asyncio.Task[int]]] = {}
-        swaps.forgetting.append(self.forget)
 
     def keeps(self, preset: ModelPreset, fingerprint: str | None = None) -> bool:
         """Whether the model can keep its conversations (warm swaps cover it), and with a
@@ -99,7 +98,7 @@ class Conversations:
             fingerprint is None or self.swaps.ledger.restores(preset.id, fingerprint))
 
     def forget(self, model_id: str) -> None:
-        """A removed model (``WarmSwaps.forget``): nothing of its conversations stays."""
+        """A removed model (``EventBus.on_removed``): nothing of its conversations stays."""
         self._index.pop(model_id, None)
         self._keeping.pop(model_id, None)
 

@@ -273,7 +273,6 @@ class WarmSwaps:
         self._off: set[str] = set()  # models whose preset now says ``warm-swaps = false``
         self.ledger = Ledger()
         self._keeping = Commits()  # per model: its commit under way
-        self.forgetting: list[Callable[[str], None]] = []  # told of each model ``forget``s
 
     def usage(self, model_id: str) -> tuple[int, int]:
         """The model's saved states now: how many, and their bytes."""
@@ -325,8 +324,6 @@ class WarmSwaps:
             return
         self.prints.forget(model_id)
         self.ledger.forget(model_id)
-        for forgotten in self.forgetting:
-            forgotten(model_id)
         try:
             removed = self.store.remove_model(model_id)
         except (OSError, ValueError) as exc:
