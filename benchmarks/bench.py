@@ -44,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,126 +53,140 @@ import psutil
 
 from router.llama.install import find_llama_server
 
-from .harness import (
-    COLUMNS,
-    DIRECT,
-    GOALS,
-    LABELS,
-    LATENCY_METRICS,
-    LLAMACPP,
-    PHASES,
-    ROOT,
-    ROUTER,
-    ROUTERS,
-    Bench,
-    BenchError,
-    Config,
-    Processes,
-    Row,
-    loadgen_main,
-    render_table,
+from .harness.columns import COLUMNS, LABELS
+from .harness.config import PHASES, Config
+from .harness.errors import BenchError
+from .harness.loadgen import loadgen_main
+from .harness.processes import ROOT, Processes
+from .harness.table import render_table
+from .harness.targets import Bench
+from .mainphase import MainPhase, build_rows, evaluate, python_floor
+
+# --------------------------------------------------------------------------- the phases
+
+def _relay(bench: Bench) -> dict[str, Any]:
+    from . import relay
+
+    cfg = bench.cfg
+    settings = relay.Settings.quick() if cfg.quick else relay.Settings()
+    if cfg.relay_streams:
+        settings.streams = settings.ceiling_streams = cfg.relay_streams
+    settings.events = cfg.relay_events or settings.events
+    settings.rounds = cfg.relay_rounds or settings.rounds
+    settings.profile = cfg.profile
+    return relay.run_phase(bench, settings)
+
+
+def _real(bench: Bench) -> dict[str, Any]:
+    from . import realmodel
+
+    cfg = bench.cfg
+    real = realmodel.Settings.quick() if cfg.quick else realmodel.Settings()
+    real.rounds = cfg.real_rounds if not cfg.quick else real.rounds
+    return realmodel.run_phase(bench, real)
+
+
+def _multiturn(bench: Bench) -> dict[str, Any]:
+    from . import multiturn
+
+    cfg = bench.cfg
+    if cfg.multiturn_saturated:
+        turns = multiturn.Settings.saturated(cfg.multiturn_reps, cfg.multiturn_baseline)
+        turns.cache_ram_mib = cfg.multiturn_cache_ram
+        if cfg.quick:
+            turns.system_words, turns.max_tokens, turns.turns = 80, 4, 2
+    else:
+        turns = multiturn.Settings.quick() if cfg.quick else multiturn.Settings(
+            conversations=cfg.conversations, turns=cfg.turns, reps=cfg.multiturn_reps,
+            baseline_src=cfg.multiturn_baseline)
+    return multiturn.run_phase(bench, turns)
+
+
+def _warmswap(bench: Bench) -> dict[str, Any]:
+    from . import warmswap
+
+    cfg = bench.cfg
+    swaps = warmswap.Settings.quick() if cfg.quick else warmswap.Settings(
+        reps=cfg.warmswap_reps)
+    return warmswap.run_phase(bench, swaps)
+
+
+def _keptcache(bench: Bench) -> dict[str, Any]:
+    from . import keptcache
+
+    cfg = bench.cfg
+    kept = keptcache.Settings.quick() if cfg.quick else keptcache.Settings(
+        long_words=cfg.keptcache_long_words)
+    return keptcache.run_phase(bench, kept)
+
+
+def _fairness(bench: Bench) -> dict[str, Any]:
+    from . import fairness
+
+    cfg = bench.cfg
+    teams = fairness.Settings.quick() if cfg.quick else fairness.Settings(
+        seconds=cfg.fairness_seconds)
+    return fairness.run_phase(bench, teams)
+
+
+def _bodies(bench: Bench) -> dict[str, Any]:
+    from . import bodies
+
+    return bodies.run_phase(bench, bench.cfg.quick)
+
+
+def _sharing(bench: Bench) -> dict[str, Any]:
+    from .sharing import run_phase
+
+    cfg = bench.cfg
+    return run_phase(bench.workdir, bench.procs, bench.binary, cfg.sharing_reps,
+                     cfg.stall_bound, cfg.quick)
+
+
+# The phases after the main one, in the order they run: (its name in --phases, its key in
+# the report, whether the configuration runs it, the run).
+LATER_PHASES: tuple[tuple[str, str, Callable[[Config], bool],
+                          Callable[[Bench], dict[str, Any]]], ...] = (
+    ("relay", "relay", lambda cfg: True, _relay),
+    ("real", "real_model", lambda cfg: cfg.real_rounds > 0, _real),
+    ("multiturn", "multiturn", lambda cfg: cfg.multiturn_reps > 0, _multiturn),
+    ("warmswap", "warmswap", lambda cfg: cfg.warmswap_reps > 0, _warmswap),
+    ("keptcache", "keptcache", lambda cfg: cfg.keptcache, _keptcache),
+    ("fairness", "fairness", lambda cfg: cfg.fairness_seconds > 0, _fairness),
+    ("bodies", "bodies", lambda cfg: True, _bodies),
+    ("sharing", "sharing", lambda cfg: cfg.sharing_reps > 0, _sharing),
 )
 
+
+@dataclass
+class Outcome:
+    """What the phases of one run returned, and each one's wall time."""
+
+    results: dict[str, Any] = field(default_factory=dict)  # the main phase's
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # the others', by key
+    wall: dict[str, float] = field(default_factory=dict)
+    mark: float = field(default_factory=time.perf_counter)
+
+    def took(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.wall[phase] = round(now - self.mark, 1)
+        self.mark = now
+
+
+def run_phases(bench: Bench, main: MainPhase, outcome: Outcome) -> None:
+    """Every phase the configuration names, in order, each starting its own servers."""
+    cfg = bench.cfg
+    if "main" in cfg.phases:
+        outcome.results = main.run()
+        main.stop_targets()
+        outcome.took("main")
+    for phase, key, runs, run in LATER_PHASES:
+        if phase in cfg.phases and runs(cfg):
+            outcome.phases[key] = run(bench)
+            outcome.took(phase)
+
+
 # --------------------------------------------------------------------------- report
-
-def build_rows(res: dict[str, Any], presets: int) -> list[Row]:
-    lat = res["latency_ms"]
-    rows: list[Row] = []
-    for name, label in (("chat", "chat max_tokens=1"), ("ttft", "stream first token"),
-                        ("ttft_ka", "stream first token, keep-alive client"),
-                        ("tokenize", "POST /tokenize")):
-        for stat in ("p50", "p99"):
-            rows.append(Row(f"{name}_{stat}_ms", f"{label} {stat}", "ms", "latency",
-                            {c: lat[name][c][stat] for c in COLUMNS}))
-    tput = res["throughput"]
-    conns = tput["connections"]
-    rows.append(Row("tokenize_rps", f"/tokenize throughput, {conns} conns", "req/s", "rate",
-                    tput["rps"]))
-    rows.append(Row("tokenize_load_p99_ms", "/tokenize p99 under that load", "ms", "latency",
-                    tput["p99_ms"]))
-    rows.append(Row("target_cores", "server CPU under load (cores)", "cores", "info",
-                    tput["target_cores"]))
-    rows.append(Row("generator_cores", f"{tput['tool']} CPU (cores)", "cores", "info",
-                    tput["generator_cores"]))
-    cold = res["cold_ms"]
-    healthy = cold["child_healthy"]["p50"]
-    first = cold["child_first_token"]["p50"]
-    rows.append(Row("cold_vs_healthy_ms", "cold start p50 [direct: spawn->/health 200]", "ms",
-                    "latency", {DIRECT: healthy,
-                                **{c: cold["cold"][c]["p50"] for c in ROUTERS}}))
-    rows.append(Row("cold_vs_first_token_ms", "cold start p50 [direct: spawn->1st token]",
-                    "ms", "latency",
-                    {DIRECT: first, **{c: cold["cold"][c]["p50"] for c in ROUTERS}}))
-    rows.append(Row("swap_ms", "swap (max 1) p50 [direct: spawn->1st token]", "ms",
-                    "latency", {DIRECT: first, **{c: cold["swap"][c]["p50"] for c in ROUTERS}}))
-    for key, what in (("cold_cpu", "cold start"), ("swap_cpu", "swap")):
-        rows.append(Row(f"{key}_ms", f"router CPU per {what} p50 [direct: none]", "ms", "info",
-                        {DIRECT: 0.0, **{c: cold[key][c]["p50"] for c in ROUTERS}}))
-    rows.append(Row("rss_idle_mb", "RSS idle, MB [direct: llama-server]", "MB", "info",
-                    res["rss_idle_mb"]))
-    rows.append(Row("rss_load_mb", "RSS under load (peak), MB", "MB", "info",
-                    res["rss_load_mb"]))
-    for stat in ("p50", "p99"):
-        rows.append(Row(f"models_{stat}_ms", f"GET /models, {presets} presets {stat} "
-                        "[direct: 1 model]", "ms", "latency",
-                        {c: lat["models"][c][stat] for c in COLUMNS}))
-    rows.append(Row("startup_ms", "start -> /health 200 (3 presets)", "ms", "latency",
-                    res["startup_ms"]["main"]))
-    total = sum(lat[m][DIRECT]["n"] for m in LATENCY_METRICS)
-    rows.append(Row("tokenize_load_errors", "throughput errors (non-2xx, socket errors)",
-                    "count", "info", tput["errors"]))
-    for kind, label in (("dropped", "keep-alive conn closed under client"),
-                        ("http_502", "HTTP 502 from the router")):
-        counts = {c: float(sum(per.get(kind, 0)
-                               for part in res["retries"][c].values()
-                               for phase, per in part.items() if phase in LATENCY_METRICS))
-                  for c in COLUMNS}
-        rows.append(Row(f"retries_{kind}", f"retried: {label}, of {total} samples", "count",
-                        "info", counts))
-    return rows
-
-
-def evaluate(res: dict[str, Any], rows: list[Row]) -> dict[str, dict[str, Any]]:
-    by = {r.key: r.values for r in rows}
-    tok = by["tokenize_p50_ms"]
-    lr_added, lc_added = tok[ROUTER] - tok[DIRECT], tok[LLAMACPP] - tok[DIRECT]
-    rps = by["tokenize_rps"]
-    ttft = by["ttft_p50_ms"]
-    cold = by["cold_vs_healthy_ms"]
-
-    def ahead(metric: str) -> tuple[bool, str]:
-        p50, p99 = by[f"{metric}_p50_ms"], by[f"{metric}_p99_ms"]
-        lr, lc = p50[ROUTER] - p50[DIRECT], p50[LLAMACPP] - p50[DIRECT]
-        return lr < lc, (f"llama-router {lr:+.3f} ms vs llama.cpp router {lc:+.3f} ms "
-                         f"(p99 {p99[ROUTER]:.2f} vs {p99[LLAMACPP]:.2f} ms, direct "
-                         f"{p99[DIRECT]:.2f} ms)")
-
-    checks: dict[str, tuple[bool, str]] = {
-        "tokenize_added_p50": (lr_added < lc_added,
-                               f"llama-router +{lr_added:.3f} ms vs llama.cpp router "
-                               f"+{lc_added:.3f} ms"),
-        "tokenize_throughput": (rps[ROUTER] >= 1.5 * rps[LLAMACPP],
-                                f"{rps[ROUTER]:.0f} vs {rps[LLAMACPP]:.0f} req/s = "
-                                f"{rps[ROUTER] / rps[LLAMACPP]:.2f}x"),
-        "ttft_added_p50": (ttft[ROUTER] - ttft[DIRECT] <= 1.0,
-                           f"{ttft[ROUTER] - ttft[DIRECT]:+.3f} ms"),
-        "ttft_vs_llamacpp": ahead("ttft"),
-        "ttft_ka_vs_llamacpp": ahead("ttft_ka"),
-        "cold_start_added": (cold[ROUTER] - cold[DIRECT] <= 30.0,
-                             f"{cold[ROUTER]:.1f} ms vs child healthy {cold[DIRECT]:.1f} ms "
-                             f"= +{cold[ROUTER] - cold[DIRECT]:.1f} ms"),
-        "idle_rss": (by["rss_idle_mb"][ROUTER] <= 80.0, f"{by['rss_idle_mb'][ROUTER]:.1f} MB"),
-        "models_500_p50": (by["models_p50_ms"][ROUTER] < 20.0,
-                           f"{by['models_p50_ms'][ROUTER]:.2f} ms "
-                           f"(p99 {by['models_p99_ms'][ROUTER]:.2f} ms)"),
-    }
-    return {k: {"goal": GOALS[k], "met": ok, "measured": text}
-            for k, (ok, text) in checks.items()}
-
-
-
-
-
 
 def machine_info(binary: Path, router_src: Path | None = None) -> dict[str, Any]:
     cpu = "unknown"
@@ -212,97 +228,19 @@ def run_bench(cfg: Config) -> dict[str, Any]:
     logdir.mkdir(exist_ok=True)
     procs = Processes(logdir)
     bench = Bench(cfg, workdir, procs, binary)
+    main = MainPhase(bench)
     began = time.perf_counter()
     load_before = os.getloadavg()
     leftovers: list[str] = []
-    results: dict[str, Any] = {}
-    sharing: dict[str, Any] | None = None
-    phases: dict[str, dict[str, Any]] = {}
-    phase_wall: dict[str, float] = {}
-    mark = time.perf_counter()
-
-    def took(phase: str) -> None:
-        nonlocal mark
-        now = time.perf_counter()
-        phase_wall[phase] = round(now - mark, 1)
-        mark = now
-
+    outcome = Outcome()
     try:
-        if "main" in cfg.phases:
-            results = bench.run()
-            bench.stop_targets()
-            took("main")
-        if "relay" in cfg.phases:
-            from . import relay
-
-            settings = relay.Settings.quick() if cfg.quick else relay.Settings()
-            if cfg.relay_streams:
-                settings.streams = settings.ceiling_streams = cfg.relay_streams
-            settings.events = cfg.relay_events or settings.events
-            settings.rounds = cfg.relay_rounds or settings.rounds
-            settings.profile = cfg.profile
-            phases["relay"] = relay.run_phase(bench, settings)
-            took("relay")
-        if "real" in cfg.phases and cfg.real_rounds > 0:
-            from . import realmodel
-
-            real = realmodel.Settings.quick() if cfg.quick else realmodel.Settings()
-            real.rounds = cfg.real_rounds if not cfg.quick else real.rounds
-            phases["real_model"] = realmodel.run_phase(bench, real)
-            took("real")
-        if "multiturn" in cfg.phases and cfg.multiturn_reps > 0:
-            from . import multiturn
-
-            if cfg.multiturn_saturated:
-                turns = multiturn.Settings.saturated(cfg.multiturn_reps,
-                                                     cfg.multiturn_baseline)
-                turns.cache_ram_mib = cfg.multiturn_cache_ram
-                if cfg.quick:
-                    turns.system_words, turns.max_tokens, turns.turns = 80, 4, 2
-            else:
-                turns = multiturn.Settings.quick() if cfg.quick else multiturn.Settings(
-                    conversations=cfg.conversations, turns=cfg.turns, reps=cfg.multiturn_reps,
-                    baseline_src=cfg.multiturn_baseline)
-            phases["multiturn"] = multiturn.run_phase(bench, turns)
-            took("multiturn")
-        if "warmswap" in cfg.phases and cfg.warmswap_reps > 0:
-            from . import warmswap
-
-            swaps = warmswap.Settings.quick() if cfg.quick else warmswap.Settings(
-                reps=cfg.warmswap_reps)
-            phases["warmswap"] = warmswap.run_phase(bench, swaps)
-            took("warmswap")
-        if "keptcache" in cfg.phases and cfg.keptcache:
-            from . import keptcache
-
-            kept = keptcache.Settings.quick() if cfg.quick else keptcache.Settings(
-                long_words=cfg.keptcache_long_words)
-            phases["keptcache"] = keptcache.run_phase(bench, kept)
-            took("keptcache")
-        if "fairness" in cfg.phases and cfg.fairness_seconds > 0:
-            from . import fairness
-
-            teams = fairness.Settings.quick() if cfg.quick else fairness.Settings(
-                seconds=cfg.fairness_seconds)
-            phases["fairness"] = fairness.run_phase(bench, teams)
-            took("fairness")
-        if "bodies" in cfg.phases:
-            from . import bodies
-
-            phases["bodies"] = bodies.run_phase(bench, cfg.quick)
-            took("bodies")
-        if "sharing" in cfg.phases and cfg.sharing_reps > 0:
-            from .sharing import run_phase
-
-            sharing = run_phase(workdir, procs, binary, cfg.sharing_reps, cfg.stall_bound,
-                                cfg.quick)
-            took("sharing")
+        run_phases(bench, main, outcome)
     except BaseException:
         for item in procs.items:
             print(f"--- {item.name} log tail ---\n{item.tail(15)}", file=sys.stderr)
         raise
     finally:
-        bench.close()
+        main.close()
         leftovers = procs.stop_all()
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -312,38 +250,28 @@ def run_bench(cfg: Config) -> dict[str, Any]:
         "machine": machine_info(binary, cfg.router_src),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()},
         "columns": {c: LABELS[c] for c in COLUMNS},
-        "details": results,
+        "details": outcome.results,
         "leftover_processes": leftovers,
         "loadavg_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.perf_counter() - began, 1),
-        "phase_wall_s": phase_wall,
+        "phase_wall_s": outcome.wall,
         "targets": {},
     }
-    if results:
-        rows = build_rows(results, cfg.presets)
-        report["metrics"] = {r.key: {"label": r.label, "unit": r.unit, "kind": r.kind,
-                                     **r.values} for r in rows}
-        report["targets"] = evaluate(results, rows)
-        report["table"] = render_table(rows)
-    for name, phase in phases.items():
-        report[name] = phase
-        report["targets"].update(phase["targets"])
-    if sharing is not None:
-        report["sharing"] = sharing
-        report["targets"].update(sharing["targets"])
+    add_phases(report, outcome, cfg.presets)
     return report
 
 
-def python_floor(res: dict[str, Any]) -> str:
-    """The line comparing llama-router's start and idle memory with the Python floor."""
-    start, rss = res["startup_ms"], res["rss_idle_mb"]
-    floor_ms = start["python_floor"][ROUTER]
-    floor_mb = res["rss_idle_python_floor_mb"]
-    own_ms, own_mb = start["main"][ROUTER], rss[ROUTER]
-    return (f"Python floor (benchmarks.floorstart: pydantic-settings, httpx, starlette and "
-            f"uvicorn serving /health alone): start -> /health 200 {floor_ms:.0f} ms, idle RSS "
-            f"{floor_mb:.1f} MB; llama-router {own_ms:.0f} ms ({own_ms - floor_ms:+.0f} ms), "
-            f"{own_mb:.1f} MB ({own_mb - floor_mb:+.1f} MB)")
+def add_phases(report: dict[str, Any], outcome: Outcome, presets: int) -> None:
+    """Each phase's results, table and targets into the report."""
+    if outcome.results:
+        rows = build_rows(outcome.results, presets)
+        report["metrics"] = {r.key: {"label": r.label, "unit": r.unit, "kind": r.kind,
+                                     **r.values} for r in rows}
+        report["targets"] = evaluate(outcome.results, rows)
+        report["table"] = render_table(rows)
+    for name, phase in outcome.phases.items():
+        report[name] = phase
+        report["targets"].update(phase["targets"])
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -404,11 +332,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- CLI
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench",
-        description="Benchmark a direct llama-server, llama.cpp's router mode and "
-        "llama-router on this machine (tiny generated models).")
+def _main_phase_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved latency rounds (default 10)")
     parser.add_argument("--samples", type=int,
                         help="requests per target, metric and round (default 40)")
@@ -427,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy llama-router under the /tokenize load (extra run)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings for a smoke test (a few seconds per phase)")
+
+
+def _later_phase_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sharing-reps", type=int,
                         help="repetitions of the CPU-sharing phase (default 3; 0 skips it)")
     parser.add_argument("--stall-bound", type=float,
@@ -464,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multiturn-baseline", type=Path,
                         help="also run the multi-turn phase's prefix routing from this "
                         "llama-router source tree (before/after in one run)")
+
+
+def _relay_and_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay-streams",
                         help="comma list of concurrent streams of the relay phase "
                         "(default 8,64,256)")
@@ -482,12 +412,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--loadgen", help=argparse.SUPPRESS)
     parser.add_argument("--loadgen-body", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
 
-    if args.loadgen:
-        return loadgen_main(args.loadgen, (args.loadgen_body or "").encode(),
-                            args.connections or 32, args.duration or 5.0)
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench",
+        description="Benchmark a direct llama-server, llama.cpp's router mode and "
+        "llama-router on this machine (tiny generated models).")
+    _main_phase_options(parser)
+    _later_phase_options(parser)
+    _relay_and_run_options(parser)
+    return parser
+
+
+def _main_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    """The main phase's settings, ``--quick`` and the phases to run."""
     cfg = Config()
     if args.quick:
         cfg = Config(rounds=1, samples=5, duration=1.0, throughput_rounds=1, cold_rounds=1,
@@ -513,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--phases: unknown {', '.join(unknown) or 'empty list'}; "
                      f"choose from {', '.join(PHASES)}")
     cfg.phases = ("sharing",) if args.only_sharing else phases
+    return cfg
+
+
+def _later_phases_config(cfg: Config, args: argparse.Namespace,
+                         parser: argparse.ArgumentParser) -> None:
+    """The settings of the phases after the main one, but the multi-turn's trees."""
     if args.keptcache is not None:
         cfg.keptcache = args.keptcache
     if args.fairness_seconds is not None:
@@ -542,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg, name, value)
     if args.turns is not None and args.turns < 2:
         parser.error("--turns must be 2 or more (follow-up turns are measured)")
+
+
+def _trees_and_run_config(cfg: Config, args: argparse.Namespace,
+                          parser: argparse.ArgumentParser) -> None:
+    """The llama-router trees and log level, the multi-turn phase's configuration, the rest."""
     cfg.router_log_level = args.router_log_level
     if args.router_src is not None:
         if not (args.router_src / "router" / "cli.py").is_file():
@@ -566,6 +516,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg.loadgen = args.loadgen_tool
     cfg.profile = args.profile
     cfg.workdir = args.workdir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    if args.loadgen:
+        return loadgen_main(args.loadgen, (args.loadgen_body or "").encode(),
+                            args.connections or 32, args.duration or 5.0)
+
+    cfg = _main_config(args, parser)
+    _later_phases_config(cfg, args, parser)
+    _trees_and_run_config(cfg, args, parser)
 
     try:
         report = run_bench(cfg)

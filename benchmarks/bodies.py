@@ -30,10 +30,11 @@ import httpx
 
 from router.llama.tinymodel import write_tiny_model
 
-from .harness import wait_healthy, write_presets
+from .harness.processes import wait_healthy
+from .harness.targets import write_presets
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 MiB = 1 << 20
 STALL_GOAL_MS = 100.0
@@ -78,7 +79,7 @@ def peak_rss(pid: int) -> int:
 
 def measure(bench: Bench, name: str, body: bytes, model: Path) -> dict[str, Any]:
     presets = write_presets(bench.workdir / f"bodies-{name}.ini", {"tiny": model}, [])
-    item, url = bench._start_router(presets, f"bodies-{name}", extra_args=())
+    item, url = bench.start_router(presets, f"bodies-{name}", extra_args=())
     try:
         wait_healthy(item, url)
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:

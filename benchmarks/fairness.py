@@ -50,16 +50,11 @@ import httpx
 from router.children.process import free_port
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .harness import (
-    CHILD_CPU,
-    Managed,
-    alike_environment,
-    wait_healthy,
-    write_presets,
-)
+from .harness.processes import Managed, wait_healthy
+from .harness.targets import CHILD_CPU, alike_environment, write_presets
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 ROUTER, DIRECT = "router", "direct"
 KEPT, DIRECT2 = "router-kept", "direct-2"  # two slots: one kept for interactive / none
@@ -207,7 +202,7 @@ class FairnessBench:
             presets = write_presets(work / f"{target}.ini", {MODEL: self.smol},
                                     ["interactive-slots = 1"] if target == KEPT else [],
                                     parallel=slots, ctx_size=2048 * slots)
-            item, url = self.bench._start_router(
+            item, url = self.bench.start_router(
                 presets, f"fairness-{target}", extra_args=["--api-key-file", str(keys)])
         else:
             port = free_port()

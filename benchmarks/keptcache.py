@@ -39,14 +39,15 @@ import httpx
 
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .harness import Managed, wait_healthy, write_presets
+from .harness.processes import Managed, wait_healthy
+from .harness.targets import write_presets
 from .multiturn import QUESTIONS, system_prompt
 from .warmswap import Turn, turn
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .harness import Bench
+    from .harness.targets import Bench
 
 KEPT, SLOTS = "kept", "slots"
 TARGETS = (KEPT, SLOTS)
@@ -104,8 +105,8 @@ class KeptCacheBench:
                                 {CHAT: smol, OTHER: smol}, [], parallel=parallel,
                                 ctx_size=ctx)
         extra = ["--models-max", "1", *(["--state-dir", str(states)] if states else [])]
-        item, url = self.bench._start_router(presets, f"conversations-{name}",
-                                             extra_args=extra)
+        item, url = self.bench.start_router(presets, f"conversations-{name}",
+                                            extra_args=extra)
         wait_healthy(item, url)
         return item, url
 

@@ -53,18 +53,14 @@ import httpx
 
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .harness import (
-    BenchError,
-    Managed,
-    chat_events,
-    percentile,
-    rotate,
-    wait_healthy,
-    write_presets,
-)
+from .harness.errors import BenchError
+from .harness.processes import Managed, wait_healthy
+from .harness.stats import percentile, rotate
+from .harness.targets import write_presets
+from .harness.timing import chat_events
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 PREFIX, LEAST_BUSY, LLAMACPP_ONE = "prefix", "least_busy", "llamacpp_router"
 BASELINE = "baseline"
@@ -235,8 +231,8 @@ class MultiTurnBench:
                       src: Path | None = None) -> str | None:
         """Start llama-router with ``replica-routing = routing``; None if it refuses the key."""
         extra = ["replicas = 2", *([f"{ROUTING_KEY} = {routing}"] if routing else [])]
-        item, url = self.bench._start_router(self._presets(name, extra), f"multiturn-{name}",
-                                             src=src)
+        item, url = self.bench.start_router(self._presets(name, extra), f"multiturn-{name}",
+                                            src=src)
         self.items.append(item)
         try:
             wait_healthy(item, url)
@@ -267,7 +263,7 @@ class MultiTurnBench:
                 self.urls[BASELINE] = baseline
         if not self.s.together:  # llama.cpp's router: in the first configuration only
             lc = self._presets(LLAMACPP_ONE, ["metrics = true", *self.bench.lc_cpu_keys()])
-            item, url = self.bench._start_llamacpp(lc, "multiturn-llamacpp")
+            item, url = self.bench.start_llamacpp(lc, "multiturn-llamacpp")
             self.items.append(item)
             wait_healthy(item, url)
             self.urls[LLAMACPP_ONE] = url

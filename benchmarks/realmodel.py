@@ -35,32 +35,24 @@ import httpx
 
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .harness import (
-    COLUMNS,
-    DIRECT,
+from .harness.columns import COLUMNS, DIRECT, LLAMACPP, ROUTER, ROUTERS
+from .harness.errors import BenchError
+from .harness.processes import wait_healthy
+from .harness.stats import percentile, rotate, summary_ms
+from .harness.table import Row, render_table
+from .harness.targets import Endpoint, write_presets
+from .harness.timing import (
     JSON_HEADERS,
-    LLAMACPP,
-    ROUTER,
-    ROUTERS,
-    BenchError,
-    Endpoint,
-    Row,
     attempt,
     chat_body,
     chat_events,
-    percentile,
-    render_table,
-    rotate,
-    summary_ms,
     timed_first_token,
     timed_request,
     tokenize_body,
-    wait_healthy,
-    write_presets,
 )
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 MODEL_A, MODEL_B = "smol-a", "smol-b"
 # Prompts of the generation streams (stream i of 4 gets prompt i).
@@ -194,9 +186,9 @@ class RealModelBench:
         lc = write_presets(workdir / "real-llamacpp.ini", models,
                            ["metrics = true", *bench.lc_cpu_keys()])
         lr = write_presets(workdir / "real-llama-router.ini", models, [])
-        started = {DIRECT: bench._start_direct(MODEL_A, "real-direct"),
-                   LLAMACPP: bench._start_llamacpp(lc, "real-llamacpp"),
-                   ROUTER: bench._start_router(lr, "real-llama-router")}
+        started = {DIRECT: bench.start_direct(MODEL_A, "real-direct"),
+                   LLAMACPP: bench.start_llamacpp(lc, "real-llamacpp"),
+                   ROUTER: bench.start_router(lr, "real-llama-router")}
         for column, (item, url) in started.items():
             wait_healthy(item, url)
             self.eps[column] = Endpoint(column, url, item)

@@ -47,27 +47,15 @@ from router.children.process import free_port
 from router.host.cpus import spin_environment
 from router.llama.tinymodel import write_tiny_model
 
-from .harness import (
-    COLUMNS,
-    DIRECT,
-    LABELS,
-    LLAMACPP,
-    MB,
-    ROOT,
-    ROUTER,
-    BenchError,
-    Managed,
-    _py_spy,
-    percentile,
-    process_cpu_s,
-    rotate,
-    summarize_profile,
-    wait_healthy,
-    write_presets,
-)
+from .harness.columns import COLUMNS, DIRECT, LABELS, LLAMACPP, ROUTER
+from .harness.errors import BenchError
+from .harness.processes import ROOT, Managed, process_cpu_s, wait_healthy
+from .harness.profiling import py_spy, summarize_profile
+from .harness.stats import MB, percentile, rotate
+from .harness.targets import write_presets
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 MODEL = "relay"
 STANDIN_MODEL = "standin"
@@ -156,7 +144,7 @@ def run_streams(url: str, streams: int, body: str, watch: psutil.Process | None,
 
 def profile_run(url: str, streams: int, body: str, pid: int, out: Path) -> dict[str, Any]:
     """An uncounted run under ``py-spy record`` on ``pid``: the profile's summary."""
-    spy = _py_spy()
+    spy = py_spy()
     if spy is None:
         return {"error": "py-spy not installed (pip install py-spy)"}
     argv = [spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
@@ -211,9 +199,9 @@ class RelayBench:
                                 (["metrics = true"] if column == LLAMACPP else []) + slot,
                                 parallel=streams, ctx_size=ctx)
         if column == LLAMACPP:
-            item, url = self.bench._start_llamacpp(presets, f"{tag}-llamacpp-router")
+            item, url = self.bench.start_llamacpp(presets, f"{tag}-llamacpp-router")
         else:
-            item, url = self.bench._start_router(presets, f"{tag}-llama-router")
+            item, url = self.bench.start_router(presets, f"{tag}-llama-router")
         wait_healthy(item, url)
         return item, url
 
@@ -262,7 +250,7 @@ class RelayBench:
         most = max(*self.settings.ceiling_streams, self.settings.burst_streams)
         presets.write_text(f"version = 1\n\n[{STANDIN_MODEL}]\nupstream = {standin_url}\n"
                            f"upstream-connections = {most}\n")
-        router, url = self.bench._start_router(presets, "relay-ceiling-llama-router")
+        router, url = self.bench.start_router(presets, "relay-ceiling-llama-router")
         rows: list[dict[str, Any]] = []
         profile: dict[str, Any] | None = None
         try:

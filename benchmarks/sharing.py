@@ -31,16 +31,9 @@ from router.children.process import free_port
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 from router.llama.tinymodel import write_tiny_model
 
-from .harness import (
-    DIRECT,
-    LLAMACPP,
-    ROOT,
-    ROUTER,
-    Managed,
-    Processes,
-    wait_healthy,
-    write_presets,
-)
+from .harness.columns import DIRECT, LLAMACPP, ROUTER
+from .harness.processes import ROOT, Managed, Processes, wait_healthy
+from .harness.targets import write_presets
 
 PAIR_TOKENS = {"tiny": 1000, "smollm2": 64}
 REPLICA_REQUESTS, REPLICA_TOKENS = 8, 400

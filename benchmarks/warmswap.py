@@ -34,11 +34,14 @@ import httpx
 
 from router.llama.smollm2 import INSTALL_HINT, find_smollm2
 
-from .harness import Managed, chat_events, percentile, rotate, wait_healthy, write_presets
+from .harness.processes import Managed, wait_healthy
+from .harness.stats import percentile, rotate
+from .harness.targets import write_presets
+from .harness.timing import chat_events
 from .multiturn import QUESTIONS, system_prompt
 
 if TYPE_CHECKING:
-    from .harness import Bench
+    from .harness.targets import Bench
 
 WARM, COLD, KEPT = "warm", "cold", "kept"
 TARGETS = (WARM, COLD, KEPT)
@@ -121,8 +124,8 @@ class WarmSwapBench:
             extra = list(ARGS[target])
             if target == WARM:
                 extra += ["--state-dir", str(self.bench.workdir / "warmswap-states")]
-            item, url = self.bench._start_router(presets, f"warmswap-{target}",
-                                                 extra_args=extra)
+            item, url = self.bench.start_router(presets, f"warmswap-{target}",
+                                                extra_args=extra)
             self.items.append(item)
             wait_healthy(item, url)
             self.urls[target] = url

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from benchmarks import standin, streamclient
-from benchmarks.harness import COLUMNS, DIRECT, LLAMACPP, ROUTER
+from benchmarks.harness.columns import COLUMNS, DIRECT, LLAMACPP, ROUTER
 from benchmarks.relay import FLOOR
 
 ROOT = Path(__file__).resolve().parent.parent
