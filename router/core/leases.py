@@ -159,6 +159,8 @@ class Leases:
         replica.in_flight -= 1
         counters = runtime.counters
         counters.in_flight -= 1
+        assert replica.in_flight >= 0 and counters.in_flight >= replica.in_flight, \
+            "a lease given back twice, or never taken"
         counters.used_at = now = clock.now()
         if ticket is not None:
             replica.backlog.remove(ticket, now, runtime.slots)

@@ -161,6 +161,7 @@ class FairQueue:
         return turn
 
     def _begin(self, flow: _Flow, turn: Turn) -> None:
+        assert turn not in self._started, "a turn holds one slot at most"
         turn.started = True
         flow.running += 1
         flow.service += turn.cost
@@ -180,6 +181,8 @@ class FairQueue:
         self.running -= 1
         self.running_interactive -= turn.rank == 0
         self._started.pop(turn, None)
+        assert flow.running >= 0 and self.running == len(self._started) \
+            and 0 <= self.running_interactive <= self.running, "a slot counted twice or never"
         self._prune()
 
     def _least(self, rank: int, but: tuple[int, str] | None = None) -> float | None:

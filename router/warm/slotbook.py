@@ -197,6 +197,7 @@ class SlotBook:
     def _take(self, index: int, conversation: Conversation | None, plan: Plan) -> Plan:
         self._uses += 1
         slot = self.slots[index]
+        assert not slot.busy, "a slot holds one request at a time"
         slot.busy = True
         slot.used = self._uses
         if conversation != slot.held:
