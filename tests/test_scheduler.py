@@ -342,3 +342,25 @@ def test_brute_force_devices_eviction_is_minimal_lru_and_sufficient() -> None:
             for victim in plan.evict:
                 held = next(m for m in models if m.id == victim).devices
                 assert any(held.get(pool, 0) for pool in target), (combo, target, plan)
+
+
+def test_a_new_eviction_policy_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The newcomer's change (docs/architecture.md): a policy is an order over ``ModelUse``
+    named in ``EVICTION_POLICIES``; the planner takes idle models and the one to drain in
+    its order, and nothing else changes."""
+    from types import MappingProxyType
+
+    from router.core import scheduler
+
+    models = [ModelUse("old", Status.LOADED, last_used=1.0),
+              ModelUse("new-ish", Status.LOADED, last_used=5.0)]
+    assert plan_admission(models, "x", 2).evict == ("old",)  # lru, the router's
+    most_recent = MappingProxyType({**scheduler.EVICTION_POLICIES,
+                                    "mru": lambda m: (-m.last_used, m.id)})
+    monkeypatch.setattr(scheduler, "EVICTION_POLICIES", most_recent)
+    assert plan_admission(models, "x", 2, eviction="mru").evict == ("new-ish",)
+    busy = [ModelUse("old", Status.LOADED, last_used=1.0, in_flight=1),
+            ModelUse("new-ish", Status.LOADED, last_used=5.0, in_flight=1)]
+    assert plan_admission(busy, "x", 2, waited_s=9, fairness_s=1, eviction="mru").drain == \
+        ("new-ish",)

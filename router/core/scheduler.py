@@ -24,12 +24,18 @@ Policy:
   ``fairness_s``, the least recently used busy model is *drained*: it takes no new requests,
   finishes what it has, and is then evicted like any idle model.
 * A model that can never fit (its estimate alone exceeds a budget) is refused at once.
+
+Which of the candidates goes first is the eviction policy: an order over ``ModelUse``, picked
+by name from ``EVICTION_POLICIES`` (one table, as uvicorn picks its loops): a new policy is one
+entry there. The router's is ``DEFAULT_EVICTION``, least recently used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from ..host.memory import RAM as RAM  # its home; re-exported for the planner's readers
 from .lifecycle import Status as Status  # its home; re-exported for older imports
@@ -66,6 +72,21 @@ class ModelUse:
         return {RAM: self.memory, **self.devices}
 
 
+EvictionOrder = Callable[[ModelUse], tuple[Any, ...]]  # sorts the first to go first
+
+
+def _least_recently_used(m: ModelUse) -> tuple[Any, ...]:
+    return (m.last_used, m.id)
+
+
+# The eviction policies by name: the order in which idle models are evicted and a busy one is
+# chosen to drain. A policy sees only ``ModelUse``; ties end on the id, so plans are stable.
+EVICTION_POLICIES: Mapping[str, EvictionOrder] = MappingProxyType({
+    "lru": _least_recently_used,
+})
+DEFAULT_EVICTION = "lru"
+
+
 @dataclass(frozen=True)
 class Admission:
     """``admit``: start the target now. ``evict``: stop these idle models first. ``drain``: stop
@@ -81,8 +102,11 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
                    target_memory: int = 0, memory_budget: int | None = None,
                    target_devices: Mapping[str, int] | None = None,
                    device_budgets: Mapping[str, int] | None = None,
-                   waited_s: float = 0.0, fairness_s: float | None = None) -> Admission:
-    """Decide whether ``target`` may start now, and what must make room for it."""
+                   waited_s: float = 0.0, fairness_s: float | None = None,
+                   eviction: str = DEFAULT_EVICTION) -> Admission:
+    """Decide whether ``target`` may start now, and what must make room for it, the
+    candidates taken in the order of the ``eviction`` policy (``EVICTION_POLICIES``)."""
+    order = EVICTION_POLICIES[eviction]
     budgets: dict[str, int] = dict(device_budgets or {})
     if memory_budget is not None:
         budgets[RAM] = memory_budget
@@ -99,12 +123,12 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
     for m in others:
         if m.status is Status.STOPPING:
             shortfall.free(m)
-    evict = _evict_idle(others, shortfall)
+    evict = _evict_idle(others, shortfall, order)
     if not shortfall.short():
         return Admission(admit=False, evict=evict)
     drain: tuple[str, ...] = ()
     if fairness_s is not None and waited_s >= fairness_s:
-        drain = _drain_one_busy(others, shortfall)
+        drain = _drain_one_busy(others, shortfall, order)
     return Admission(admit=False, evict=evict, drain=drain)
 
 
@@ -152,11 +176,11 @@ class _Shortfall:
                 self.over[pool] -= held
 
 
-def _evict_idle(others: Sequence[ModelUse], shortfall: _Shortfall) -> tuple[str, ...]:
-    """Idle loaded models to stop, least recently used first, each freeing something still
+def _evict_idle(others: Sequence[ModelUse], shortfall: _Shortfall, order: EvictionOrder
+                ) -> tuple[str, ...]:
+    """Idle loaded models to stop, first in ``order`` first, each freeing something still
     short, until nothing is short or none is left; ``shortfall`` counts them as freed."""
-    idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy),
-                  key=lambda m: (m.last_used, m.id))
+    idle = sorted((m for m in others if m.status is Status.LOADED and not m.busy), key=order)
     evict: list[str] = []
     for m in idle:
         if not shortfall.short():
@@ -167,12 +191,12 @@ def _evict_idle(others: Sequence[ModelUse], shortfall: _Shortfall) -> tuple[str,
     return tuple(evict)
 
 
-def _drain_one_busy(others: Sequence[ModelUse], shortfall: _Shortfall) -> tuple[str, ...]:
-    """The fairness bound: the least recently used busy model that would help, unless one
-    that would is draining already."""
+def _drain_one_busy(others: Sequence[ModelUse], shortfall: _Shortfall, order: EvictionOrder
+                    ) -> tuple[str, ...]:
+    """The fairness bound: the busy model first in ``order`` that would help, unless one that
+    would is draining already."""
     busy = sorted((m for m in others if m.status is Status.LOADED and m.busy
-                   and shortfall.helps(m)),
-                  key=lambda m: (m.last_used, m.id))
+                   and shortfall.helps(m)), key=order)
     if busy and not any(m.draining for m in busy):
         return (busy[0].id,)
     return ()
