@@ -8,7 +8,10 @@ import argparse
 import gc
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 S = argparse.SUPPRESS
 # `tiny-model` needs these; they come with the extra, not with the router (pyproject.toml).
@@ -16,150 +19,92 @@ TINY_EXTRA = "llama-router[tiny]"
 TINY_EXTRA_MODULES = ("gguf", "numpy")
 
 
+# `serve --help` lists the settings' flags in this order, by the field names of
+# `config.settings.Settings`, where each is declared (a field with a `Flag` that is not named
+# here comes after these, in the order Settings declares it).
+SERVE_HELP_ORDER = (
+    "presets", "models_dir",  # where the models come from
+    "host", "port",  # where the router listens
+    "models_max", "models_autoload", "api_key", "api_key_file",  # loads, keys
+    "llama_server", "load_timeout", "stop_timeout", "liveness_interval",  # the children
+    "liveness_timeout", "liveness_misses",
+    "shutdown_grace", "body_timeout", "upstream_timeout", "wait_budget",  # how long a request
+    "idle_timeout", "state_dir", "state_budget",  # or an idle model may take
+    "memory_budget", "gpu_memory_budget", "max_queue", "fairness", "cpu_sharing",  # sharing
+    "webui", "webui_path", "default_model", "unknown_model_to_default",  # clients, browsers
+    "cors_origins",
+    "log_level",
+    "node_name", "peer", "peer_api_key_file", "peer_dns", "peer_dns_interval",  # peers
+    "peer_prefix",
+)
+
+
 def _serve_parser(sub: Any) -> None:
+    from .config.settings import Flag, Settings
+
     p = sub.add_parser(
         "serve", help="run the router",
         description="Serve many llama-server models behind one OpenAI-compatible endpoint. "
         "Arguments after -- are passed to every llama-server child and override presets. "
         "Every flag can also be set as an environment variable LLAMA_ROUTER_<FLAG>.")
-    # The order of the calls is the order of `serve --help`.
-    _model_source_args(p)
-    _listen_args(p)
-    _access_args(p)
-    _child_args(p)
-    _request_timeout_args(p)
-    _capacity_args(p)
-    _client_facing_args(p)
-    p.add_argument("--log-level", default=S, choices=["debug", "info", "warning", "error"])
-    _peer_args(p)
+    fields = Settings.model_fields
+    flagged = [name for name, field in fields.items()
+               if any(isinstance(m, Flag) for m in field.metadata)]
+    unknown = set(SERVE_HELP_ORDER) - set(flagged)
+    if unknown:
+        raise RuntimeError(f"SERVE_HELP_ORDER names settings without a flag: {sorted(unknown)}")
+    order = [*SERVE_HELP_ORDER, *(name for name in flagged if name not in SERVE_HELP_ORDER)]
+    for name in order:
+        for spellings, options in _flag_arguments(name, fields[name]):
+            p.add_argument(*spellings, **options)
 
 
-def _model_source_args(p: argparse.ArgumentParser) -> None:
-    """Where the models come from: preset files and models directories."""
-    p.add_argument("--presets", action="append", type=Path, default=S, metavar="FILE",
-                   help="INI preset file (llama.cpp format); repeatable")
-    p.add_argument("--models-preset", dest="presets", action="append", type=Path, default=S,
-                   help=argparse.SUPPRESS)
-    p.add_argument("--models-dir", action="append", type=Path, default=S, metavar="DIR",
-                   help="directory of GGUF models (llama.cpp layout); repeatable")
+def _flag_arguments(name: str, field: FieldInfo) -> list[tuple[list[str], dict[str, Any]]]:
+    """The ``add_argument`` calls of a setting's flag (``config.settings.Flag`` says how a
+    field becomes one): the flag, then each hidden alias. A flag given sets its setting (its
+    ``dest``); one not given is absent (``SUPPRESS``), so the environment and the default
+    apply."""
+    from .config.settings import Flag
+
+    flag = next(m for m in field.metadata if isinstance(m, Flag))
+    value_type, repeatable = _value_type(field.annotation)
+    options: dict[str, Any] = {"dest": name, "default": S}
+    spelling = "--" + name.replace("_", "-")
+    if value_type is bool:
+        if field.default:
+            spelling = "--no-" + name.replace("_", "-")
+        options["action"] = "store_false" if field.default else "store_true"
+    else:
+        if repeatable:
+            options["action"] = "append"
+        if value_type is not str:
+            options["type"] = value_type
+        if flag.choices:
+            options["choices"] = list(flag.choices)
+    hidden = [([alias], {**options, "help": S}) for alias in flag.aliases]
+    if flag.metavar is not None:
+        options["metavar"] = flag.metavar
+    if field.description is not None:
+        options["help"] = _help(field.description, field.default)
+    return [([spelling], options), *hidden]
 
 
-def _listen_args(p: argparse.ArgumentParser) -> None:
-    """Where the router listens."""
-    p.add_argument("--host", default=S, help="addresses to listen on, comma separated: IPv4, "
-                   "IPv6 (::1), :: or host names (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=S, help="port to listen on (default 8080)")
+def _value_type(annotation: Any) -> tuple[Any, bool]:
+    """The type one value of a setting is read as (``X`` of ``X``, ``X | None`` and
+    ``list[X]``), and whether it is a list (its flag repeats)."""
+    from typing import get_args, get_origin
+
+    inner = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if get_origin(annotation) is list:
+        return inner[0], True
+    return (inner[0] if inner else annotation), False
 
 
-def _access_args(p: argparse.ArgumentParser) -> None:
-    """Which models load on their own, and which keys a request needs."""
-    p.add_argument("--models-max", type=int, default=S, metavar="N",
-                   help="most models loaded at once, <= 0 for no limit (default 4)")
-    p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
-                   default=S, help="do not load models on request; use POST /models/load")
-    p.add_argument("--api-key", action="append", default=S, metavar="KEY",
-                   help="require this API key (comma list or repeat)")
-    p.add_argument("--api-key-file", type=Path, default=S, metavar="FILE",
-                   help="file with one API key per line (# comments), each optionally "
-                   "scoped: KEY models=a,b-* role=infer|metrics|admin (README: API keys)")
-
-
-def _child_args(p: argparse.ArgumentParser) -> None:
-    """The llama-server children: their binary, start, stop and health checks."""
-    p.add_argument("--llama-server", type=Path, default=S, metavar="PATH",
-                   help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH, then cache)")
-    p.add_argument("--load-timeout", type=float, default=S, metavar="S",
-                   help="seconds a child may take to become healthy (default 300)")
-    p.add_argument("--stop-timeout", type=float, default=S, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
-    p.add_argument("--liveness-interval", type=float, default=S, metavar="S",
-                   help="seconds between health checks of each serving child; 0: none "
-                   "(default 2)")
-    p.add_argument("--liveness-timeout", type=float, default=S, metavar="S",
-                   help="seconds a health check may take (default 3)")
-    p.add_argument("--liveness-misses", type=int, default=S, metavar="N",
-                   help="failed health checks in a row that kill a frozen child (default 3)")
-
-
-def _request_timeout_args(p: argparse.ArgumentParser) -> None:
-    """How long a request, or an idle model, may take before the router ends it."""
-    p.add_argument("--shutdown-grace", type=float, default=S, metavar="S",
-                   help="seconds in-flight requests get on SIGTERM before they end with a "
-                   "503 (default 30)")
-    p.add_argument("--body-timeout", type=float, default=S, metavar="S",
-                   help="seconds a request body may pause between two chunks before the "
-                   "request ends with a 408 (default 30)")
-    p.add_argument("--upstream-timeout", type=float, default=S, metavar="S",
-                   help="seconds a proxied request may wait for the response head of its "
-                   "child, peer or remote (a non-streamed answer's comes when its generation "
-                   "ends); then a 504 (default 600)")
-    p.add_argument("--wait-budget", type=float, default=S, metavar="S",
-                   help="seconds a request may wait for its model (default 120)")
-    p.add_argument("--idle-timeout", type=float, default=S, metavar="S",
-                   help="unload a model idle this many seconds (default 0: never; preset: ttl)")
-    p.add_argument("--state-dir", type=Path, default=S, metavar="DIR",
-                   help="warm swaps: save a model's slots (prompt caches) here before its "
-                   "children stop, restore them when it loads again (default: off)")
-    p.add_argument("--state-budget", default=S, metavar="SIZE",
-                   help="disk the saved slot states may take (default 10G; least recently "
-                   "used dropped first)")
-
-
-def _capacity_args(p: argparse.ArgumentParser) -> None:
-    """What the models may share: memory, the admission queue and the CPUs."""
-    p.add_argument("--memory-budget", default=S, metavar="SIZE",
-                   help="memory all children may use, e.g. 24G (default: RAM minus "
-                   "max(1 GiB, 10%%); 'off' to count models only)")
-    p.add_argument("--gpu-memory-budget", default=S, metavar="SIZE",
-                   help="memory the children may use on each GPU (nvidia-smi): 'auto' (the "
-                   "GPU's memory less 1 GiB), 'off', a size, or INDEX=SIZE,... per GPU")
-    p.add_argument("--max-queue", type=int, default=S, metavar="N",
-                   help="requests that may wait for models at once; more get 429 (default 1000)")
-    p.add_argument("--fairness", type=float, default=S, metavar="S",
-                   help="a swap waiting this long drains the busy model in its way (default 10)")
-    p.add_argument("--no-cpu-sharing", dest="cpu_sharing", action="store_false", default=S,
-                   help="start every child with llama.cpp's own thread defaults, no CPU "
-                   "turns between models (docs/scheduling.md#cpu-sharing)")
-
-
-def _client_facing_args(p: argparse.ArgumentParser) -> None:
-    """What clients and browsers get: the web UI, the default model, CORS."""
-    p.add_argument("--no-webui", dest="webui", action="store_false", default=S,
-                   help="serve no web UI at / (default: llama.cpp's, as installed by "
-                   "install-llama-server)")
-    p.add_argument("--webui-path", type=Path, default=S, metavar="DIR",
-                   help="serve the web UI built in DIR (with index.html) instead")
-    p.add_argument("--default-model", default=S, metavar="NAME",
-                   help="send requests that name no model (llama-server's own clients: "
-                   "/completion, /tokenize, ...) to this model, an id or alias (default: the "
-                   "router's only model when it has exactly one; docs/api.md#the-default-model)")
-    p.add_argument("--unknown-model-to-default", action="store_true", default=S,
-                   help="also send requests naming a model nobody serves (gpt-3.5-turbo, "
-                   "...) to the default model, instead of a 404")
-    p.add_argument("--cors-origins", default=S, metavar="ORIGINS",
-                   help="what pages of other origins may use, a comma list: * (default: any "
-                   "page, inference routes), localhost (pages of this machine, inference "
-                   "routes), origins such as https://app.example (every route, admin too), "
-                   "or none (docs/api.md#browsers-and-cors)")
-
-
-def _peer_args(p: argparse.ArgumentParser) -> None:
-    """This router among peers: its name, the peers it fronts and how they are found."""
-    p.add_argument("--node-name", default=S, metavar="NAME",
-                   help="this router's name among peers: /models' node field, metrics' node "
-                   "label (default: the host name)")
-    p.add_argument("--peer", action="append", default=S, metavar="URL",
-                   help="another llama-router (or llama.cpp router) to front, http://host:port: "
-                   "its models are served through this one; repeatable (docs/deployment.md)")
-    p.add_argument("--peer-api-key-file", type=Path, default=S, metavar="FILE",
-                   help="file with the API key sent to peers as a bearer token")
-    p.add_argument("--peer-dns", action="append", default=S, metavar="NAME:PORT",
-                   help="resolve NAME's A/AAAA records periodically; each address is a peer "
-                   "(a Kubernetes headless Service); repeatable")
-    p.add_argument("--peer-dns-interval", type=float, default=S, metavar="S",
-                   help="seconds between resolutions of --peer-dns (default 10)")
-    p.add_argument("--peer-prefix", action="store_true", default=S,
-                   help="list peers' models as NODE/MODEL instead of their own ids")
+def _help(description: str, default: Any) -> str:
+    """A setting's description as argparse shows it: ``{default}`` the default as written
+    (``300``, not ``300.0``), a ``%`` as itself."""
+    shown = f"{default:g}" if isinstance(default, float) else str(default)
+    return description.replace("{default}", shown).replace("%", "%%")
 
 
 def _install_parser(sub: Any) -> None:
@@ -280,6 +225,15 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def given_settings(args: argparse.Namespace, child_args: list[str]) -> dict[str, Any]:
+    """The settings ``serve``'s command line gives: each flag given (one not given is absent,
+    so its environment variable or default applies) and the arguments after ``--``."""
+    values = {name: value for name, value in vars(args).items() if name != "command"}
+    if child_args:
+        values["child_args"] = child_args
+    return values
+
+
 def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     from pydantic import ValidationError
 
@@ -289,14 +243,8 @@ def _serve(args: argparse.Namespace, child_args: list[str]) -> int:
     from .llama.install import InstallError
     from .server import serve
 
-    values = {k: v for k, v in vars(args).items() if k != "command"}
-    if "api_key" in values:  # given but holding no key: [""], which the settings refuse
-        values["api_key"] = [k.strip() for v in values["api_key"] for k in v.split(",")
-                             if k.strip()] or [""]
-    if child_args:
-        values["child_args"] = child_args
     try:
-        settings = Settings(**values)
+        settings = Settings(**given_settings(args, child_args))
     except ValidationError as exc:
         print(f"llama-router: invalid settings:\n{describe(exc)}", file=sys.stderr)
         return 2

@@ -179,7 +179,7 @@ def test_a_budget_for_a_gpu_that_is_not_there(tmp_path: Path, llama_server: Path
     (("--api-key", ""), {}, "--api-key"),
     (("--api-key", " , "), {}, "--api-key"),
     ((), {"LLAMA_ROUTER_API_KEY": " , "}, "LLAMA_ROUTER_API_KEY"),
-    (("--api-key-file", "{comments}"), {}, "--api-key-file"),
+    (("--api-key-file", "{comments}"), {}, "keys.txt: gives no API key"),  # names the file
 ])
 def test_key_options_that_give_no_key_refuse_to_start(tmp_path: Path, args: tuple[str, ...],
                                                       env: dict[str, str], named: str) -> None:

@@ -1,11 +1,14 @@
 """Process-level settings: command-line flags over environment (``LLAMA_ROUTER_*``) over defaults.
 
 Per-model behaviour lives in presets (``presets.py``); this module holds only what the router
-process itself needs. Defaults are named constants so docs and code agree.
+process itself needs. Defaults are named constants so docs and code agree. Each setting is
+declared once, as a field of ``Settings``; ``serve``'s flags are built from the fields
+(``Flag``, ``cli.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -38,6 +41,7 @@ DEFAULT_PEER_DNS_INTERVAL_S = 10.0
 DEFAULT_STATE_BUDGET = "10G"  # saved slot states (warm swaps), least recently used dropped
 MAX_STATE_BUDGET_BYTES = 1 << 50  # 1 PiB: past any disk, short of a number that means none
 DEFAULT_CORS_ORIGINS = "*"  # llama-server's default: any origin, inference routes only
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ApiKeysInvalid(ConfigurationError):
@@ -50,98 +54,176 @@ class ApiKeysInvalid(ConfigurationError):
         super().__init__("invalid API keys:\n" + "\n".join(f"  {p}" for p in problems))
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A setting's flag of ``serve``: ``cli.py`` builds the command line from the fields of
+    ``Settings`` that carry one, a field without one is set by its environment variable only.
+
+    The flag is the field's name, ``--models-max`` for ``models_max``, taking one value of the
+    field's type (of its items for a list, whose flag repeats); a bool's flag takes none and
+    turns its default over: ``--no-webui`` for ``webui`` (default true), ``--peer-prefix``
+    for ``peer_prefix`` (default false). Its help is the field's description, where
+    ``{default}`` stands for the default; a bool's says what its flag does. ``metavar`` names
+    the value in ``--help`` (default: the name in capitals), ``choices`` are the only values
+    taken, ``aliases`` are other spellings, not shown."""
+
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+
 class Settings(BaseSettings):
     """Everything ``llama-router serve`` is configured by.
 
     Environment variables use the prefix ``LLAMA_ROUTER_`` (``LLAMA_ROUTER_PORT=9000``); list
     values are comma separated. Command-line flags win over the environment.
+
+    Each setting is declared here once: its name (and so its environment variable), type,
+    default, checks and, where it has a ``Flag``, its flag and help. The fields are in the
+    order an invalid configuration's problems are listed; ``cli.SERVE_HELP_ORDER`` is the
+    order of ``serve --help``.
     """
 
     model_config = SettingsConfigDict(env_prefix="LLAMA_ROUTER_", extra="forbid")
 
-    host: str = Field(DEFAULT_HOST, description="addresses to listen on, comma separated "
-                      "(listen.py)")
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    presets: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    models_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    models_max: int = Field(DEFAULT_MODELS_MAX, description="<= 0 means unlimited")
-    models_autoload: bool = True
-    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
-    api_key_file: Path | None = None
-    llama_server: Path | None = None
-    load_timeout: float = Field(DEFAULT_LOAD_TIMEOUT_S, gt=0)
-    stop_timeout: float = Field(DEFAULT_STOP_TIMEOUT_S, ge=0)
-    wait_budget: float = Field(DEFAULT_WAIT_BUDGET_S, gt=0)
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
-    body_timeout: float = Field(DEFAULT_BODY_TIMEOUT_S, gt=0,
-                                description="seconds a request body may pause between chunks "
-                                "(then 408)")
-    upstream_timeout: float = Field(DEFAULT_UPSTREAM_TIMEOUT_S, gt=0,
-                                    description="seconds a proxied request may wait for its "
-                                    "upstream's response head (then 504)")
-    log_lines: int = Field(DEFAULT_LOG_LINES, gt=0)
-    log_level: str = "info"
-    idle_timeout: float = Field(0.0, ge=0, description="unload models idle this long; 0: never")
-    memory_budget: str | None = Field(
-        None, description="bytes all children may use (e.g. 24G); default: RAM minus a "
-        "margin; 'off' disables the check")
-    state_dir: Path | None = Field(
-        None, description="warm swaps: save a model's slots here before its children stop "
-        "(eviction, unload, idle TTL) and restore them into its next ones; default: off")
-    state_budget: str = Field(DEFAULT_STATE_BUDGET, description="bytes the saved slot "
-                              "states may take in --state-dir (least recently used dropped)")
-    gpu_memory_budget: str | None = Field(
-        None, description="bytes each GPU's children may use: 'auto' (default: the GPU's "
-        "memory less 1 GiB), 'off', a size for every GPU, or INDEX=SIZE,...")
-    max_queue: int = Field(DEFAULT_MAX_QUEUE, gt=0)
-    fairness: float = Field(DEFAULT_FAIRNESS_S, gt=0)
-    crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1)
-    liveness_interval: float = Field(
+    host: Annotated[str, Flag()] = Field(  # listen.py
+        DEFAULT_HOST, description="addresses to listen on, comma separated: IPv4, IPv6 (::1), "
+        ":: or host names (default {default})")
+    port: Annotated[int, Flag()] = Field(DEFAULT_PORT, ge=0, le=65535,
+                                         description="port to listen on (default {default})")
+    presets: Annotated[list[Path], NoDecode, Flag("FILE", aliases=("--models-preset",))] = Field(
+        default_factory=list, description="INI preset file (llama.cpp format); repeatable")
+    models_dir: Annotated[list[Path], NoDecode, Flag("DIR")] = Field(
+        default_factory=list,
+        description="directory of GGUF models (llama.cpp layout); repeatable")
+    models_max: Annotated[int, Flag("N")] = Field(
+        DEFAULT_MODELS_MAX,
+        description="most models loaded at once, <= 0 for no limit (default {default})")
+    models_autoload: Annotated[bool, Flag()] = Field(
+        True, description="do not load models on request; use POST /models/load")
+    api_key: Annotated[list[str], NoDecode, Flag("KEY")] = Field(
+        default_factory=list, repr=False,
+        description="require this API key (comma list or repeat)")
+    api_key_file: Annotated[Path | None, Flag("FILE")] = Field(  # keyfile.py
+        None, description="file with one API key per line (# comments), each optionally "
+        "scoped: KEY models=a,b-* role=infer|metrics|admin (README: API keys)")
+    llama_server: Annotated[Path | None, Flag("PATH")] = Field(
+        None, description="llama-server binary (default: $LLAMA_SERVER_BIN, PATH, then cache)")
+    load_timeout: Annotated[float, Flag("S")] = Field(
+        DEFAULT_LOAD_TIMEOUT_S, gt=0,
+        description="seconds a child may take to become healthy (default {default})")
+    stop_timeout: Annotated[float, Flag("S")] = Field(
+        DEFAULT_STOP_TIMEOUT_S, ge=0,
+        description="seconds between SIGTERM and SIGKILL when stopping (default {default})")
+    wait_budget: Annotated[float, Flag("S")] = Field(
+        DEFAULT_WAIT_BUDGET_S, gt=0,
+        description="seconds a request may wait for its model (default {default})")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0,
+                                description="larger request bodies get a 413")
+    body_timeout: Annotated[float, Flag("S")] = Field(
+        DEFAULT_BODY_TIMEOUT_S, gt=0,
+        description="seconds a request body may pause between two chunks before the request "
+        "ends with a 408 (default {default})")
+    upstream_timeout: Annotated[float, Flag("S")] = Field(
+        DEFAULT_UPSTREAM_TIMEOUT_S, gt=0,
+        description="seconds a proxied request may wait for the response head of its child, "
+        "peer or remote (a non-streamed answer's comes when its generation ends); then a 504 "
+        "(default {default})")
+    log_lines: int = Field(DEFAULT_LOG_LINES, gt=0,
+                           description="lines of output kept per child (/logs)")
+    log_level: Annotated[str, Flag(choices=LOG_LEVELS)] = "info"
+    idle_timeout: Annotated[float, Flag("S")] = Field(
+        0.0, ge=0, description="unload a model idle this many seconds (default {default}: "
+        "never; preset: ttl)")
+    memory_budget: Annotated[str | None, Flag("SIZE")] = Field(
+        None, description="memory all children may use, e.g. 24G (default: RAM minus "
+        "max(1 GiB, 10%); 'off' to count models only)")
+    state_dir: Annotated[Path | None, Flag("DIR")] = Field(
+        None, description="warm swaps: save a model's slots (prompt caches) here before its "
+        "children stop, restore them when it loads again (default: off)")
+    state_budget: Annotated[str, Flag("SIZE")] = Field(
+        DEFAULT_STATE_BUDGET, description="disk the saved slot states may take (default "
+        "{default}; least recently used dropped first)")
+    gpu_memory_budget: Annotated[str | None, Flag("SIZE")] = Field(
+        None, description="memory the children may use on each GPU (nvidia-smi): 'auto' (the "
+        "GPU's memory less 1 GiB), 'off', a size, or INDEX=SIZE,... per GPU")
+    max_queue: Annotated[int, Flag("N")] = Field(
+        DEFAULT_MAX_QUEUE, gt=0,
+        description="requests that may wait for models at once; more get 429 (default "
+        "{default})")
+    fairness: Annotated[float, Flag("S")] = Field(
+        DEFAULT_FAIRNESS_S, gt=0,
+        description="a swap waiting this long drains the busy model in its way (default "
+        "{default})")
+    crash_loop_limit: int = Field(DEFAULT_CRASH_LOOP_LIMIT, ge=1,
+                                  description="consecutive failures after which a model is "
+                                  "not restarted")
+    liveness_interval: Annotated[float, Flag("S")] = Field(
         DEFAULT_LIVENESS_INTERVAL_S, ge=0,
-        description="seconds between health checks of each serving child; 0: none")
-    liveness_timeout: float = Field(DEFAULT_LIVENESS_TIMEOUT_S, gt=0,
-                                    description="seconds a health check may take")
-    liveness_misses: int = Field(DEFAULT_LIVENESS_MISSES, ge=1,
-                                 description="failed health checks in a row that kill a child")
-    shutdown_grace: float = Field(DEFAULT_SHUTDOWN_GRACE_S, gt=0,
-                                  description="seconds in-flight requests get at shutdown")
-    cpu_sharing: bool = Field(True, description="place CPU children on the cores and let "
-                              "models take turns (cpus.py, cpugate.py)")
-    child_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    webui: bool = Field(True, description="serve llama.cpp's web UI at / (false: none)")
-    webui_path: Path | None = Field(None, description="serve the web UI built in this folder "
-                                    "(with index.html) instead of the installed one")
-    node_name: str = Field("", description="this router's name as a node among peers "
-                           "(/models, metrics' node label); default: the host name")
-    peer: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="other routers to front: http://host:port")
-    peer_api_key_file: Path | None = Field(None, description="file with the bearer key sent "
-                                           "to peers (one line)")
-    peer_dns: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="NAME:PORT whose A/AAAA records are the peers "
-                                          "(a headless Service)")
-    peer_dns_interval: float = Field(DEFAULT_PEER_DNS_INTERVAL_S, gt=0,
-                                     description="seconds between resolutions of --peer-dns")
-    peer_prefix: bool = Field(False, description="list peers' models as NODE/MODEL")
-    default_model: str | None = Field(
-        None, description="the model (id or alias) that requests naming none go to; without "
-        "it, a router with exactly one model uses that one (defaults.py)")
-    unknown_model_to_default: bool = Field(
-        False, description="send proxied requests naming a model nobody serves to the default "
-        "model instead of answering 404")
-    cors_origins: str = Field(DEFAULT_CORS_ORIGINS, description="what pages of other origins "
-                              "may use: *, localhost (inference), origins named one by one "
-                              "(every route), or none (cors.py)")
+        description="seconds between health checks of each serving child; 0: none (default "
+        "{default})")
+    liveness_timeout: Annotated[float, Flag("S")] = Field(
+        DEFAULT_LIVENESS_TIMEOUT_S, gt=0,
+        description="seconds a health check may take (default {default})")
+    liveness_misses: Annotated[int, Flag("N")] = Field(
+        DEFAULT_LIVENESS_MISSES, ge=1,
+        description="failed health checks in a row that kill a frozen child (default "
+        "{default})")
+    shutdown_grace: Annotated[float, Flag("S")] = Field(
+        DEFAULT_SHUTDOWN_GRACE_S, gt=0,
+        description="seconds in-flight requests get on SIGTERM before they end with a 503 "
+        "(default {default})")
+    cpu_sharing: Annotated[bool, Flag()] = Field(  # cpus.py, cpugate.py
+        True, description="start every child with llama.cpp's own thread defaults, no CPU "
+        "turns between models (docs/scheduling.md#cpu-sharing)")
+    child_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="arguments for every child (serve's after --)")
+    webui: Annotated[bool, Flag()] = Field(
+        True, description="serve no web UI at / (default: llama.cpp's, as installed by "
+        "install-llama-server)")
+    webui_path: Annotated[Path | None, Flag("DIR")] = Field(
+        None, description="serve the web UI built in DIR (with index.html) instead")
+    node_name: Annotated[str, Flag("NAME")] = Field(
+        "", description="this router's name among peers: /models' node field, metrics' node "
+        "label (default: the host name)")
+    peer: Annotated[list[str], NoDecode, Flag("URL")] = Field(
+        default_factory=list, description="another llama-router (or llama.cpp router) to "
+        "front, http://host:port: its models are served through this one; repeatable "
+        "(docs/deployment.md)")
+    peer_api_key_file: Annotated[Path | None, Flag("FILE")] = Field(
+        None, description="file with the API key sent to peers as a bearer token")
+    peer_dns: Annotated[list[str], NoDecode, Flag("NAME:PORT")] = Field(
+        default_factory=list, description="resolve NAME's A/AAAA records periodically; each "
+        "address is a peer (a Kubernetes headless Service); repeatable")
+    peer_dns_interval: Annotated[float, Flag("S")] = Field(
+        DEFAULT_PEER_DNS_INTERVAL_S, gt=0,
+        description="seconds between resolutions of --peer-dns (default {default})")
+    peer_prefix: Annotated[bool, Flag()] = Field(
+        False, description="list peers' models as NODE/MODEL instead of their own ids")
+    default_model: Annotated[str | None, Flag("NAME")] = Field(  # defaults.py
+        None, description="send requests that name no model (llama-server's own clients: "
+        "/completion, /tokenize, ...) to this model, an id or alias (default: the router's "
+        "only model when it has exactly one; docs/api.md#the-default-model)")
+    unknown_model_to_default: Annotated[bool, Flag()] = Field(
+        False, description="also send requests naming a model nobody serves (gpt-3.5-turbo, "
+        "...) to the default model, instead of a 404")
+    cors_origins: Annotated[str, Flag("ORIGINS")] = Field(  # origins.py
+        DEFAULT_CORS_ORIGINS, description="what pages of other origins may use, a comma "
+        "list: * (default: any page, inference routes), localhost (pages of this machine, "
+        "inference routes), origins such as https://app.example (every route, admin too), or "
+        "none (docs/api.md#browsers-and-cors)")
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
-        """``LLAMA_ROUTER_API_KEY=`` (empty, as in an env file) is unset; a value that holds
-        no key (" , ") becomes ``[""]``, which ``all_api_keys`` refuses."""
-        if isinstance(value, str):
-            if value == "":
-                return []
-            return [part.strip() for part in value.split(",") if part.strip()] or [""]
+        """Each ``--api-key`` and ``LLAMA_ROUTER_API_KEY`` is a comma list of keys.
+        ``LLAMA_ROUTER_API_KEY=`` (empty, as in an env file) is unset; keys asked for that
+        hold none (``--api-key ""``, " , ") become ``[""]``, which ``all_api_keys`` refuses."""
+        if value == "":
+            return []
+        given = [value] if isinstance(value, str) else value
+        if isinstance(given, list) and given and all(isinstance(v, str) for v in given):
+            return [key.strip() for v in given for key in v.split(",") if key.strip()] or [""]
         return value
 
     @field_validator("presets", "models_dir", "child_args", "peer", "peer_dns", mode="before")
