@@ -105,7 +105,7 @@ ENVIRONMENT: dict[str, Case] = {
         ("LLAMA_ROUTER_CORS_ORIGINS", "bogus"), ("LLAMA_ROUTER_GPU_MEMORY_BUDGET", "x=1G"),
         ("LLAMA_ROUTER_MEMORY_BUDGET", "lots"), ("LLAMA_ROUTER_FAIRNESS", "-3"),
         ("LLAMA_ROUTER_PEER", "ftp://x"), ("LLAMA_ROUTER_API_KEY", " , "),
-        ("LLAMA_ROUTER_API_KEY_FILE", "/nonexistent/keys.txt"),
+        ("LLAMA_ROUTER_API_KEY_FILE", "/nonexistent/keys.txt"), ("LLAMA_ROUTER_LOG_LEVEL", "loud"),
     )
 }
 

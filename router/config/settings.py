@@ -268,6 +268,13 @@ class Settings(BaseSettings):
             CorsPolicy.parse(value)  # a ValueError becomes a validation error naming it
         return value
 
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:  # the flag's choices; the variable's too
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return value.lower()
+
     @field_validator("memory_budget")
     @classmethod
     def _check_memory_budget(cls, value: str | None) -> str | None:
