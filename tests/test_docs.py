@@ -33,10 +33,11 @@ In a span:
    * a span that is a command line of ``llama-router`` (or ``python -m router.cli``),
      ``python -m benchmarks.bench`` or ``python -m benchmarks.llama_cpp_suite``: every
      option before a bare ``--`` must be one its parser defines (read from the parser itself:
-     ``router/cli.py`` builds every subcommand with argparse; ``router/config/settings.py`` only
-     validates what the parser gives it). Options after ``--`` are llama-server's, passed to
-     children, and are not checked. Command lines of any other program (pytest, pip, docker,
-     setpriv, py-spy, ``llama-server`` itself, …) are that program's and are not checked;
+     ``router/cli.py`` builds every subcommand with argparse, ``serve``'s flags from the
+     settings' fields in ``router/config/settings.py``). Options after ``--`` are
+     llama-server's, passed to children, and are not checked. Command lines of any other
+     program (pytest, pip, docker, setpriv, py-spy, ``llama-server`` itself, …) are that
+     program's and are not checked;
    * a row of an options table (a Markdown table row whose first cell starts with a ``--``
      span: the README's table of ``serve`` options, the peers table, …): every flag in that
      first cell is presented as the router's, so it must be a ``llama-router serve`` option;
