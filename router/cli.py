@@ -64,15 +64,14 @@ def _flag_arguments(name: str, field: FieldInfo) -> list[tuple[list[str], dict[s
     field becomes one): the flag, then each hidden alias. A flag given sets its setting (its
     ``dest``); one not given is absent (``SUPPRESS``), so the environment and the default
     apply."""
-    from .config.settings import Flag
+    from .config.settings import Flag, flag_spelling
 
     flag = next(m for m in field.metadata if isinstance(m, Flag))
     value_type, repeatable = _value_type(field.annotation)
     options: dict[str, Any] = {"dest": name, "default": S}
-    spelling = "--" + name.replace("_", "-")
+    spelling = flag_spelling(name)
+    assert spelling is not None  # a field with a Flag
     if value_type is bool:
-        if field.default:
-            spelling = "--no-" + name.replace("_", "-")
         options["action"] = "store_false" if field.default else "store_true"
     else:
         if repeatable:

@@ -366,17 +366,30 @@ class Settings(BaseSettings):
         return "--api-key / LLAMA_ROUTER_API_KEY gives no API key (empty or blank)"
 
 
+def flag_spelling(name: str) -> str | None:
+    """The flag that sets the setting ``name`` (``Flag``): ``--models-max``; a bool's turns
+    its default over (``--no-webui``); None for a setting set by its environment variable
+    only. The one reading of it: the command line is built from it, errors name it."""
+    field = Settings.model_fields[name]
+    if not any(isinstance(m, Flag) for m in field.metadata):
+        return None
+    spelling = name.replace("_", "-")
+    return f"--no-{spelling}" if field.annotation is bool and field.default else f"--{spelling}"
+
+
 def describe(error: ValidationError) -> str:
     """What was wrong with the settings, one line a setting, each named as it is given: its
-    flag and its environment variable (``--state-budget`` / ``LLAMA_ROUTER_STATE_BUDGET``),
-    with the validator's own message (never pydantic's layout or links)."""
+    flag (``flag_spelling``), if it has one, and its environment variable
+    (``--state-budget (LLAMA_ROUTER_STATE_BUDGET)``), with the validator's own message (never
+    pydantic's layout or links)."""
     lines = []
     for problem in error.errors(include_url=False):
         where = problem["loc"][0] if problem["loc"] else ""
         message = str(problem["msg"]).removeprefix("Value error, ")
         if isinstance(where, str) and where:
-            name = f"--{where.replace('_', '-')} ({Settings.model_config['env_prefix']}" \
-                   f"{where.upper()})"
+            variable = f"{Settings.model_config['env_prefix']}{where.upper()}"
+            flag = flag_spelling(where) if where in Settings.model_fields else None
+            name = f"{flag} ({variable})" if flag else variable
             given = problem.get("input")
             if isinstance(given, (str, int, float)) and str(given) not in message:
                 message = f"{message} (given {given!r})"
