@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -65,15 +65,20 @@ def scenario_config(**changes: Any) -> Config:
 def play(config: Config, script: list[tuple[float, str, dict[str, Any]]],
          seed: int = 0) -> Simulation:
     sim = Simulation(seed, config=config, script=script, spawn_failure=0.0, spawn_hang=0.0)
+    run_virtually(sim.run())
+    sim.check_events()
+    return sim
+
+
+def run_virtually(scenario: Coroutine[Any, Any, Any]) -> None:
+    """Run ``scenario`` to its end on the simulation's virtual-time loop, then close it."""
     from simloop import VirtualTimeLoop
 
     loop = VirtualTimeLoop()
     try:
-        loop.run_until_complete(sim.run())
+        loop.run_until_complete(scenario)
     finally:
         loop.close()
-    sim.check_events()
-    return sim
 
 
 def by_id(sim: Simulation, n: int) -> Any:
@@ -209,8 +214,6 @@ def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
     """A load task cancelled before its first step never runs its body; the lifecycle still
     learns it ended (``LoadEnded``), so the next request starts a new load instead of
     awaiting the cancelled one for ever."""
-    from simloop import VirtualTimeLoop
-
     sim = Simulation(0, config=scenario_config(), script=[])
 
     async def scenario() -> None:
@@ -228,11 +231,7 @@ def test_a_load_cancelled_before_it_ran_is_no_longer_pending() -> None:
         assert runtime.serving and not runtime.state.load_pending
         await sup.close()
 
-    loop = VirtualTimeLoop()
-    try:
-        loop.run_until_complete(scenario())
-    finally:
-        loop.close()
+    run_virtually(scenario())
 
 
 def test_a_removed_model_leaves_nothing_in_any_table() -> None:
@@ -240,7 +239,6 @@ def test_a_removed_model_leaves_nothing_in_any_table() -> None:
     (its cached command line, its slot queue, its conversations' index, warm swaps' ledger,
     the CPU gate) leaves none of it once removed: each part drops it on the one signal the
     lifecycle's ``Forgotten`` publishes (``events.MODEL_REMOVED``), no part told by another."""
-    from simloop import VirtualTimeLoop
     from simulation import HangingSaves
 
     from router.core.affinity import Prefix
@@ -285,8 +283,4 @@ def test_a_removed_model_leaves_nothing_in_any_table() -> None:
         assert "a" not in sup.models
         await sup.close()
 
-    loop = VirtualTimeLoop()
-    try:
-        loop.run_until_complete(scenario())
-    finally:
-        loop.close()
+    run_virtually(scenario())

@@ -299,8 +299,14 @@ def _placed(state: State, request: RequestContext, model: ModelView) -> bool:
                 "places each request in a slot that holds no other key's conversation, "
                 "through its id_slot, which a multipart body cannot carry")
         return True
+    return _named_slot(request) is None
+
+
+def _named_slot(request: RequestContext) -> int | None:
+    """The slot the request names (its ``id_slot``, as llama-server reads it: a whole number
+    of 0 or more); None for none (-1, ``null``, another type, or no field)."""
     wanted = request.fields.get("id_slot")
-    return not (type(wanted) is int and wanted >= 0)
+    return wanted if type(wanted) is int and wanted >= 0 else None
 
 
 def _private(request: RequestContext, model: ModelView) -> bool:
@@ -318,8 +324,7 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
     conversation: ``SlotBook.honours``); else its ``id_slot`` is replaced by the router's
     choice. Unchanged where the child chooses (no slot free)."""
     pinned = request.path not in UNPINNED_SLOT_PATHS
-    wanted = request.fields.get("id_slot")
-    named = wanted if pinned and type(wanted) is int and wanted >= 0 else None
+    named = _named_slot(request) if pinned else None
     credential = request.credential() if request.key_hash else b""  # the key it matched
     slot = await state.models.place(lease, prefix, credential, named, pinned)
     if slot is None or slot == named or not pinned:
