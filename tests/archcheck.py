@@ -6,7 +6,7 @@ Everything is read with ``ast`` from the sources it is given (the real tree, or 
 something planted), never imported. A receiver's type comes from annotations (parameters,
 variables, the attributes a class declares in its body or assigns in its methods), from
 constructors (``x = Replica(...)``), from the return annotations of functions, methods and
-properties (``runtime.pick_replica()``), from subscripts of annotated containers
+properties (``least_busy(runtime)``), from subscripts of annotated containers
 (``list[Replica]``, ``dict[str, ModelRuntime]``), from loop variables over those, and from
 ``docs/architecture.toml``'s ``[types]`` for the few fields the code must type ``Any``. Names
 are resolved through each module's imports to the project's classes. What cannot be resolved

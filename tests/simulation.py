@@ -71,8 +71,6 @@ from router.children.process import ChildExited, ChildTimeout
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
-from router.core.affinity import Prefix
-from router.core.leases import Lease
 from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
 from router.core.runtime import Estimated, ModelRuntime
 from router.core.spawner import Spawner
@@ -85,6 +83,8 @@ from router.events import EventBus
 from router.http.shutdown import Shutdown
 from router.http.tail import ResponseTail, Timings
 from router.llama.flags import FlagTable
+from router.serving.affinity import Prefix
+from router.serving.leases import Lease
 from router.teams.fairshare import Turn
 from router.teams.quotas import OverQuota
 from router.warm.conversations import DISPLACE_BOUND_S
@@ -779,8 +779,8 @@ class Simulation:
         if self.sup.models.get(m.id) is not m:
             return  # a removed model's record, being forgotten
         if published is None or (published.preset, published.state, published.waiting,
-                                 published.estimate, published.counters) != (
-                m.preset, m.state, m.waiting, m.estimate, m.counters):
+                                 published.estimate, published.load) != (
+                m.preset, m.state, m.waiting, m.estimate, m.load):
             self.violate(f"{m.id}: published {published!r} is not its record {m!r}")
 
     def _check_phases(self, m: ModelRuntime) -> None:

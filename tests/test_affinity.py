@@ -19,7 +19,16 @@ from prometheus_client import generate_latest
 from router.children.process import ChildProcess
 from router.config.presets import ModelPreset, PresetsInvalid, load_preset_file
 from router.config.reconfig import diff
-from router.core.affinity import (
+from router.core.cpugate import CpuGate
+from router.core.runtime import ModelRuntime
+from router.edge import forward
+from router.edge.metering import Meter
+from router.errors import ModelNotLoaded
+from router.http.shutdown import Shutdown
+from router.llama.flags import FlagTable
+from router.logs import LogRing
+from router.observe.metrics import RouterMetrics
+from router.serving.affinity import (
     BLOCK_CHARS,
     BLOCK_TOKENS,
     MAX_KEYS,
@@ -37,16 +46,8 @@ from router.core.affinity import (
     text_keys,
     token_keys,
 )
-from router.core.cpugate import CpuGate
-from router.core.leases import Leases
-from router.core.runtime import ModelRuntime, Replica
-from router.edge import forward
-from router.edge.metering import Meter
-from router.errors import ModelNotLoaded
-from router.http.shutdown import Shutdown
-from router.llama.flags import FlagTable
-from router.logs import LogRing
-from router.observe.metrics import RouterMetrics
+from router.serving.leases import Leases
+from router.serving.load import Replica
 from router.teams.usage import Usage
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -252,7 +253,7 @@ def runtime_with(replicas: int, parallel: int = 1, routing: str = "prefix") -> M
 
 
 def leases() -> Leases:
-    return Leases(gate=CpuGate(list), apply=lambda r, e: None,
+    return Leases(gate=CpuGate(list), idle=lambda r: None,
                   on_replica_done=lambda r: None)
 
 

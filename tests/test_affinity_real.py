@@ -7,7 +7,7 @@ stream, so it lands on replica 1; with both idle again, least-busy picks replica
 follow-up, prefix routing replica 1.
 
 When the replica holding a conversation is busy, prefix routing weighs the expected wait there
-against computing the whole prompt on the other (``router.core.pace``, from the timings of the
+against computing the whole prompt on the other (``router.serving.pace``, from the timings of the
 child's earlier replies): a stream that asks for 14,000 tokens exactly (``ignore_eos``) is a long
 wait, so the follow-up goes elsewhere; one that does not say is expected to be as short as the
 replies so far, so the follow-up waits for it.

@@ -478,7 +478,8 @@ PLANTED_WRITES = [
     ("router/core/wait.py", "def _p_nested(runtime: ModelRuntime) -> None:\n"
                             "    runtime.state.replicas[0].in_flight += 1",
      "_p_nested", "Replica.in_flight"),
-    ("router/core/runtime.py", "def _p_prefixes(replica: Replica) -> None:\n"
+    ("router/core/runtime.py", "from ..serving.load import Replica\n"
+                               "def _p_prefixes(replica: Replica) -> None:\n"
                                "    replica.prefixes.record((1, 2))",
      "_p_prefixes", "Replica.prefixes"),
     # Assigned, annotated, deleted, through object.__setattr__, assigned through, changed
@@ -492,16 +493,16 @@ PLANTED_WRITES = [
      "_p_assign", "ModelRuntime.state ModelRuntime.estimate ModelRuntime.estimate_due "
                   "ModelRuntime.last_load_s ModelRuntime.estimate_devices ModelRuntime.logs"),
     ("router/core/wait.py", "def _p_returned(runtime: ModelRuntime) -> None:\n"
-                            "    runtime.pick_replica().in_flight -= 1",
+                            "    least_busy(runtime).in_flight -= 1",
      "_p_returned", "Replica.in_flight"),
     ("router/core/wait.py", "def _p_mapping(models: dict[str, ModelRuntime]) -> None:\n"
                             "    models['x'].waiting = 0\n"
                             "    for model in models.values():\n"
                             "        model.replicas[0].backlog.tickets.clear()",
      "_p_mapping", "ModelRuntime.waiting Backlog.tickets"),
-    ("router/core/wait.py", "def _p_counters(runtime: ModelRuntime, c: Counters) -> None:\n"
-                            "    runtime.counters.used_at = 1.0\n    c.in_flight -= 1",
-     "_p_counters", "Counters.used_at Counters.in_flight"),
+    ("router/core/wait.py", "def _p_load(runtime: ModelRuntime, c: ModelLoad) -> None:\n"
+                            "    runtime.load.used_at = 1.0\n    c.in_flight -= 1",
+     "_p_load", "ModelLoad.used_at ModelLoad.in_flight"),
     ("router/core/wait.py", "def _p_peer(peer: Peer, conn: _Connection) -> None:\n"
                             "    peer._calls.add(1)\n    conn._state = None",
      "_p_peer", "Peer._calls _Connection._state"),
@@ -518,16 +519,18 @@ PLANTED_WRITES = [
      "_p_queue", "FairQueue.waiting Usage._rows"),
 ]
 PLANTED_IMPORTS = {
-    "router/core/wait.py": "from .runtime import Counters, Replica\n"
+    "router/core/wait.py": "from ..serving.load import ModelLoad, Replica\n"
+                           "from ..serving.leases import least_busy\n"
                            "from ..peers.peer import Peer\nfrom ..http.upstream import _Connection",
+    "router/serving/leases.py": "from .load import ModelLoad",
     "router/edge/routes.py": "from ..teams.fairshare import FairQueue\n"
                              "from ..teams.usage import Usage",
 }
 # Not writes outside the owner: the owner's own, and construction.
 PLANTED_FINE = [
-    ("router/core/leases.py", "def _p_owner(runtime: ModelRuntime, c: Counters) -> None:\n"
-                              "    runtime.counters.in_flight += 1\n    c.used_at = 1.0\n"
-                              "    runtime.pick_replica().prefixes.record((1,))"),
+    ("router/serving/leases.py", "def _p_owner(runtime: Served, c: ModelLoad) -> None:\n"
+                                 "    runtime.load.in_flight += 1\n    c.used_at = 1.0\n"
+                                 "    least_busy(runtime).prefixes.record((1,))"),
     ("router/core/wait.py", "def _p_made(child: Any) -> Replica:\n"
                             "    made = Replica(child)\n    made.in_flight = 1\n"
                             "    made.prefixes.record((1,))\n    return made"),
@@ -568,10 +571,11 @@ def test_the_record_checks_find_what_is_planted() -> None:
 @pytest.fixture
 def watched() -> Iterator[dict[tuple[str, str], set[str]]]:
     """Every write to a model's record after construction: (class, field) -> writer files."""
-    from router.core.runtime import Counters, ModelRuntime, Replica
+    from router.core.runtime import ModelRuntime
+    from router.serving.load import ModelLoad, Replica
 
     seen: dict[tuple[str, str], set[str]] = defaultdict(set)
-    originals = {cls: cls.__setattr__ for cls in (ModelRuntime, Replica, Counters)}
+    originals = {cls: cls.__setattr__ for cls in (ModelRuntime, Replica, ModelLoad)}
 
     def watching(cls: type) -> Any:
         def setattr_(self: Any, name: str, value: Any) -> None:

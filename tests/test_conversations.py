@@ -17,7 +17,7 @@ import pytest
 
 from router.children.backend import Backend
 from router.config.presets import ModelPreset
-from router.core.affinity import request_prefix
+from router.serving.affinity import request_prefix
 from router.warm.choice import covers, label, labelled, supersedes
 from router.warm.conversations import MISSES_TO_STOP, SECRET_NAME, Conversations
 from router.warm.slotbook import Conversation, SlotBook
@@ -174,7 +174,7 @@ def test_a_text_prompt_keys_its_whole_blocks_for_its_next_turn() -> None:
 @pytest.mark.process
 def test_keys_are_the_same_in_every_process() -> None:
     keys = request_prefix({"messages": [{"role": "user", "content": "hello"}]}).keys
-    code = ("from router.core.affinity import request_prefix;"
+    code = ("from router.serving.affinity import request_prefix;"
             "print(request_prefix({'messages':[{'role':'user','content':'hello'}]}).keys)")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "PYTHONHASHSEED": seed},

@@ -13,7 +13,6 @@ from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
-from router.core.runtime import Replica
 from router.core.supervisor import Supervisor
 from router.core.wiring import wire
 from router.events import EventBus
@@ -35,6 +34,7 @@ from router.host.cpus import (
 )
 from router.host.gpus import GpuDevice
 from router.llama.flags import FlagTable
+from router.serving.load import Replica
 
 
 def cores_of(shares: list[CpuShare]) -> list[tuple[int, ...]]:

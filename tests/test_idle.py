@@ -9,15 +9,16 @@ from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
 from router.core.lifecycle import ModelState, Status
 from router.core.liveness import idle_expired
-from router.core.runtime import ModelRuntime, Replica
+from router.core.runtime import ModelRuntime
 from router.logs import LogRing
+from router.serving.load import Replica
 
 
 def serving(ttl: float | None = None, **state: object) -> ModelRuntime:
     preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl)
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED, **state))
     runtime.state = replace(runtime.state, replicas=tuple([Replica(object.__new__(ChildProcess))]))
-    runtime.counters.used_at = 100.0
+    runtime.load.used_at = 100.0
     return runtime
 
 
@@ -35,7 +36,7 @@ def test_zero_means_never() -> None:
 
 def test_only_an_idle_serving_model_expires() -> None:
     busy = serving()
-    busy.counters.in_flight = 1
+    busy.load.in_flight = 1
     waited_for = serving()
     waited_for.waiting = 1
     draining = serving(draining=True)

@@ -21,8 +21,9 @@ from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
 from router.core.lifecycle import ModelState, Status
 from router.core.liveness import Liveness
-from router.core.runtime import ModelRuntime, Replica
+from router.core.runtime import ModelRuntime
 from router.logs import LogRing
+from router.serving.load import Replica
 
 real = pytest.mark.real
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}

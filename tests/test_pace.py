@@ -1,4 +1,4 @@
-"""Choosing a replica by expected cost (``router.core.pace``): the child's timings read from a
+"""Choosing a replica by expected cost (``router.serving.pace``): the child's timings read from a
 response's end, the running estimates, the backlog of expected work, the choice, and a
 simulation of the saturated case with made-up timings (two one-slot replicas, eight
 conversations arriving together): by cost, the follow-up turns start sooner than by the rule
@@ -18,10 +18,14 @@ import pytest
 from router import clock
 from router.children.process import ChildProcess
 from router.config.presets import ModelPreset
-from router.core.affinity import MISS, OVERRIDE, PREFIX_HIT, Prefix, request_prefix
 from router.core.cpugate import CpuGate
-from router.core.leases import Leases
-from router.core.pace import (
+from router.core.runtime import ModelRuntime
+from router.http.tail import ResponseTail, Timings, parse_timings
+from router.logs import LogRing
+from router.serving.affinity import MISS, OVERRIDE, PREFIX_HIT, Prefix, request_prefix
+from router.serving.leases import Leases
+from router.serving.load import Replica
+from router.serving.pace import (
     MIN_PROMPT_TOKENS,
     OVERRUN_SHARE,
     Backlog,
@@ -29,9 +33,6 @@ from router.core.pace import (
     Pace,
     by_cost,
 )
-from router.core.runtime import ModelRuntime, Replica
-from router.http.tail import ResponseTail, Timings, parse_timings
-from router.logs import LogRing
 
 # -- timings from a response's end ------------------------------------------------------------
 
@@ -186,7 +187,7 @@ def two_one_slot_replicas() -> tuple[ModelRuntime, Leases]:
     runtime = ModelRuntime(preset, LogRing(10))
     runtime.state = replace(runtime.state, replicas=tuple(
         Replica(object.__new__(ChildProcess)) for _ in range(2)))
-    return runtime, Leases(gate=CpuGate(list), apply=lambda r, e: None,
+    return runtime, Leases(gate=CpuGate(list), idle=lambda r: None,
                            on_replica_done=lambda r: None)
 
 

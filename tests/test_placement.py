@@ -35,8 +35,8 @@ def test_where_load_and_unload_go() -> None:
 
 
 def test_a_conversation_goes_back_to_the_node_that_has_its_prefix() -> None:
-    from router.core.affinity import PrefixTable, chat_keys
     from router.peers.placement import NODE_SLOTS, by_prefix
+    from router.serving.affinity import PrefixTable, chat_keys
 
     first_turn = [{"role": "system", "content": "long"}, {"role": "user", "content": "q1"}]
     follow_up = chat_keys([*first_turn, {"role": "assistant", "content": "a1"},
@@ -63,7 +63,7 @@ def test_a_conversation_goes_back_to_the_node_that_has_its_prefix() -> None:
 
 
 def _conversation() -> tuple[list[dict[str, str]], Any]:
-    from router.core.affinity import request_prefix
+    from router.serving.affinity import request_prefix
 
     first_turn = [{"role": "system", "content": "s" * 4000}, {"role": "user", "content": "q1"}]
     follow_up = request_prefix({"messages": [*first_turn, {"role": "assistant", "content": "a"},
@@ -73,8 +73,8 @@ def _conversation() -> tuple[list[dict[str, str]], Any]:
 
 def test_a_conversation_goes_to_the_node_that_keeps_it_when_no_node_has_its_model_loaded(
         ) -> None:
-    from router.core.affinity import PrefixTable, chat_keys
     from router.peers.placement import NodeFacts, by_saved_state
+    from router.serving.affinity import PrefixTable, chat_keys
 
     first_turn, follow_up = _conversation()
     b_table = PrefixTable()
@@ -93,15 +93,15 @@ def test_a_conversation_goes_to_the_node_that_keeps_it_when_no_node_has_its_mode
     plain = Candidate("b", loaded=False, outstanding=1, peer=peer, facts=NodeFacts())
     assert by_saved_state(rank([a, plain, local]), tables, follow_up) is None
     # A new conversation, or no prompt: nothing kept anywhere.
-    from router.core.affinity import NO_PREFIX, request_prefix
+    from router.serving.affinity import NO_PREFIX, request_prefix
     fresh = request_prefix({"messages": [{"role": "user", "content": "x"}]})
     assert by_saved_state(order, tables, fresh) is None
     assert by_saved_state(order, tables, NO_PREFIX) is None
 
 
 def test_a_loaded_node_keeps_the_conversation_unless_a_load_costs_less_than_its_prompt() -> None:
-    from router.core.affinity import PrefixTable, chat_keys
     from router.peers.placement import NodeFacts, by_saved_state
+    from router.serving.affinity import PrefixTable, chat_keys
 
     first_turn, follow_up = _conversation()
     b_table = PrefixTable()

@@ -26,12 +26,13 @@ from router.config.reconfig import needs_restart
 from router.config.sources import build_catalogue
 from router.core.lifecycle import ModelState, Status
 from router.core.liveness import Liveness
-from router.core.runtime import ModelRuntime, Replica
+from router.core.runtime import ModelRuntime
 from router.errors import UpstreamError
 from router.http.jsonscan import scan_now
 from router.http.proxy import for_remote
 from router.llama.flags import FlagTable
 from router.logs import LogRing
+from router.serving.load import Replica
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 HANG_GUARD_S = 60.0

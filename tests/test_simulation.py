@@ -241,7 +241,7 @@ def test_a_removed_model_leaves_nothing_in_any_table() -> None:
     lifecycle's ``Forgotten`` publishes (``events.MODEL_REMOVED``), no part told by another."""
     from simulation import HangingSaves
 
-    from router.core.affinity import Prefix
+    from router.serving.affinity import Prefix
     from router.teams.fairshare import Turn
     from router.warm.swaps import WarmSwaps
 

@@ -1,4 +1,4 @@
-"""The slot queue on its own (``core/slotqueue``), hostile: a flood of requests that leave
+"""The slot queue on its own (``serving/slotqueue``), hostile: a flood of requests that leave
 while queued frees every place and leaves nothing behind; a turn granted as its client leaves
 passes the slot on; the next slot goes by class and fair share."""
 
@@ -10,15 +10,14 @@ from typing import Any, cast
 
 from router import clock
 from router.changes import Changes
-from router.core.lifecycle import Status
-from router.core.runtime import ModelRuntime
-from router.core.slotqueue import Slots
+from router.serving.load import Served
+from router.serving.slotqueue import Slots
 from router.teams.fairshare import MAX_PREEMPTIONS, FairQueue, Turn
 
 
-def model(slots: int = 1, interactive_slots: int = 0) -> ModelRuntime:
-    return cast(ModelRuntime, SimpleNamespace(
-        id="m", slots=slots, replicas=[object()], status=Status.LOADED, serving=True,
+def model(slots: int = 1, interactive_slots: int = 0) -> Served:
+    return cast(Served, SimpleNamespace(
+        id="m", slots=slots, replicas=[object()], loaded=True, has_slots=True, serving=True,
         preset=SimpleNamespace(upstream=None, interactive_slots=interactive_slots)))
 
 

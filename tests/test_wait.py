@@ -108,14 +108,14 @@ def test_a_model_added_again_under_its_id_starts_from_nothing() -> None:
         lease = await sup.acquire(handle)
         lease.release()
         old = sup.models["a"]
-        assert old.counters.used_at > 0 and old.last_load_s is not None
+        assert old.load.used_at > 0 and old.last_load_s is not None
         await sup.unload(sup.find("a"))
         sup.remove_model("a")
         assert "a" not in sup.models and "a" not in sup.model_set.published
         again = sup.add_model(preset)
         record = sup.models["a"]
-        assert record is not old and again.snapshot.counters is record.counters
-        assert (record.counters.used_at, record.last_load_s, record.waiting) == (0.0, None, 0)
+        assert record is not old and again.snapshot.load is record.load
+        assert (record.load.used_at, record.last_load_s, record.waiting) == (0.0, None, 0)
         assert again.status is Status.UNLOADED and again.snapshot.last_load_s is None
 
     run(scenario, never_healthy=False)

@@ -25,13 +25,13 @@ from router.children.backend import Backend
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import build_catalogue
-from router.core.runtime import new_replica
 from router.core.view import ModelView
 from router.edge.state import State
 from router.errors import Unavailable
 from router.events import EventBus
 from router.llama.flags import FlagTable
 from router.server import Prepared, build_app
+from router.serving.load import new_replica
 from router.teams.usage import FILE_NAME as USAGE_FILE
 from router.warm import swaps as warm
 from router.warm.choice import (

@@ -132,7 +132,7 @@ class ModelPreset:
     # only the one that made it (``conversations``: a common system prompt)
     shared_conversations: bool = field(default=False, metadata=LAUNCH)  # their RAM cache
     # interactive-slots: of each child's slots, how many only the interactive class may take
-    # (``core/slotqueue``): fewer than ``slots``, so the other classes keep at least one
+    # (``serving/slotqueue``): fewer than ``slots``, so the other classes keep at least one
     interactive_slots: int = 0
     # upstream: a remote OpenAI-compatible server (``http://host:port``) serving this model
     # instead of a child (``remote``); upstream_model: the ``model`` name sent to it (None:
@@ -157,6 +157,13 @@ class ModelPreset:
     def slots(self) -> int:
         """Each child's generation slots (``parallel``; llama-server's own default else)."""
         return slots_of(self.args)
+
+    def private_to(self, keyed: bool) -> bool:
+        """Whether a request's conversations are its key's own: it came with an API key
+        (``keyed``) and this model does not share them (``shared-conversations``). The one
+        reading of it: the edge places such a request, the conversations label its states
+        with its key's digest."""
+        return keyed and not self.shared_conversations
 
     @property
     def prefix_routing(self) -> bool:

@@ -38,6 +38,7 @@ from ..config.presets import ModelPreset
 from ..config.settings import Settings
 from ..errors import LoadFailed, ModelUnloaded
 from ..events import EventBus
+from ..serving.load import Replica, book_of, new_replica
 from ..warm.choice import PREFIX_KEYS
 from ..warm.swaps import SlotHolder, WarmSwaps
 from .admission import Admission
@@ -80,12 +81,9 @@ from .runtime import (
     ModelRuntime,
     QueueJoined,
     QueueLeft,
-    Replica,
     Unestimated,
     WaitBegan,
     WaitEnded,
-    books,
-    new_replica,
 )
 from .spawner import Spawner, SpawnReports
 
@@ -339,7 +337,7 @@ class Executor:
             runtime.replace_task = None
             self.apply(runtime, ReplicaFailed(failure))
             return
-        replica = new_replica(children[-1], book=books(runtime, self._warm))
+        replica = new_replica(children[-1], book=book_of(runtime.preset, self._warm))
         log.info("replica restarted", extra={
             "event": "replica_restarted", "model": runtime.id, "pid": replica.child.pid,
             "port": replica.child.port})

@@ -23,6 +23,7 @@ from ..children.backend import Backend
 from ..config.downloads import DownloadCancelled, HfRef, download, resolve_remote
 from ..config.settings import Settings
 from ..errors import LoadFailed
+from ..serving.load import book_of, new_replica
 from ..warm.swaps import SlotHolder, WarmSwaps
 from .accounting import Accounting
 from .admission import Admission
@@ -39,7 +40,7 @@ from .lifecycle import (
     SpawnFailed,
     Status,
 )
-from .runtime import LoadTimed, ModelRuntime, Unestimated, books, new_replica
+from .runtime import LoadTimed, ModelRuntime, Unestimated
 from .spawner import Spawner, SpawnReports
 
 log = logging.getLogger("router.supervisor")
@@ -137,7 +138,8 @@ class Loader:
                     preset, [SlotHolder(child) for child in children], restorable)
             replicas = tuple(
                 new_replica(child, restored.learned[i] if restored else (),
-                            books(runtime, self._warm, restored.held[i] if restored else ()))
+                            book_of(runtime.preset, self._warm,
+                                    restored.held[i] if restored else ()))
                 for i, child in enumerate(children))
         finally:
             if restorable is not None:  # not needed after all (a failed start): stopped

@@ -1,18 +1,15 @@
-"""Run state of each model: its lifecycle state, replicas (children), counters.
+"""Run state of each model: its lifecycle state, replicas (children), estimates, waits.
 
 One record per model, with one owner, the executor (``Executor.apply``; declared in
 ``docs/architecture.toml``). ``state`` (the status, the children by phase, the pending load,
 the failure, the download's progress) changes only through ``lifecycle.transition``; the
 other fields through the facts below, which the module that learns one sends to the owner
 (its estimates from ``accounting``, its place in the queue from ``admission``, its load time
-from ``loader``, its waiting requests from ``wait``). The one declared exception is the hot
-path's counters, the leases' own: ``counters`` here (requests in flight, last use), and a
-replica's ``in_flight``, ``prefixes``, ``pace`` and ``backlog``. Everything outside the core
-reads the snapshot the owner publishes after each change (``ModelSnapshot``). A model has
-``replicas`` children (1 unless its preset says ``replicas = N``); requests go to the
-replica with the most free slots, or, for a model routed by prompt prefix (``replica-routing
-= prefix``, see ``affinity``), to the one where their first token is expected soonest,
-counting the prompt it has cached (``pace``).
+from ``loader``, its waiting requests from ``wait``). What runs on its children, its
+``load`` and each replica's, is a record of its own, the leases' (``serving.load``).
+Everything outside the core reads the snapshot the owner publishes after each change
+(``ModelSnapshot``). A model has ``replicas`` children (1 unless its preset says ``replicas =
+N``); the leases choose which one a request takes (``serving.leases``).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -28,12 +25,9 @@ from typing import Any
 from ..children.backend import Backend
 from ..config.presets import ModelPreset, slots_of
 from ..logs import LogRing
-from ..warm.slotbook import Conversation, SlotBook
-from ..warm.swaps import WarmSwaps
-from .affinity import Decision, Prefix, PrefixTable, choose_among
+from ..serving.load import ModelLoad, Replica
 from .lifecycle import Failure as Failure  # its home; re-exported for the record's readers
 from .lifecycle import ModelState, Status
-from .pace import Backlog, Option, Pace, by_cost
 from .scheduler import ModelUse
 
 # HTTP threads each child gets unless its preset sets threads-http: llama-server's own
@@ -101,56 +95,6 @@ FACTS = (Estimated, Unestimated, QueueJoined, QueueLeft, LoadTimed, WaitBegan, W
 
 # --------------------------------------------------------------------------- the record
 
-@dataclass(eq=False, slots=True)
-class Counters:
-    """A model's hot-path counters, the leases' own (the record's one declared exception):
-    its requests in flight, and the clock time a request last took or released it. Read live
-    through the record and through its published snapshot."""
-
-    in_flight: int = 0
-    used_at: float = 0.0
-
-
-@dataclass(eq=False)
-class Replica:
-    child: Backend
-    in_flight: int = 0
-    # Prefix keys of the prompts it served lately (``affinity``); a new child starts empty,
-    # as its KV cache does.
-    prefixes: PrefixTable = field(default_factory=PrefixTable)
-    # How fast its child computes prompts and replies (learned from its responses' timings),
-    # and the expected work of the prefix-routed requests it holds (``pace``).
-    pace: Pace = field(default_factory=Pace)
-    backlog: Backlog = field(default_factory=Backlog)
-    # What its slots hold, for a model that keeps its conversations (``conversations``).
-    book: SlotBook | None = None
-
-
-def new_replica(child: Backend, learned: Sequence[int] = (), book: SlotBook | None = None
-                ) -> Replica:
-    """A replica of a child that starts serving: its prefix table holds ``learned``, the
-    keys of the states restored into it (``warm``), or nothing, as its KV cache does; its
-    slots' ``book``, for a model that keeps its conversations."""
-    replica = Replica(child, book=book)
-    if learned:
-        replica.prefixes.record(learned)
-    return replica
-
-
-def books(runtime: ModelRuntime, warm: WarmSwaps | None,
-          held: Sequence[tuple[int, Conversation | None, int]] = ()) -> SlotBook | None:
-    """The slots' book of a new replica of ``runtime``, when its model can keep its
-    conversations (warm swaps cover it), holding what was restored into it (``held``:
-    slot, conversation, tokens)."""
-    if warm is None or not warm.covers(runtime.preset):
-        return None
-    book = SlotBook(runtime.slots, warm.fingerprint_of(runtime.preset))
-    for slot, conversation, tokens in held:
-        if 0 <= slot < book.n_slots and (conversation is not None or tokens > 0):
-            book.holding(slot, conversation, tokens)
-    return book
-
-
 def http_threads(args: Mapping[str, str]) -> int:
     """A child's HTTP threads: ``threads-http`` from its preset, else the router's choice."""
     raw: str = args.get("threads-http", "")
@@ -161,12 +105,12 @@ def http_threads(args: Mapping[str, str]) -> int:
 
 class ModelReads:
     """What a model's record and its published snapshot (``ModelSnapshot``) both answer, read
-    from ``preset``, ``state`` and the leases' ``counters``."""
+    from ``preset``, ``state`` and the leases' ``load``."""
 
     __slots__ = ()
     preset: ModelPreset
     state: ModelState
-    counters: Counters
+    load: ModelLoad
 
     @property
     def id(self) -> str:
@@ -174,12 +118,12 @@ class ModelReads:
 
     @property
     def in_flight(self) -> int:
-        return self.counters.in_flight
+        return self.load.in_flight
 
     @property
     def last_used(self) -> float:
         """Clock time it was last used: a request's, or its load's (``clock``)."""
-        used_at, loaded_at = self.counters.used_at, self.state.loaded_at
+        used_at, loaded_at = self.load.used_at, self.state.loaded_at
         return used_at if loaded_at is None else max(used_at, loaded_at)
 
     @property
@@ -271,8 +215,19 @@ class ModelReads:
 
     @property
     def serving(self) -> bool:
+        """Whether it takes new requests: loaded, not draining, with a replica."""
         state = self.state
         return state.status is Status.LOADED and not state.draining and bool(self.replicas)
+
+    @property
+    def loaded(self) -> bool:
+        return self.state.status is Status.LOADED
+
+    @property
+    def has_slots(self) -> bool:
+        """Whether it has slots to give: loaded with a replica (also while draining: the
+        requests it holds are served before it stops)."""
+        return self.loaded and bool(self.replicas)
 
 
 @dataclass
@@ -287,7 +242,7 @@ class ModelRuntime(ModelReads):
     n_layer: int | None = None  # from the GGUF header, once estimated
     state: ModelState = field(default_factory=ModelState)  # written only via ``lifecycle``
     waiting: int = 0  # requests waiting for this model to become ready
-    counters: Counters = field(default_factory=Counters)  # the leases' own
+    load: ModelLoad = field(default_factory=ModelLoad)  # the leases' own (``serving.load``)
     # The tasks that carry out its lifecycle's effects, each created by the executor: its
     # download (with the flag its worker thread reads), its one load (``StartLoad``), a stop
     # (``StopChildren``), crashed replicas' replacement.
@@ -305,31 +260,6 @@ class ModelRuntime(ModelReads):
         pids = [r.child.pid for r in self.replicas]
         return (f"<Model {self.preset.id} {self.status.value} pids={pids} "
                 f"in_flight={self.in_flight} waiting={self.waiting}>")
-
-    def pick_replica(self) -> Replica:
-        """The replica with the most free slots (ties: the first)."""
-        return max(self.replicas, key=lambda r: self.slots - r.in_flight)
-
-    def route(self, prefix: Prefix, now: float) -> tuple[Replica, Decision, float, int]:
-        """The replica for a request with prompt ``prefix``, which then remembers its keys; the
-        decision, the request's expected work there in seconds (``pace.by_cost``; until a
-        child has shown its speed, by load: ``affinity.choose``, and 0), and the characters of
-        its prompt that replica's table holds."""
-        replicas = self.replicas
-        size = self.slots
-        keys = prefix.keys
-        matches = [r.prefixes.longest(keys) for r in replicas]
-        choice = by_cost([Option(match, r.in_flight, size,
-                                 r.backlog.wait(now, r.in_flight, size), r.pace)
-                          for match, r in zip(matches, replicas, strict=True)], prefix)
-        if choice is None:
-            index, decision = choose_among([(r.in_flight, size) for r in replicas], matches)
-            work = 0.0
-        else:
-            index, decision, work = choice.index, choice.decision, choice.work_s
-        replica = replicas[index]
-        replica.prefixes.record(keys)
-        return replica, decision, work, prefix.sizes[matches[index] - 1] if matches[index] else 0
 
 
 def own_pids(models: Iterable[ModelRuntime]) -> list[int]:
@@ -360,7 +290,7 @@ class ModelSnapshot(ModelReads):
     it applies (``ModelSet.publish``): its preset, its lifecycle state (itself immutable), the
     facts it recorded (estimates, waiting requests, place in the queue, last load time). A
     snapshot never changes; the next change publishes a new one. Two things in it are live by
-    declaration: the leases' hot counters (``counters``: requests in flight, last use; a
+    declaration: the leases' hot counters (``load``: requests in flight, last use; a
     replica's in flight, prefixes, pace and backlog), which move with every request and are
     never published, and the child's log ring.
 
@@ -370,7 +300,7 @@ class ModelSnapshot(ModelReads):
 
     preset: ModelPreset
     state: ModelState
-    counters: Counters  # live: the leases' own
+    load: ModelLoad  # live: the leases' own
     logs: LogRing  # live: its llama-server's recent output
     waiting: int = 0
     estimate: int = 0
@@ -401,8 +331,8 @@ class ModelSnapshot(ModelReads):
 
 
 def snapshot_of(runtime: ModelRuntime) -> ModelSnapshot:
-    """The model's record as it is now, frozen (its live counters and log ring shared)."""
-    return ModelSnapshot(runtime.preset, runtime.state, runtime.counters, runtime.logs,
+    """The model's record as it is now, frozen (its live load and log ring shared)."""
+    return ModelSnapshot(runtime.preset, runtime.state, runtime.load, runtime.logs,
                          runtime.waiting, runtime.estimate,
                          MappingProxyType(dict(runtime.estimate_devices)),
                          runtime.cache_ram_mib, runtime.last_load_s)

@@ -134,7 +134,7 @@ class Spawner:
         preset: its slot directory (warm swaps), and no RAM prompt cache where its
         conversations are private (``private``)."""
         slot_dir = self.slot_dir(preset) if self.slot_dir else None
-        private = self.private and slot_dir is not None and not preset.shared_conversations
+        private = slot_dir is not None and preset.private_to(self.private)
         argv = self.child_argv(preset, port, 0 if private else cache_ram_mib, cpu)
         if slot_dir is not None:
             argv += ["--slot-save-path", str(slot_dir)]

@@ -33,9 +33,9 @@ from ..errors import (
     ModelNotFound,
 )
 from ..host.memory import total_ram_bytes
+from ..serving.affinity import Prefix
+from ..serving.leases import Lease, RoutedCallback
 from ..teams.fairshare import Turn
-from .affinity import Prefix
-from .leases import Lease, RoutedCallback
 from .lifecycle import (
     Closing,
     Unload,
@@ -165,30 +165,14 @@ class Supervisor:
                                        prefix=prefix, ends=ends, turn=turn)
 
     def keeps_conversations(self, model: ModelView) -> bool:
-        """Whether the model's requests are placed in its slots (``conversations``)."""
-        conversations = self.leases.conversations
-        return conversations is not None and conversations.keeps(model.preset)
+        """Whether the model's requests are placed in its slots (``Leases.place``)."""
+        return self.leases.keeps_conversations(model.preset)
 
     async def place(self, lease: Lease, prefix: Prefix, credential: bytes,
                     wanted: int | None = None, pinned: bool = True) -> int | None:
-        """The slot the lease's request runs in (its ``id_slot``; ``wanted``: the one it
-        names, given when the book honours it: ``SlotBook.plan``), once what it needs first is
-        done (``conversations``: a displaced conversation saved, its own restored, another
-        owner's erased; ``pinned``: whether the child runs it in that slot, else every slot it
-        may choose is made safe for it: ``SlotBook.plan``); None: the child chooses. The
-        lease's release frees the slot, also when this is cancelled."""
-        placement = self.leases.place(lease, prefix.stable, credential, wanted, pinned)
-        if placement is None or placement.slot is None:
-            return None
-        runtime, replica = lease.runtime, lease.replica
-        conversations = self.leases.conversations
-        assert conversations is not None  # placed only where it keeps them
-        speed = replica.pace.prompt_s_per_char
-        index = runtime.replicas.index(replica) if replica in runtime.replicas else 0
-        await conversations.prepare(runtime.preset, placement, replica.child,
-                                    index * runtime.slots,
-                                    None if speed is None else speed * prefix.chars)
-        return placement.slot
+        """The slot the lease's request runs in, once what it needs first is done
+        (``Leases.place``); None: the child chooses."""
+        return await self.leases.place(lease, prefix, credential, wanted, pinned)
 
     def lease_child(self, model: str, child: Backend) -> Lease | None:
         """A lease on the very replica running ``child`` while its model serves (resuming a

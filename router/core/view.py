@@ -30,10 +30,10 @@ if TYPE_CHECKING:
     from ..config.sources import Catalogue
     from ..events import EventBus
     from ..logs import LogRing
+    from ..serving.affinity import Prefix
+    from ..serving.leases import Lease, RoutedCallback
     from ..teams.fairshare import Turn
     from ..warm.swaps import WarmSwaps
-    from .affinity import Prefix
-    from .leases import Lease, RoutedCallback
     from .lifecycle import Failure
     from .runtime import ModelSnapshot
     from .wait import Ends

@@ -42,14 +42,14 @@ from ..errors import (
     ShuttingDown,
     WaitBudgetExceeded,
 )
+from ..serving.affinity import Prefix
+from ..serving.leases import Lease, Leases
+from ..serving.slotqueue import Slots
 from ..teams.fairshare import Turn
 from .admission import Admission
-from .affinity import Prefix
 from .executor import Executor
-from .leases import Lease, Leases
 from .lifecycle import ALREADY_RUNNING, CLOSING, CRASH_LOOP, LoadWanted, NobodyWaits, Refuse, Status
 from .runtime import ModelRuntime, WaitBegan, WaitEnded
-from .slotqueue import Slots
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ from ..events import EventBus
 from ..host.cpus import OtherWork, machine_cores
 from ..host.gpus import GpuDevice
 from ..llama.flags import FlagTable
+from ..serving.leases import Leases
+from ..serving.load import Served
+from ..serving.slotqueue import Slots
 from ..warm.conversations import Conversations
 from ..warm.statestore import StateStore
 from ..warm.swaps import WarmSwaps
@@ -42,14 +45,12 @@ from .accounting import Accounting
 from .admission import Admission
 from .cpugate import CpuGate
 from .executor import Executor
-from .leases import Leases
-from .lifecycle import Drain, Undrain
+from .lifecycle import Drain, Idle, Undrain
 from .liveness import Liveness, reap_idle
 from .loader import Loader
 from .modelchanges import ModelChanges
 from .modelset import ModelSet
 from .runtime import ModelRuntime, cpu_turn_members
-from .slotqueue import Slots
 from .spawner import Spawner
 from .wait import ModelWait
 
@@ -126,7 +127,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
     slots = Slots(changes)
-    leases = Leases(gate=cpu_gate, apply=executor.apply,
+    leases = Leases(gate=cpu_gate, idle=_idle_to(executor),
                     on_replica_done=executor.close_pool_later,
                     conversations=Conversations(warm) if warm is not None else None,
                     on_turn_end=slots.ended)
@@ -152,6 +153,17 @@ def _forget_removed(events: EventBus, spawner: Spawner, slots: Slots, warm: Warm
         events.on_removed(warm.forget)
     if conversations is not None:
         events.on_removed(conversations.forget)
+
+
+def _idle_to(executor: Executor) -> Callable[[Served], None]:
+    """What the leases tell of a model whose last request in flight ended: its lifecycle's
+    ``Idle``, through the executor."""
+
+    def idle(model: Served) -> None:
+        assert isinstance(model, ModelRuntime)  # the leases are handed records only
+        executor.apply(model, Idle())
+
+    return idle
 
 
 def _room_makers(models: dict[str, ModelRuntime], executor: Executor) -> tuple[

@@ -6,6 +6,6 @@ nodes (``nodes``), resumable streams (``resumable``), live reloads (``reload``) 
 routes share (``state``).
 
 It owns no model state: it decides and asks. It may import ``foundation``, ``llama``,
-``dashboard``, ``host``, ``config``, ``teams``, ``http``, ``children``, ``core``, ``peers``
-and ``observe``.
+``dashboard``, ``host``, ``config``, ``teams``, ``http``, ``children``, ``serving``,
+``core``, ``peers`` and ``observe``.
 """

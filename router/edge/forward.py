@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.datastructures import QueryParams
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..core.affinity import NO_PREFIX, Prefix, request_prefix
 from ..core.wait import Ends
 from ..errors import (
     BadRequest,
@@ -49,6 +48,7 @@ from ..http.proxy import (
 )
 from ..http.requests import WAIT_BUDGET_HEADER, RequestContext, context
 from ..llama.webui import StaticUI
+from ..serving.affinity import NO_PREFIX, Prefix, request_prefix
 from ..teams.fairshare import Turn
 from .keys import Forbidden
 from .metering import Metered
@@ -58,8 +58,8 @@ from .state import State
 
 if TYPE_CHECKING:
     from ..config.presets import ModelPreset
-    from ..core.leases import Lease
     from ..core.view import ModelView
+    from ..serving.leases import Lease
 
 log = logging.getLogger("router.forward")
 
@@ -310,9 +310,8 @@ def _named_slot(request: RequestContext) -> int | None:
 
 
 def _private(request: RequestContext, model: ModelView) -> bool:
-    """Whether the request's conversations are its key's own: it came with an API key, to a
-    model whose preset does not share them (``shared-conversations``)."""
-    return bool(request.key_hash) and not model.preset.shared_conversations
+    """Whether the request's conversations are its key's own (``ModelPreset.private_to``)."""
+    return model.preset.private_to(bool(request.key_hash))
 
 
 async def _in_its_slot(state: State, request: RequestContext, lease: Lease, prefix: Prefix,

@@ -40,7 +40,7 @@ from ..teams.quotas import Hold, OverQuota, Quotas
 from ..teams.usage import Usage
 
 if TYPE_CHECKING:
-    from ..core.leases import Lease
+    from ..serving.leases import Lease
 
 MAX_LIMIT = 1 << 31  # a limit past this is read as this (no request generates more)
 BYTES_PER_TOKEN = 4  # a prompt's expected tokens, from its body's size, until the child counts

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
-from ..core.affinity import NO_PREFIX, PrefixTable, request_prefix
 from ..errors import UpstreamError
 from ..http.paths import RESPONSES_PATHS
 from ..http.proxy import FailOver, with_model
@@ -33,6 +32,7 @@ from ..http.requests import BODY_METHODS, RequestContext
 from ..peers import hop
 from ..peers.peer import Peer
 from ..peers.placement import by_prefix, by_saved_state, candidates
+from ..serving.affinity import NO_PREFIX, PrefixTable, request_prefix
 from .state import State
 
 if TYPE_CHECKING:

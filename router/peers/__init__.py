@@ -4,5 +4,6 @@ runs (``tasks``), the one hop to it (``hop``), which node serves a model (``plac
 peers together (``registry``) and what they answer together (``fleet``).
 
 It owns what this router knows of each peer. It may import ``foundation``, ``host``,
-``config``, ``teams`` (who a request is for), ``http``, ``children`` and ``core``.
+``config``, ``teams`` (who a request is for), ``http``, ``children``, ``serving`` (prefix
+keys) and ``core``.
 """

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.affinity import SAVED_STATE, Decision, Prefix, PrefixTable, choose
 from ..core.scheduler import Status
 from ..errors import BadRequest
+from ..serving.affinity import SAVED_STATE, Decision, Prefix, PrefixTable, choose
 from .peerstate import LOADED, LOADING, NodeFacts
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ import httpx
 
 from ..config.keyfile import parse_file as parse_key_file
 from ..config.settings import DEFAULT_UPSTREAM_TIMEOUT_S
-from ..core.affinity import PrefixTable
 from ..events import EventBus
+from ..serving.affinity import PrefixTable
 from .catalogue import REFUSED
 from .peer import Peer, new_instance_id
 from .tasks import perform

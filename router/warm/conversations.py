@@ -105,7 +105,7 @@ class Conversations:
     def owner_of(self, credential: bytes, preset: ModelPreset) -> str | None:
         """Who may have a request's conversation restored: None (anyone) without a key or
         for a preset that shares them; else a digest of the key that says nothing elsewhere."""
-        if not credential or preset.shared_conversations:
+        if not preset.private_to(bool(credential)):
             return None
         if self._secret is None:
             self._secret = _secret(self.swaps.store.root)

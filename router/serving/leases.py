@@ -1,15 +1,20 @@
 """The hot path's bookkeeping: a request holds one replica of a serving model while it runs.
+The leases are the one writer of what runs on a model's children (``load``: the model's and
+each replica's requests in flight, prefixes, pace, backlog).
 
 ``Leases.take`` picks a replica (the one with the most free slots, or by the request's prompt
-prefix when it has one: ``ModelRuntime.route``) and counts the request in flight,
-without awaiting anything, so nothing can stop the model between "it serves" and "it is in
-use". ``Lease.release`` gives it back exactly once, however the request ended. The parts
-below that act on what leases change are told directly, never through the supervisor above:
-the CPU gate hears of a model's first request in flight and its last one done (``gate``:
-``CpuGate.busy``, ``CpuGate.idle``), the lifecycle of that last one (``apply``:
-``Executor.apply(runtime, Idle())``), and the executor of the last request of a replica that
-has left its model (a crash, a replacement: ``on_replica_done``). A routing decision by
-prefix is counted by ``on_routed`` (the metrics), when set.
+prefix when it has one: ``route``) and counts the request in flight, without awaiting
+anything, so nothing can stop the model between "it serves" and "it is in use".
+``Lease.release`` gives it back exactly once, however the request ended. The parts that act
+on what leases change are told directly, through what the core hands down: the CPU gate hears
+of a model's first request in flight and its last one done (``gate``: ``CpuGate.busy``,
+``CpuGate.idle``), the lifecycle of that last one (``idle``), and the executor of the last
+request of a replica that has left its model (a crash, a replacement: ``on_replica_done``). A
+routing decision by prefix is counted by ``on_routed`` (the metrics), when set.
+
+For a model that keeps its conversations, ``Leases.place`` takes the request's slot of its
+replica and has what it needs first done (``warm.conversations``: a displaced conversation
+saved, its own restored).
 
 A request routed by prefix also holds a ``pace.Ticket`` in its replica's backlog (its expected
 work); when its response has ended, the child's ``timings`` in its last chunks (as the request's
@@ -27,17 +32,17 @@ from typing import Protocol
 
 from .. import clock
 from ..children.backend import Backend
+from ..config.presets import ModelPreset
 from ..http.tail import ResponseTail
 from ..teams.fairshare import Turn
 from ..warm.conversations import Conversations, Placement
-from .affinity import Prefix
-from .lifecycle import Event, Idle
-from .pace import Ticket
-from .runtime import ModelRuntime, Replica
+from .affinity import Decision, Prefix, choose_among
+from .load import Replica, Served
+from .pace import Option, Ticket, by_cost
 
 RoutedCallback = Callable[[str, str], None]  # (model id, affinity decision)
-Apply = Callable[[ModelRuntime, Event], object]  # ``Executor.apply``
-TurnEnd = Callable[[ModelRuntime, Turn, float], None]  # (model, turn, its cost's correction)
+Idle = Callable[[Served], None]  # the model's last request in flight ended
+TurnEnd = Callable[[Served, Turn, float], None]  # (model, turn, its cost's correction)
 
 
 class Gate(Protocol):
@@ -54,7 +59,7 @@ class Lease:
     __slots__ = ("_leases", "_released", "correction", "placement", "replica", "runtime",
                  "ticket", "turn")
 
-    def __init__(self, leases: Leases, runtime: ModelRuntime, replica: Replica,
+    def __init__(self, leases: Leases, runtime: Served, replica: Replica,
                  ticket: Ticket | None = None, turn: Turn | None = None) -> None:
         self._leases = leases
         self.runtime = runtime
@@ -104,34 +109,47 @@ class Lease:
 
 
 class Leases:
-    def __init__(self, *, gate: Gate, apply: Apply,
+    def __init__(self, *, gate: Gate, idle: Idle,
                  on_replica_done: Callable[[Replica], None],
                  conversations: Conversations | None = None,
                  on_turn_end: TurnEnd | None = None) -> None:
         self._gate = gate
-        self._apply = apply
+        self._idle = idle
         self._on_replica_done = on_replica_done
         self.conversations = conversations  # slots placed for the conversations kept
         self.on_routed: RoutedCallback | None = None
         self.on_turn_end = on_turn_end  # the slot queue's (``slotqueue.Slots.ended``)
 
-    def place(self, lease: Lease, keys: tuple[int, ...], credential: bytes,
-              wanted: int | None = None, pinned: bool = True) -> Placement | None:
-        """Take a slot of the lease's replica for its request (``SlotBook.plan``: no await;
-        ``wanted``: the slot it names; ``pinned``: the child runs it where it is sent), where
-        its model keeps its conversations; what must happen first is
-        ``Conversations.prepare``'s. None: the child chooses its slot."""
-        conversations, replica = self.conversations, lease.replica
-        preset = lease.runtime.preset
-        book = replica.book
+    def keeps_conversations(self, preset: ModelPreset) -> bool:
+        """Whether the requests of a model with ``preset`` are placed in its slots
+        (``place``)."""
+        return self.conversations is not None and self.conversations.keeps(preset)
+
+    async def place(self, lease: Lease, prefix: Prefix, credential: bytes,
+                    wanted: int | None = None, pinned: bool = True) -> int | None:
+        """The slot the lease's request runs in (its ``id_slot``; ``wanted``: the one it
+        names, given when the book honours it: ``SlotBook.plan``), once what it needs first is
+        done (``Conversations.prepare``: a displaced conversation saved, its own restored,
+        another owner's erased; ``pinned``: whether the child runs it in that slot, else every
+        slot it may choose is made safe for it); None: the child chooses. The slot is taken
+        at once (no await); the lease's release frees it, also when this is cancelled."""
+        conversations, replica, runtime = self.conversations, lease.replica, lease.runtime
+        preset, book = runtime.preset, replica.book
         if conversations is None or book is None or not conversations.keeps(preset,
                                                                             book.fingerprint):
             return None
-        lease.placement = conversations.plan(
-            preset, book, keys, conversations.owner_of(credential, preset), wanted, pinned)
-        return lease.placement
+        placement = lease.placement = conversations.plan(
+            preset, book, prefix.stable, conversations.owner_of(credential, preset), wanted,
+            pinned)
+        if placement.slot is None:
+            return None
+        speed = replica.pace.prompt_s_per_char
+        index = runtime.replicas.index(replica) if replica in runtime.replicas else 0
+        await conversations.prepare(preset, placement, replica.child, index * runtime.slots,
+                                    None if speed is None else speed * prefix.chars)
+        return placement.slot
 
-    def take(self, runtime: ModelRuntime, replica: Replica | None = None,
+    def take(self, runtime: Served, replica: Replica | None = None,
              prefix: Prefix | None = None, turn: Turn | None = None) -> Lease:
         """Hold ``replica`` of a serving model for one request (with its slot's ``turn``, for
         one that takes a slot); default: by the prompt's ``prefix`` (``affinity``, ``pace``)
@@ -140,32 +158,58 @@ class Leases:
         now = clock.now()
         if replica is None:
             if prefix is None:
-                replica = runtime.pick_replica()
+                replica = least_busy(runtime)
             else:
-                replica, decision, work, cached = runtime.route(prefix, now)
+                replica, decision, work, cached = route(runtime, prefix)
+                replica.prefixes.record(prefix.keys)
                 ticket = replica.backlog.add(work, prefix.chars, cached, now, runtime.slots)
                 if self.on_routed is not None:
                     self.on_routed(runtime.preset.id, decision)
         replica.in_flight += 1
-        counters = runtime.counters
-        counters.in_flight += 1
-        counters.used_at = now
-        if counters.in_flight == 1:
+        load = runtime.load
+        load.in_flight += 1
+        load.used_at = now
+        if load.in_flight == 1:
             self._gate.busy(runtime.id)
         return Lease(self, runtime, replica, ticket, turn)
 
-    def release(self, runtime: ModelRuntime, replica: Replica,
-                ticket: Ticket | None = None) -> None:
+    def release(self, runtime: Served, replica: Replica, ticket: Ticket | None = None) -> None:
         replica.in_flight -= 1
-        counters = runtime.counters
-        counters.in_flight -= 1
-        assert replica.in_flight >= 0 and counters.in_flight >= replica.in_flight, \
+        load = runtime.load
+        load.in_flight -= 1
+        assert replica.in_flight >= 0 and load.in_flight >= replica.in_flight, \
             "a lease given back twice, or never taken"
-        counters.used_at = now = clock.now()
+        load.used_at = now = clock.now()
         if ticket is not None:
             replica.backlog.remove(ticket, now, runtime.slots)
         if replica.in_flight == 0 and replica not in runtime.replicas:
             self._on_replica_done(replica)
-        if counters.in_flight == 0:
+        if load.in_flight == 0:
             self._gate.idle(runtime.id)
-            self._apply(runtime, Idle())
+            self._idle(runtime)
+
+
+def least_busy(runtime: Served) -> Replica:
+    """The replica with the most free slots (ties: the first)."""
+    return max(runtime.replicas, key=lambda r: runtime.slots - r.in_flight)
+
+
+def route(runtime: Served, prefix: Prefix) -> tuple[Replica, Decision, float, int]:
+    """The replica for a request with prompt ``prefix``: the decision, the request's expected
+    work there in seconds (``pace.by_cost``; until a child has shown its speed, by load:
+    ``affinity.choose_among``, and 0), and the characters of its prompt that replica's table
+    holds (pure: the lease records the keys in the table of the replica it takes)."""
+    replicas = runtime.replicas
+    size = runtime.slots
+    now = clock.now()
+    matches = [r.prefixes.longest(prefix.keys) for r in replicas]
+    choice = by_cost([Option(match, r.in_flight, size,
+                             r.backlog.wait(now, r.in_flight, size), r.pace)
+                      for match, r in zip(matches, replicas, strict=True)], prefix)
+    if choice is None:
+        index, decision = choose_among([(r.in_flight, size) for r in replicas], matches)
+        work = 0.0
+    else:
+        index, decision, work = choice.index, choice.decision, choice.work_s
+    return replicas[index], decision, work, prefix.sizes[matches[index] - 1] \
+        if matches[index] else 0

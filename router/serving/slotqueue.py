@@ -38,8 +38,7 @@ from .. import clock
 from ..changes import Changes
 from ..config.keyfile import INTERACTIVE, PRIORITIES
 from ..teams.fairshare import FairQueue, Turn
-from .lifecycle import Status
-from .runtime import ModelRuntime
+from .load import Served
 
 log = logging.getLogger("router.slots")
 
@@ -55,7 +54,7 @@ class Slots:
         end as their model is gone)."""
         self._queues.pop(model_id, None)
 
-    def queue(self, runtime: ModelRuntime) -> FairQueue:
+    def queue(self, runtime: Served) -> FairQueue:
         queue = self._queues.get(runtime.id)
         if queue is None:
             queue = self._queues[runtime.id] = FairQueue()
@@ -78,14 +77,14 @@ class Slots:
         return queue.running if queue is not None else 0
 
     @staticmethod
-    def capacity(runtime: ModelRuntime) -> int | None:
+    def capacity(runtime: Served) -> int | None:
         """The requests the model's children take at once; None: not counted (a remote
         upstream)."""
         if runtime.preset.upstream is not None:
             return None
         return runtime.slots * len(runtime.replicas)
 
-    def may_start(self, runtime: ModelRuntime, rank: int) -> bool:
+    def may_start(self, runtime: Served, rank: int) -> bool:
         """Whether a turn of class ``rank`` may take a slot now: one is free, and for a
         class below the interactive one, fewer of the other classes run than the slots
         that the ``interactive-slots`` of each replica leave them."""
@@ -102,7 +101,7 @@ class Slots:
         others = running - (queue.running_interactive if queue is not None else 0)
         return others < (runtime.slots - kept) * len(runtime.replicas)
 
-    def start_now(self, runtime: ModelRuntime, turn: Turn) -> bool:
+    def start_now(self, runtime: Served, turn: Turn) -> bool:
         """Start ``turn`` now when nobody waits and it may take a slot (``may_start``)."""
         queue = self.queue(runtime)
         if queue.waiting or not self.may_start(runtime, turn.rank):
@@ -110,7 +109,7 @@ class Slots:
         queue.start(turn)
         return True
 
-    async def wait_turn(self, runtime: ModelRuntime, turn: Turn, deadline: float,
+    async def wait_turn(self, runtime: Served, turn: Turn, deadline: float,
                         watchers: list[asyncio.Future[Any]]) -> bool:
         """Until ``turn`` has a slot (True), the model no longer has a slot to give (False:
         not started), the deadline (False) or a watcher (its end: the caller raises it)."""
@@ -125,7 +124,7 @@ class Slots:
         try:
             while not granted.done():
                 remaining = deadline - clock.now()
-                if remaining <= 0 or runtime.status is not Status.LOADED:
+                if remaining <= 0 or not runtime.loaded:
                     return False
                 change = asyncio.ensure_future(self._changes.wait())
                 try:
@@ -145,7 +144,7 @@ class Slots:
             elif not used:  # granted, but nobody takes it: the next turn gets the slot
                 self.ended(runtime, turn, -turn.cost)
 
-    def ended(self, runtime: ModelRuntime, turn: Turn, correction: float) -> None:
+    def ended(self, runtime: Served, turn: Turn, correction: float) -> None:
         """A started turn ended (``correction``: its real cost less its expected one): its
         slot goes to the next."""
         queue = self._queues.get(runtime.id)
@@ -156,7 +155,7 @@ class Slots:
         if not queue.running and not queue.waiting:
             self._queues.pop(runtime.id, None)
 
-    def grant(self, runtime: ModelRuntime) -> None:
+    def grant(self, runtime: Served) -> None:
         """Give the model's free slots to the turns next in order."""
         queue = self._queues.get(runtime.id)
         if queue is None or not queue.waiting or not self._may_grant(runtime):
@@ -167,7 +166,7 @@ class Slots:
                 granted.set_result(None)
 
     @staticmethod
-    def _preempt_for(runtime: ModelRuntime, queue: FairQueue, turn: Turn) -> None:
+    def _preempt_for(runtime: Served, queue: FairQueue, turn: Turn) -> None:
         """Take a slot back for ``turn`` from a running request of a lower class whose answer
         has not begun (``FairQueue.victim``); its slot comes free when it gives it back, and
         it waits again, first of its flow."""
@@ -179,7 +178,6 @@ class Slots:
                      extra={"event": "preempted", "model": runtime.id})
 
     @staticmethod
-    def _may_grant(runtime: ModelRuntime) -> bool:
-        """Whether the model has slots to give: loaded with a replica (also while draining:
-        the requests it holds are served before it stops)."""
-        return runtime.status is Status.LOADED and bool(runtime.replicas)
+    def _may_grant(runtime: Served) -> bool:
+        """Whether the model has slots to give (``Served.has_slots``)."""
+        return runtime.has_slots
