@@ -220,9 +220,9 @@ def build_app(prepared: Prepared, notifier: Notifier | None = None,
             peers.start()
             usage = prepared.usage
             metrics.attach_teams(usage)
-            app.state.router = State(supervisor, client, events, prepared.build_info, metrics,
-                                     router_log, reloader, peers, usage)
-            usage_writer = asyncio.create_task(usage.run(), name="usage-writer")
+            app.state.router = state = State(supervisor, client, events, prepared.build_info,
+                                             metrics, router_log, reloader, peers, usage)
+            usage_writer = asyncio.create_task(state.meter.run(), name="usage-writer")
             app.state.supervisor = supervisor  # the server's own: startup models, a kill
             watcher = asyncio.create_task(reloader.watch(), name="config-watch")
             atexit.register(supervisor.kill_all_now)

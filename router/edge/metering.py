@@ -23,6 +23,9 @@ left while queued).
 A team with tokens a minute cannot overrun them by one request's generation: a completion
 whose limit is unset or larger than a minute's worth less its prompt gets that as its limit
 (``Metered.cap``, written into the body the child gets).
+
+The usage is written here alone: what a request used (``Metered.end``), a refusal, and its
+file, by the writer the router's lifespan runs (``Meter.run``).
 """
 
 from __future__ import annotations
@@ -126,6 +129,11 @@ class Meter:
     def __init__(self, usage: Usage, quotas: Quotas | None = None) -> None:
         self.usage = usage
         self.quotas = quotas or Quotas()
+
+    async def run(self) -> None:
+        """Write the usage to its file every few seconds until cancelled, then what is left at
+        once (``Usage.run``): the router's lifespan runs it beside the server."""
+        await self.usage.run()
 
     def begin(self, request: RequestContext, model: str) -> Metered | None:
         """The metering of a request to ``model``; None for one that is not metered."""

@@ -16,7 +16,8 @@ which would follow a link out of the state directory or wait on a FIFO.
 
 For the fairness figures (``/metrics``), it also keeps each team's weighted service over the
 last ``WINDOW_S`` seconds, and when its requests last waited: ``jain`` is Jain's index over the
-teams that waited in that window (1: equal shares; 1/n: one team took all).
+teams that waited in that window (1: equal shares; 1/n: one team took all). Reading them
+changes nothing; what left the window is dropped as the next request is served.
 """
 
 from __future__ import annotations
@@ -197,11 +198,13 @@ class Usage:
         return out.getvalue()
 
     def recent_service(self) -> dict[str, float]:
-        """Each team's weighted service over the last ``WINDOW_S`` seconds."""
-        self._forget_old(self._now())
+        """Each team's weighted service over the last ``WINDOW_S`` seconds (read only: what
+        left the window is dropped when the next request is served)."""
+        now = self._now()
         service: dict[str, float] = {}
-        for _, name, amount in self._served:
-            service[name] = service.get(name, 0.0) + amount
+        for when, name, amount in self._served:
+            if now - when <= WINDOW_S:
+                service[name] = service.get(name, 0.0) + amount
         return service
 
     def jain(self) -> float | None:

@@ -195,7 +195,7 @@ class Conversations:
                             preset, placement.book.fingerprint, child, slot, number + slot,
                             plan.save)
             finally:
-                self.swaps.ledger.counts_of(preset.id).waited(time.perf_counter() - began)
+                self.swaps.displaced_wait(preset.id, time.perf_counter() - began)
         try:
             await self._restore_for(preset, placement, child, slot)
             if plan.erase and not placement.restored:  # another owner's conversation: its
@@ -247,10 +247,7 @@ class Conversations:
                        state: SavedState) -> bool:
         if not await asyncio.to_thread(self.swaps.store.verify, state):
             return False
-        if not await self.swaps.restore_one(preset.id, child, slot, state):
-            return False
-        self.swaps.ledger.counts_of(preset.id).on_demand += 1
-        return True
+        return await self.swaps.restore_one(preset.id, child, slot, state, on_demand=True)
 
     def learn(self, preset: ModelPreset, placement: Placement, computed: int, cached: int,
               generated: int) -> None:
@@ -260,20 +257,12 @@ class Conversations:
         placement.tokens = computed + cached + generated
         if not placement.restored:
             return
-        counts = self.swaps.ledger.counts_of(preset.id)
         wanted = min(placement.restored, computed + cached)
-        if cached >= HIT_SHARE * wanted:
-            counts.hits += 1
-            counts.spared_tokens += cached
-            counts.missed_in_row = 0
-            return
-        counts.misses += 1
-        counts.missed_in_row += 1
+        missed = self.swaps.restore_judged(preset.id, cached >= HIT_SHARE * wanted, cached)
         fingerprint = placement.book.fingerprint
-        if counts.missed_in_row >= MISSES_TO_STOP and counts.hits == 0 \
-                and self.keeps(preset, fingerprint):
-            self.swaps.ledger.do_not_restore(preset.id, fingerprint, (
-                f"{counts.missed_in_row} restores in a row found none of their tokens cached: "
+        if missed >= MISSES_TO_STOP and self.keeps(preset, fingerprint):
+            self.swaps.do_not_restore(preset.id, fingerprint, (
+                f"{missed} restores in a row found none of their tokens cached: "
                 "this model's states do not restore (llama.cpp: sliding-window or hybrid "
                 "models)"))
 

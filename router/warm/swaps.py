@@ -115,6 +115,30 @@ class Counts:
         self.displace_wait_s += seconds
         self.recent_waits.append(seconds)
 
+    def kept(self, state: SavedState, displaced: bool) -> None:
+        """A state was kept (``displaced``: saved before another conversation took its slot)."""
+        self.saved += 1
+        self.displaced += displaced
+        self.saved_bytes += state.n_written
+
+    def took(self, state: SavedState, on_demand: bool) -> None:
+        """A child took a state (``on_demand``: for the request of its conversation)."""
+        self.restored += 1
+        self.restored_tokens += state.n_saved
+        self.on_demand += on_demand
+
+    def judged(self, hit: bool, cached: int) -> int:
+        """A restore's next response found ``cached`` of its prompt tokens in the cache: enough
+        (``hit``) or not. The restores missed in a row, while none has ever hit (else 0)."""
+        if hit:
+            self.hits += 1
+            self.spared_tokens += cached
+            self.missed_in_row = 0
+        else:
+            self.misses += 1
+            self.missed_in_row += 1
+        return 0 if self.hits else self.missed_in_row
+
     def wait_ms_p50(self) -> float | None:
         """The median of the recent displacement waits, in milliseconds; None: none yet."""
         if not self.recent_waits:
@@ -398,24 +422,16 @@ class WarmSwaps:
         counts = self.ledger.counts_of(model_id)
         kept: list[SavedState] = []
         try:
-            for save, answer, keys, conversation, displaced in written:
-                try:
-                    commit = await asyncio.to_thread(
-                        self.store.commit, save, answer, label(conversation, keys),
-                        _replaces(conversation, save.slot))
-                except (OSError, ValueError) as exc:  # never the stop's failure
-                    await asyncio.to_thread(self.store.abandon, save)
-                    commit = Commit(None, f"cannot keep it ({exc})")
+            for one in written:
+                commit = await _commit(self.store, one)
                 if commit.state is not None:
                     kept.append(commit.state)
-                    counts.saved += 1
-                    counts.displaced += displaced
-                    counts.saved_bytes += commit.state.n_written
+                    counts.kept(commit.state, one.displaced)
                     learn(io, commit.state.n_saved, commit.state.n_written,
-                          timing(answer, "save_ms"), "save")
+                          timing(one.answer, "save_ms"), "save")
                 elif commit.problem:
                     counts.refused += 1
-                    log.warning("slot %d not saved: %s", save.slot, commit.problem,
+                    log.warning("slot %d not saved: %s", one.save.slot, commit.problem,
                                 extra={"model": model_id})
         finally:
             if self.fingerprint_of(preset) is not None:
@@ -479,6 +495,10 @@ class WarmSwaps:
         return None if answer is None else Written(save, answer, None, conversation,
                                                    displaced=True)
 
+    def displaced_wait(self, model_id: str, seconds: float) -> None:
+        """A displacement save (``write_slot``) held its request ``seconds``."""
+        self.ledger.counts_of(model_id).waited(seconds)
+
     async def erase_slot(self, child: Backend, slot: int) -> bool:
         """Have ``child`` forget what ``slot`` holds (``action=erase``); whether it did."""
         return await self._child.action(child, slot, "erase", "") is not None
@@ -538,8 +558,9 @@ class WarmSwaps:
         return Restored(restored, tuple(learned), tuple(held))
 
     async def restore_one(self, model_id: str, child: Backend, slot: int,
-                           state: SavedState) -> bool:
-        """Restore ``state`` into ``slot`` of ``child``; one the child refuses is discarded."""
+                          state: SavedState, on_demand: bool = False) -> bool:
+        """Restore ``state`` into ``slot`` of ``child`` (``on_demand``: for the request of its
+        conversation, ``Conversations``); one the child refuses is discarded."""
         answer = await self._child.action(child, slot, "restore", state.filename)
         counts = self.ledger.counts_of(model_id)
         if answer is None or answer.get("n_restored") != state.n_saved:
@@ -551,9 +572,16 @@ class WarmSwaps:
         await asyncio.to_thread(self.store.touch, state)
         learn(self.ledger.io.setdefault(model_id, Io()), state.n_saved, state.n_written,
               timing(answer, "restore_ms"), "restore")
-        counts.restored += 1
-        counts.restored_tokens += state.n_saved
+        counts.took(state, on_demand)
         return True
+
+    def restore_judged(self, model_id: str, hit: bool, cached: int) -> int:
+        """A restore on demand hit or missed (``Counts.judged``): the misses in a row, none hit."""
+        return self.ledger.counts_of(model_id).judged(hit, cached)
+
+    def do_not_restore(self, model_id: str, fingerprint: str | None, why: str) -> None:
+        """Save and restore none of the model's states of ``fingerprint`` any more (``Ledger``)."""
+        self.ledger.do_not_restore(model_id, fingerprint, why)
 
 
 def conversation_of(prefix: Any) -> Conversation | None:
@@ -564,6 +592,18 @@ def conversation_of(prefix: Any) -> Conversation | None:
         return None
     n, key, owner = found
     return Conversation((0,) * (n - 1) + (key,), owner)
+
+
+async def _commit(store: StateStore, written: Written) -> Commit:
+    """Commit what a child wrote (``StateStore.commit``); one that cannot be is abandoned, its
+    problem said in the ``Commit``: never the stop's failure."""
+    save, answer, keys, conversation, _ = written
+    try:
+        return await asyncio.to_thread(store.commit, save, answer, label(conversation, keys),
+                                       _replaces(conversation, save.slot))
+    except (OSError, ValueError) as exc:
+        await asyncio.to_thread(store.abandon, save)
+        return Commit(None, f"cannot keep it ({exc})")
 
 
 def _replaces(conversation: Conversation | None, number: int
