@@ -32,7 +32,8 @@ def test_a_key_files_policy_fields_are_read() -> None:
                       "sk-b name=etl priority=batch max-concurrent=4 tokens-per-minute=2000\n"
                       "sk-c\n")
     assert [k.policy for k in keys] == [
-        ALICE, KeyPolicy("etl", 2, 4, 2000), KeyPolicy("key-3")]
+        ALICE, KeyPolicy("etl", 2, {"max-concurrent": 4, "tokens-per-minute": 2000}),
+        KeyPolicy("key-3")]
     assert "sk-b" not in repr(keys[1]) and "name=etl" in repr(keys[1])
 
 
@@ -180,7 +181,7 @@ class Clock:
 
 def test_max_concurrent_refuses_the_one_too_many_until_one_ends() -> None:
     quotas = Quotas(Clock())
-    policy = KeyPolicy("t", 1, max_concurrent=2)
+    policy = KeyPolicy("t", 1, {"max-concurrent": 2})
     holds = [quotas.admit(policy, 10), quotas.admit(policy, 10)]
     with pytest.raises(OverQuota) as caught:
         quotas.admit(policy, 10)
@@ -195,7 +196,7 @@ def test_max_concurrent_refuses_the_one_too_many_until_one_ends() -> None:
 def test_tokens_a_minute_reserve_then_settle_and_refill() -> None:
     clock = Clock()
     quotas = Quotas(clock)
-    policy = KeyPolicy("t", 1, tokens_per_minute=600)  # 10 a second
+    policy = KeyPolicy("t", 1, {"tokens-per-minute": 600})  # 10 a second
     hold = quotas.admit(policy, 500)
     with pytest.raises(OverQuota) as caught:
         quotas.admit(policy, 200)
@@ -324,7 +325,7 @@ def test_a_teams_tokens_a_minute_cap_one_requests_generation() -> None:
     from router.edge.metering import Meter
 
     meter = Meter(Usage())
-    policy = KeyPolicy("tpm", tokens_per_minute=300)
+    policy = KeyPolicy("tpm", quotas={"tokens-per-minute": 300})
     for path, body, written in [
             ("/completion", b'{"prompt": "hi"}', b', "n_predict": 296}'),
             ("/completion", b'{"prompt": "hi", "n_predict": 5000}', b', "n_predict": 291}'),
