@@ -56,8 +56,8 @@ def passed_bound(capacity: int) -> int:
 TEAMS = ("team0", "team0", "team0", "team1", "team2")
 POLICIES = {
     "team0": KeyPolicy("team0"),
-    "team1": KeyPolicy("team1", max_concurrent=3),
-    "team2": KeyPolicy("team2", tokens_per_minute=8 * USED),
+    "team1": KeyPolicy("team1", quotas={"max-concurrent": 3}),
+    "team2": KeyPolicy("team2", quotas={"tokens-per-minute": 8 * USED}),
 }
 
 
@@ -137,11 +137,11 @@ class TeamsBook:
         (``Slots.backlogged``)."""
         found = []
         for name, policy in POLICIES.items():
-            if policy.max_concurrent is not None \
-                    and self.admitted.get(name, 0) > policy.max_concurrent:
+            limit = policy.quotas.get("max-concurrent")
+            if limit is not None and self.admitted.get(name, 0) > limit:
                 found.append(f"{name} has {self.admitted[name]} requests admitted, "
-                             f"max-concurrent {policy.max_concurrent}")
-            rate = policy.tokens_per_minute
+                             f"max-concurrent {limit}")
+            rate = policy.quotas.get("tokens-per-minute")
             if rate is not None:
                 allowed = rate + rate * (now - self.started_at) / 60
                 if self.used.get(name, 0.0) > allowed:

@@ -50,8 +50,8 @@ def read(body: bytes, content_type: str | None, chunks: int = 1) -> RequestConte
 
 def decisions(request: RequestContext, stream: bool, rate: int | None = 10**9
               ) -> tuple[Any, ...]:
-    request.member = member_of(KeyPolicy("batch", priority=2, tokens_per_minute=rate),
-                               False, {})
+    quotas = {} if rate is None else {"tokens-per-minute": rate}
+    request.member = member_of(KeyPolicy("batch", priority=2, quotas=quotas), False, {})
     metered = Meter(Usage()).begin(request, "m")
     assert metered is not None
     return (request.model, request.fields.get("stream") is True, metered.preemptible,
@@ -77,7 +77,8 @@ def test_a_multipart_body_names_no_policy_field() -> None:
             b'--zz\r\nContent-Disposition: form-data; name="n_predict"\r\n\r\n40\r\n--zz--\r\n')
     request = read(form, "multipart/form-data; boundary=zz")
     assert decisions(request, False, None) == ("m", False, True, 0, None, False)
-    with pytest.raises(BadRequest, match="take a JSON body"):  # no field could cap it
+    with pytest.raises(BadRequest, match=r"^team batch has tokens-per-minute=1000000000: its "
+                       r"completions take a JSON body"):  # no field could cap it
         decisions(request, False)
 
 

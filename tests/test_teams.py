@@ -4,13 +4,15 @@ the usage ledger and its SQLite file."""
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router.config.keyfile import PRIORITIES, KeyPolicy, parse_file
+from router.config.keyfile import PRIORITIES, QUOTA_FIELDS, KeyPolicy, parse_file
 from router.teams.fairshare import GENERATED_WEIGHT, FairQueue, Turn, service_bound
 from router.teams.members import (
     FAIRNESS_HEADER,
@@ -18,7 +20,7 @@ from router.teams.members import (
     MemberError,
     member_of,
 )
-from router.teams.quotas import OverQuota, Quotas
+from router.teams.quotas import QUOTA_KINDS, OverQuota, Quotas
 from router.teams.usage import Usage, UsageStore, jain
 
 BATCH = KeyPolicy("etl", PRIORITIES.index("batch"))
@@ -32,8 +34,21 @@ def test_a_key_files_policy_fields_are_read() -> None:
                       "sk-b name=etl priority=batch max-concurrent=4 tokens-per-minute=2000\n"
                       "sk-c\n")
     assert [k.policy for k in keys] == [
-        ALICE, KeyPolicy("etl", 2, 4, 2000), KeyPolicy("key-3")]
+        ALICE, KeyPolicy("etl", 2, {"max-concurrent": 4, "tokens-per-minute": 2000}),
+        KeyPolicy("key-3")]
     assert "sk-b" not in repr(keys[1]) and "name=etl" in repr(keys[1])
+    # the quotas in the key file's order, whatever order they were given in
+    swapped = parse_file("sk-b tokens-per-minute=2000 priority=batch max-concurrent=4 "
+                         "name=etl")[0].policy
+    assert swapped == keys[1].policy and hash(swapped) == hash(keys[1].policy)
+    assert swapped.describe() == \
+        "name=etl priority=batch max-concurrent=4 tokens-per-minute=2000"
+
+
+def test_the_key_files_quota_fields_are_the_quota_kinds() -> None:
+    """The key file's grammar (config, below teams) lists the quotas' fields; the kinds of
+    quota (teams) give each its meaning: one kind a field, in the same order."""
+    assert [kind.field for kind in QUOTA_KINDS] == list(QUOTA_FIELDS)
 
 
 @pytest.mark.parametrize(("text", "problem"), [
@@ -180,7 +195,7 @@ class Clock:
 
 def test_max_concurrent_refuses_the_one_too_many_until_one_ends() -> None:
     quotas = Quotas(Clock())
-    policy = KeyPolicy("t", 1, max_concurrent=2)
+    policy = KeyPolicy("t", 1, {"max-concurrent": 2})
     holds = [quotas.admit(policy, 10), quotas.admit(policy, 10)]
     with pytest.raises(OverQuota) as caught:
         quotas.admit(policy, 10)
@@ -195,7 +210,7 @@ def test_max_concurrent_refuses_the_one_too_many_until_one_ends() -> None:
 def test_tokens_a_minute_reserve_then_settle_and_refill() -> None:
     clock = Clock()
     quotas = Quotas(clock)
-    policy = KeyPolicy("t", 1, tokens_per_minute=600)  # 10 a second
+    policy = KeyPolicy("t", 1, {"tokens-per-minute": 600})  # 10 a second
     hold = quotas.admit(policy, 500)
     with pytest.raises(OverQuota) as caught:
         quotas.admit(policy, 200)
@@ -214,6 +229,68 @@ def test_tokens_a_minute_reserve_then_settle_and_refill() -> None:
 
 def test_a_team_without_quotas_holds_nothing() -> None:
     assert Quotas().admit(KeyPolicy("free"), 10**9) is None
+
+
+def test_a_new_quota_kind_is_one_entry_of_the_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newcomer's change (docs/architecture.md): a kind of quota is a ``QuotaKind`` (its
+    key-file field; how it admits, counts and settles a request) added to ``QUOTA_KINDS``,
+    and its field to the key file's ``QUOTA_FIELDS``; the quotas and the edge's meter ask it
+    with the others (429 with its ``Retry-After``, the refusal counted), and nothing else
+    changes."""
+    from router.config import keyfile
+    from router.edge.metering import Meter
+    from router.errors import QuotaExceeded
+    from router.teams import quotas
+
+    class RequestsPerMinute(quotas.QuotaKind):
+        """Requests a minute: when the team's requests of the last minute were admitted."""
+
+        field = "requests-per-minute"
+
+        def __init__(self, now: float) -> None:
+            self.admitted: deque[float] = deque()
+
+        def admit(self, team: str, limit: int | None, expected_tokens: float,
+                  now: float) -> float:
+            while self.admitted and self.admitted[0] <= now - 60:
+                self.admitted.popleft()
+            if limit is not None and len(self.admitted) >= limit:
+                raise OverQuota(f"team {team} is over its requests-per-minute={limit}",
+                                math.ceil(self.admitted[0] + 60 - now))
+            return 0.0
+
+        def take(self, reserved: float, now: float) -> None:
+            self.admitted.append(now)
+
+    monkeypatch.setattr(quotas, "QUOTA_KINDS", (*quotas.QUOTA_KINDS, RequestsPerMinute))
+    monkeypatch.setattr(keyfile, "QUOTA_FIELDS", (*keyfile.QUOTA_FIELDS, RequestsPerMinute.field))
+    monkeypatch.setattr(keyfile, "FIELDS", (*keyfile.FIELDS, RequestsPerMinute.field))  # (its
+    # value at import: the field list the parser checks)
+    policy = parse_file("sk-a name=t requests-per-minute=2 max-concurrent=2")[0].policy
+    assert policy.describe() == "name=t priority=default max-concurrent=2 requests-per-minute=2"
+    clock = Clock()
+    quotas_ = Quotas(clock)
+    first, second = quotas_.admit(policy, 10), quotas_.admit(policy, 10)
+    assert first is not None and second is not None
+    with pytest.raises(OverQuota, match="max-concurrent=2"):  # the list's order: the first
+        quotas_.admit(policy, 10)
+    first.settle(10)
+    clock.now += 20
+    with pytest.raises(OverQuota, match="requests-per-minute=2") as caught:
+        quotas_.admit(policy, 10)  # a place is free, but the minute holds two requests
+    assert caught.value.retry_after == 40
+    second.settle(10)
+    clock.now += 40
+    assert quotas_.admit(policy, 10) is not None  # the first one's minute is over
+
+    meter = Meter(Usage(), Quotas(clock))  # the edge, as it is
+    request = metered_request(b'{"prompt": "hi"}')
+    request.member = member_of(KeyPolicy("t", quotas={"requests-per-minute": 1}), False, {})
+    assert meter.begin(request, "m") is not None
+    with pytest.raises(QuotaExceeded, match="requests-per-minute=1") as refused:
+        meter.begin(request, "m")
+    assert refused.value.headers == {"Retry-After": "60"}
+    assert [(r.name, r.refusals) for r in meter.usage.rows()] == [("t", 1)]
 
 
 # ------------------------------------------------------------------------ usage
@@ -324,7 +401,7 @@ def test_a_teams_tokens_a_minute_cap_one_requests_generation() -> None:
     from router.edge.metering import Meter
 
     meter = Meter(Usage())
-    policy = KeyPolicy("tpm", tokens_per_minute=300)
+    policy = KeyPolicy("tpm", quotas={"tokens-per-minute": 300})
     for path, body, written in [
             ("/completion", b'{"prompt": "hi"}', b', "n_predict": 296}'),
             ("/completion", b'{"prompt": "hi", "n_predict": 5000}', b', "n_predict": 291}'),

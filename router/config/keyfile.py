@@ -31,7 +31,9 @@ they must give the same policy. ``admin`` is the team of the keys given with ``-
 a file may use that name only when no key is given so (``parse_file``'s ``flag_keys``).
 ``priority=`` ``interactive``, ``default`` (the default) or ``batch``: the highest class its
 requests may ask for. ``max-concurrent=`` requests of the team queued or running at once;
-``tokens-per-minute=`` prompt and generated tokens a minute.
+``tokens-per-minute=`` prompt and generated tokens a minute. The quotas' fields are one list
+(``QUOTA_FIELDS``), each a whole number read alike into ``KeyPolicy.quotas``; what each means
+is its quota kind's (``teams.quotas.QUOTA_KINDS``, one kind per field).
 
 Each key's scope is parsed once into an immutable ``KeyScope``. Whether a scope allows a model
 is cached per (scope, model). ``parse_file`` reports every bad line (``KeyFileInvalid``), not
@@ -42,13 +44,17 @@ hides it.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import MappingProxyType
 
 ADMIN, INFER, METRICS = "admin", "infer", "metrics"
 ROLES = (ADMIN, INFER, METRICS)
-FIELDS = ("models", "role", "name", "priority", "max-concurrent", "tokens-per-minute")
+# The quotas' fields, each a whole number (``KeyPolicy.quotas``), in the order ``describe``
+# writes them; each is a quota kind's (teams.quotas.QUOTA_KINDS: tests hold the two alike).
+QUOTA_FIELDS = ("max-concurrent", "tokens-per-minute")
+FIELDS = ("models", "role", "name", "priority", *QUOTA_FIELDS)
 _FIELD_NAME = re.compile(r"[a-z][a-z_-]{0,15}")
 # The priority classes, highest first (``KeyPolicy.priority``: the class's rank, 0 highest).
 PRIORITIES = ("interactive", "default", "batch")
@@ -63,21 +69,25 @@ _LIMIT_MAX = 10**12
 @dataclass(frozen=True)
 class KeyPolicy:
     """A key's place among the teams: its ``name``, the highest ``priority`` class its
-    requests may ask for (an index of ``PRIORITIES``), its quotas (None: no limit)."""
+    requests may ask for (an index of ``PRIORITIES``), its ``quotas``: each limit by its
+    field's name (``QUOTA_FIELDS``; a quota left out: no limit)."""
 
     name: str = ANONYMOUS
     priority: int = DEFAULT_PRIORITY
-    max_concurrent: int | None = None
-    tokens_per_minute: int | None = None
+    quotas: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # read-only, in the order of QUOTA_FIELDS
+        order = {name: n for n, name in enumerate(QUOTA_FIELDS)}
+        object.__setattr__(self, "quotas", MappingProxyType(dict(sorted(
+            self.quotas.items(), key=lambda item: order.get(item[0], len(order))))))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.priority, tuple(self.quotas.items())))
 
     def describe(self) -> str:
         """``name=etl priority=batch max-concurrent=4`` (never the key)."""
         text = f"name={self.name} priority={PRIORITIES[self.priority]}"
-        if self.max_concurrent is not None:
-            text += f" max-concurrent={self.max_concurrent}"
-        if self.tokens_per_minute is not None:
-            text += f" tokens-per-minute={self.tokens_per_minute}"
-        return text
+        return "".join([text, *(f" {name}={limit}" for name, limit in self.quotas.items())])
 
 
 UNLIMITED = KeyPolicy()
@@ -196,14 +206,11 @@ def _parse_policy(values: dict[str, str], *, line_number: int) -> KeyPolicy:
     priority = values.get("priority", PRIORITIES[DEFAULT_PRIORITY])
     if priority not in PRIORITIES:
         raise ValueError(f"priority= must be one of {', '.join(PRIORITIES)}")
-    return KeyPolicy(name, PRIORITIES.index(priority), _limit(values, "max-concurrent"),
-                     _limit(values, "tokens-per-minute"))
+    return KeyPolicy(name, PRIORITIES.index(priority),
+                     {n: _limit(values[n], n) for n in QUOTA_FIELDS if n in values})
 
 
-def _limit(values: dict[str, str], field_name: str) -> int | None:
-    value = values.get(field_name)
-    if value is None:
-        return None
+def _limit(value: str, field_name: str) -> int:
     if not value.isascii() or not value.isdigit() or not 0 < int(value) <= _LIMIT_MAX:
         raise ValueError(f"{field_name}= must be a whole number from 1 to {_LIMIT_MAX} "
                          "(leave it out for no limit)")

@@ -20,9 +20,11 @@ request set (for a stream cut short, the events sent, if more). An error answer 
 400 or more) is charged nothing, and so is a request that never got an answer (its client
 left while queued).
 
-A team with tokens a minute cannot overrun them by one request's generation: a completion
-whose limit is unset or larger than a minute's worth less its prompt gets that as its limit
-(``Metered.cap``, written into the body the child gets).
+A team whose quotas meter tokens (tokens a minute) cannot overrun them by one request's
+generation: a completion whose limit is unset or larger than what its quotas allow
+(``Quotas.allowance``: a minute's worth less its prompt) gets that as its limit
+(``Metered.cap``, written into the body the child gets). The edge asks the quotas, never a
+kind of quota by name.
 
 The usage is written here alone: what a request used (``Metered.end``), a refusal, and its
 file, by the writer the router's lifespan runs (``Meter.run``).
@@ -65,13 +67,13 @@ class Metered:
         self._hold = hold
         self.preemptible = preemptible  # its slot may be taken back before it answers
         self.limit = limit  # the tokens it may generate (0: it set none)
-        self.cap = cap  # the limit the router sets it (its team's tokens a minute; 0: none)
+        self.cap = cap  # the limit the router sets it (its team's quotas allow; 0: none)
         self._ended = False
 
     def shaped(self, request: RequestContext, body: bytes) -> bytes:
         """The body the child gets: one that names ``response_fields`` (which could leave the
         counts out of the answer) gets an empty list as its last key, which llama-server reads
-        as the whole answer; one whose generation its team's tokens a minute cap
+        as the whole answer; one whose generation its team's quotas cap
         (``cap``) gets that limit as its last key (``n_predict``, which llama-server reads
         over its aliases; Anthropic's ``max_tokens``); any other body unchanged, byte for
         byte."""
@@ -144,22 +146,21 @@ class Meter:
         member = request.member
         fields = request.fields
         limit = _limit(fields)
-        rate = member.policy.tokens_per_minute
+        allowed = self.quotas.allowance(member.policy, expected) \
+            if request.path in SLOT_PATHS else None
         cap = 0
-        if rate and request.path in SLOT_PATHS and not 0 < limit <= rate - expected:
-            limit = cap = max(1, int(rate - expected))  # one request, one minute's worth
+        if allowed is not None and not 0 < limit <= allowed.tokens:
+            limit = cap = max(1, int(allowed.tokens))
             if body and not request.json_object:  # (a multipart body: no field can cap it)
-                raise BadRequest(f"team {member.name} has tokens-per-minute={rate}: its "
+                raise BadRequest(f"team {member.name} has {allowed.quota}: its "
                                  f"completions take a JSON body, whose generation limit the "
                                  "router caps (a multipart field is no limit to llama-server)")
-        hold = None
-        if member.policy.max_concurrent is not None or member.policy.tokens_per_minute:
-            try:
-                hold = self.quotas.admit(member.policy, expected + limit)
-            except OverQuota as exc:
-                self.usage.refused(member.name, model)
-                raise QuotaExceeded(str(exc), headers={"Retry-After": str(exc.retry_after)}
-                                    ) from None
+        try:
+            hold = self.quotas.admit(member.policy, expected + limit)
+        except OverQuota as exc:
+            self.usage.refused(member.name, model)
+            raise QuotaExceeded(str(exc), headers={"Retry-After": str(exc.retry_after)}
+                                ) from None
         preemptible = member.rank > 0 and fields.get("stream") is not True
         return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible,
                        limit, cap)
