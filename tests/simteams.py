@@ -134,7 +134,7 @@ class TeamsBook:
                    backlogged: dict[str, tuple[int, dict[int, list[float]]]]) -> list[str]:
         """The quotas' and fair share's invariants now; ``backlogged``: per model, its
         capacity and the service of each flow with requests waiting, by class
-        (``Slots.backlogged``)."""
+        (``SlotQueue.backlogged``)."""
         found = []
         for name, policy in POLICIES.items():
             limit = policy.quotas.get("max-concurrent")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from router.core.scheduler import Admission, ModelUse, Status, plan_admission
+from router.core.scheduler import AdmissionPlan, ModelUse, Status, plan_admission
 
 U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
 
@@ -22,62 +22,62 @@ def test_status_values_and_holds_process() -> None:
                                          "stopping"]
     assert not U.holds_process and not Status.DOWNLOADING.holds_process
     assert LOADING.holds_process and L.holds_process and S.holds_process
-    assert Admission(admit=True).evict == ()
+    assert AdmissionPlan(admit=True).evict == ()
 
 
 @pytest.mark.parametrize("models_max", [0, -1])
 def test_unlimited(models_max: int) -> None:
     models = [snap(f"m{i}", L) for i in range(50)]
-    assert plan_admission(models, "new", models_max) == Admission(admit=True)
+    assert plan_admission(models, "new", models_max) == AdmissionPlan(admit=True)
 
 
 def test_empty_snapshot() -> None:
-    assert plan_admission([], "new", 1) == Admission(admit=True)
+    assert plan_admission([], "new", 1) == AdmissionPlan(admit=True)
 
 
 def test_room_available() -> None:
     models = [snap("a", L), snap("b", LOADING), snap("c", U), snap("d", U)]
-    assert plan_admission(models, "new", 3) == Admission(admit=True)
+    assert plan_admission(models, "new", 3) == AdmissionPlan(admit=True)
 
 
 def test_unloaded_models_use_no_slot() -> None:
     models = [snap(f"u{i}", U) for i in range(10)]
-    assert plan_admission(models, "new", 1) == Admission(admit=True)
+    assert plan_admission(models, "new", 1) == AdmissionPlan(admit=True)
 
 
 def test_full_evicts_least_recently_used_idle() -> None:
     models = [snap("a", L, last_used=30.0), snap("b", L, last_used=10.0),
               snap("c", L, last_used=20.0)]
-    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=("b",))
+    assert plan_admission(models, "new", 3) == AdmissionPlan(admit=False, evict=("b",))
 
 
 def test_lru_ties_broken_by_id() -> None:
     models = [snap("zeta", L, last_used=5.0), snap("alpha", L, last_used=5.0),
               snap("mid", L, last_used=9.0)]
-    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=("alpha",))
+    assert plan_admission(models, "new", 3) == AdmissionPlan(admit=False, evict=("alpha",))
     assert plan_admission(list(reversed(models)), "new", 3).evict == ("alpha",)
 
 
 def test_never_evicts_loading_models() -> None:
     models = [snap("loading", LOADING, last_used=0.0), snap("old", L, last_used=5.0)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("old",))
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False, evict=("old",))
 
 
 def test_never_evicts_models_with_requests_in_flight() -> None:
     models = [snap("busy", L, in_flight=1, last_used=0.0), snap("idle", L, last_used=99.0)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("idle",))
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False, evict=("idle",))
 
 
 def test_all_busy_admits_nothing_and_evicts_nothing() -> None:
     models = [snap("a", L, in_flight=2), snap("b", LOADING), snap("c", L, in_flight=1)]
-    assert plan_admission(models, "new", 3) == Admission(admit=False, evict=())
+    assert plan_admission(models, "new", 3) == AdmissionPlan(admit=False, evict=())
 
 
 def test_a_stopping_cpu_model_frees_its_slot_at_once() -> None:
     # Its host memory counts until it exits (the memory budget), its model slot no longer.
     models = [snap("a", L, in_flight=1), snap("s", S)]
-    assert plan_admission(models, "new", 2) == Admission(admit=True)
-    assert plan_admission(models, "new", 1) == Admission(admit=False, evict=())
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=True)
+    assert plan_admission(models, "new", 1) == AdmissionPlan(admit=False, evict=())
 
 
 def test_a_stopping_gpu_model_holds_its_slot_until_it_exits() -> None:
@@ -86,74 +86,74 @@ def test_a_stopping_gpu_model_holds_its_slot_until_it_exits() -> None:
     for stopping in (snap("s", S, gpu=1 << 30),
                      ModelUse("s", S, devices={"gpu0": 0}, gpu=True)):
         models = [snap("a", L, in_flight=1), stopping]
-        assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
+        assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False, evict=())
 
 
 def test_stopping_models_reduce_what_must_be_evicted() -> None:
     # 3 slots used of 2: one must go for the target; the stopping one is already going.
     models = [snap("a", L, last_used=1.0), snap("b", L, last_used=2.0), snap("s", S)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=("a",))
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False, evict=("a",))
 
 
 def test_stopping_model_alone_covers_the_need() -> None:
     models = [snap("a", L, last_used=1.0), snap("s", S, gpu=1 << 30)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False, evict=())
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False, evict=())
 
 
 def test_stopping_models_are_never_evicted_again() -> None:
     models = [snap("s1", S, last_used=0.0), snap("s2", S, last_used=0.0), snap("a", L)]
     # 3 used of 1: both stopping ones are already going, so only "a" must be evicted.
-    assert plan_admission(models, "new", 1) == Admission(admit=False, evict=("a",))
+    assert plan_admission(models, "new", 1) == AdmissionPlan(admit=False, evict=("a",))
 
 
 def test_over_capacity_needs_several_evictions() -> None:
     # models_max was lowered to 2 while 5 were loaded: 5 - 2 + 1 = 4 must go.
     models = [snap(f"m{i}", L, last_used=float(i)) for i in range(5)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False,
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False,
                                                          evict=("m0", "m1", "m2", "m3"))
 
 
 def test_over_capacity_evicts_only_what_is_idle() -> None:
     models = [snap("m0", L, last_used=0.0, in_flight=1), snap("m1", L, last_used=1.0),
               snap("m2", LOADING), snap("m3", L, last_used=3.0), snap("m4", L, last_used=4.0)]
-    assert plan_admission(models, "new", 2) == Admission(admit=False,
+    assert plan_admission(models, "new", 2) == AdmissionPlan(admit=False,
                                                          evict=("m1", "m3", "m4"))
 
 
 @pytest.mark.parametrize("target_status", list(Status))
 def test_target_itself_is_not_counted(target_status: Status) -> None:
     models = [snap("target", target_status, last_used=0.0), snap("a", L, last_used=5.0)]
-    assert plan_admission(models, "target", 2) == Admission(admit=True)
+    assert plan_admission(models, "target", 2) == AdmissionPlan(admit=True)
 
 
 @pytest.mark.parametrize("target_status", list(Status))
 def test_target_itself_is_never_evicted(target_status: Status) -> None:
     models = [snap("target", target_status, last_used=0.0), snap("a", L, last_used=5.0)]
-    assert plan_admission(models, "target", 1) == Admission(admit=False, evict=("a",))
+    assert plan_admission(models, "target", 1) == AdmissionPlan(admit=False, evict=("a",))
 
 
 def test_models_max_one() -> None:
-    assert plan_admission([snap("a", L)], "b", 1) == Admission(admit=False, evict=("a",))
-    assert plan_admission([snap("a", U)], "b", 1) == Admission(admit=True)
-    assert plan_admission([snap("a", LOADING)], "b", 1) == Admission(admit=False)
+    assert plan_admission([snap("a", L)], "b", 1) == AdmissionPlan(admit=False, evict=("a",))
+    assert plan_admission([snap("a", U)], "b", 1) == AdmissionPlan(admit=True)
+    assert plan_admission([snap("a", LOADING)], "b", 1) == AdmissionPlan(admit=False)
 
 
-def _reference(models: list[ModelUse], target: str, models_max: int) -> Admission:
+def _reference(models: list[ModelUse], target: str, models_max: int) -> AdmissionPlan:
     """An independent restatement of the policy, used to check every small snapshot."""
     if models_max <= 0:
-        return Admission(True)
+        return AdmissionPlan(True)
     others = [m for m in models if m.id != target]
     using = [m for m in others if m.status is not Status.UNLOADED  # a stopping CPU model: no
              and (m.status is not Status.STOPPING or m.devices or m.gpu)]
     if len(using) < models_max:
-        return Admission(True)
+        return AdmissionPlan(True)
     going = [m for m in using if m.status is Status.STOPPING]
     must_go = len(using) + 1 - models_max - len(going)
     if must_go <= 0:
-        return Admission(False)
+        return AdmissionPlan(False)
     candidates = [m for m in others if m.status is Status.LOADED and not m.in_flight]
     candidates.sort(key=lambda m: (m.last_used, m.id))
-    return Admission(False, tuple(m.id for m in candidates[:must_go]))
+    return AdmissionPlan(False, tuple(m.id for m in candidates[:must_go]))
 
 
 def test_exhaustive_small_snapshots() -> None:
@@ -186,14 +186,14 @@ def m(mid: str, status: Status = Status.LOADED, in_flight: int = 0, last_used: f
 
 def test_memory_fits_without_eviction() -> None:
     plan = plan_admission([m("a", memory=40)], "t", 0, target_memory=50, memory_budget=100)
-    assert plan == Admission(admit=True)
+    assert plan == AdmissionPlan(admit=True)
 
 
 def test_memory_evicts_lru_idle_until_it_fits() -> None:
     models = [m("a", last_used=1, memory=40), m("b", last_used=2, memory=40),
               m("c", last_used=3, memory=10)]
     plan = plan_admission(models, "t", 0, target_memory=50, memory_budget=100)
-    assert plan == Admission(admit=False, evict=("a",))
+    assert plan == AdmissionPlan(admit=False, evict=("a",))
 
 
 def test_memory_evicts_several_when_one_is_not_enough() -> None:
@@ -206,7 +206,7 @@ def test_memory_evicts_several_when_one_is_not_enough() -> None:
 def test_memory_of_stopping_models_counts_as_freeing() -> None:
     models = [m("a", Status.STOPPING, memory=60), m("b", last_used=1, memory=30)]
     plan = plan_admission(models, "t", 0, target_memory=50, memory_budget=100)
-    assert plan == Admission(admit=False)
+    assert plan == AdmissionPlan(admit=False)
 
 
 def test_a_model_larger_than_the_budget_is_refused_without_evicting() -> None:
@@ -228,13 +228,13 @@ def test_count_and_bytes_both_apply() -> None:
 def test_busy_models_are_not_drained_before_the_fairness_bound() -> None:
     models = [m("a", in_flight=2)]
     plan = plan_admission(models, "t", 1, waited_s=5, fairness_s=10)
-    assert plan == Admission(admit=False)
+    assert plan == AdmissionPlan(admit=False)
 
 
 def test_after_the_fairness_bound_the_lru_busy_model_drains() -> None:
     models = [m("a", in_flight=2, last_used=5), m("b", in_flight=1, last_used=1)]
     plan = plan_admission(models, "t", 2, waited_s=10, fairness_s=10)
-    assert plan == Admission(admit=False, drain=("b",))
+    assert plan == AdmissionPlan(admit=False, drain=("b",))
 
 
 def test_only_one_model_drains_at_a_time() -> None:
@@ -246,20 +246,20 @@ def test_only_one_model_drains_at_a_time() -> None:
 def test_a_drained_model_that_went_idle_is_evicted() -> None:
     models = [m("a", in_flight=0, last_used=9, draining=True), m("b", in_flight=3)]
     plan = plan_admission(models, "t", 2, waited_s=30, fairness_s=10)
-    assert plan == Admission(admit=False, evict=("a",))
+    assert plan == AdmissionPlan(admit=False, evict=("a",))
 
 
 def test_models_with_queued_requests_are_not_evicted() -> None:
     models = [ModelUse("a", Status.LOADED, 0, 1.0, 0, False, waiting=3),
               ModelUse("b", Status.LOADED, 0, 2.0)]
     plan = plan_admission(models, "t", 2)
-    assert plan == Admission(admit=False, evict=("b",))
+    assert plan == AdmissionPlan(admit=False, evict=("b",))
 
 
 def test_loading_models_are_never_drained() -> None:
     models = [m("a", Status.LOADING, in_flight=0)]
     plan = plan_admission(models, "t", 1, waited_s=30, fairness_s=10)
-    assert plan == Admission(admit=False)
+    assert plan == AdmissionPlan(admit=False)
 
 
 # --- GPU devices: one pool each, next to host RAM ------------------------------------------
@@ -274,14 +274,14 @@ def test_a_model_on_another_gpu_is_left_alone() -> None:
               gpu("on0", L, {"gpu0": 30}, last_used=2.0)]
     plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
                           device_budgets={"gpu0": 40, "gpu1": 40})
-    assert plan == Admission(admit=False, evict=("on0",))
+    assert plan == AdmissionPlan(admit=False, evict=("on0",))
 
 
 def test_fits_when_each_device_has_room() -> None:
     models = [gpu("a", L, {"gpu0": 20, "gpu1": 20})]
     plan = plan_admission(models, "new", 0, target_devices={"gpu0": 20, "gpu1": 20},
                           device_budgets={"gpu0": 40, "gpu1": 40})
-    assert plan == Admission(admit=True)
+    assert plan == AdmissionPlan(admit=True)
 
 
 def test_split_model_frees_both_devices() -> None:
@@ -289,7 +289,7 @@ def test_split_model_frees_both_devices() -> None:
               gpu("solo", L, {"gpu1": 10}, last_used=2.0)]
     plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
                           device_budgets={"gpu0": 40, "gpu1": 40})
-    assert plan == Admission(admit=False, evict=("split",))
+    assert plan == AdmissionPlan(admit=False, evict=("split",))
 
 
 def test_ram_and_gpu_both_must_fit() -> None:
@@ -297,13 +297,13 @@ def test_ram_and_gpu_both_must_fit() -> None:
               gpu("gpu-heavy", L, {"gpu0": 90}, last_used=2.0)]
     plan = plan_admission(models, "new", 0, target_memory=20, memory_budget=100,
                           target_devices={"gpu0": 20}, device_budgets={"gpu0": 100})
-    assert plan == Admission(admit=False, evict=("ram-heavy", "gpu-heavy"))
+    assert plan == AdmissionPlan(admit=False, evict=("ram-heavy", "gpu-heavy"))
 
 
 def test_a_device_without_a_budget_is_not_checked() -> None:
     models = [gpu("a", L, {"gpu0": 1000})]
     assert plan_admission(models, "new", 0, target_devices={"gpu0": 1000},
-                          device_budgets={}) == Admission(admit=True)
+                          device_budgets={}) == AdmissionPlan(admit=True)
 
 
 def test_larger_than_a_device_budget_is_refused_naming_the_device() -> None:
@@ -318,7 +318,7 @@ def test_busy_model_on_the_needed_gpu_is_the_one_drained() -> None:
               gpu("same", L, {"gpu0": 30}, last_used=2.0, in_flight=1)]
     plan = plan_admission(models, "new", 0, target_devices={"gpu0": 30},
                           device_budgets={"gpu0": 40, "gpu1": 40}, waited_s=20, fairness_s=10)
-    assert plan == Admission(admit=False, drain=("same",))
+    assert plan == AdmissionPlan(admit=False, drain=("same",))
 
 
 def test_brute_force_devices_eviction_is_minimal_lru_and_sufficient() -> None:

@@ -11,7 +11,7 @@ from typing import Any, cast
 from router import clock
 from router.changes import Changes
 from router.serving.load import Served
-from router.serving.slotqueue import Slots
+from router.serving.slotqueue import SlotQueue
 from router.teams.fairshare import MAX_PREEMPTIONS, FairQueue, Turn
 
 
@@ -23,7 +23,7 @@ def model(slots: int = 1, interactive_slots: int = 0) -> Served:
 
 def test_a_flood_of_requests_that_leave_while_queued_leaves_nothing_behind() -> None:
     async def scenario() -> None:
-        slots, runtime = Slots(Changes()), model()
+        slots, runtime = SlotQueue(Changes()), model()
         holder = Turn("a", 1, 10)
         assert slots.start_now(runtime, holder)
         leaving = [asyncio.get_running_loop().create_future() for _ in range(500)]
@@ -46,7 +46,7 @@ def test_a_flood_of_requests_that_leave_while_queued_leaves_nothing_behind() -> 
 
 def test_a_turn_granted_as_its_client_leaves_passes_the_slot_on() -> None:
     async def scenario() -> None:
-        slots, runtime = Slots(Changes()), model()
+        slots, runtime = SlotQueue(Changes()), model()
         holder = Turn("a", 1, 10)
         assert slots.start_now(runtime, holder)
         gone: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -67,7 +67,7 @@ def test_a_turn_granted_as_its_client_leaves_passes_the_slot_on() -> None:
 
 def test_the_freed_slot_goes_to_the_higher_class_then_the_least_served() -> None:
     async def scenario() -> None:
-        slots, runtime = Slots(Changes()), model()
+        slots, runtime = SlotQueue(Changes()), model()
         holder = Turn("etl", 2, 1000)
         assert slots.start_now(runtime, holder)
         batch, interactive = Turn("etl", 2, 10), Turn("alice", 0, 10)
@@ -85,7 +85,7 @@ def test_the_freed_slot_goes_to_the_higher_class_then_the_least_served() -> None
 
 def test_a_wait_ends_at_its_deadline_without_a_slot() -> None:
     async def scenario() -> None:
-        slots, runtime = Slots(Changes()), model()
+        slots, runtime = SlotQueue(Changes()), model()
         assert slots.start_now(runtime, Turn("a", 1, 1))
         assert await slots.wait_turn(runtime, Turn("b", 1, 1), clock.now() + 0.01, []) is False
         assert slots.waiting("m") == 0
@@ -95,7 +95,7 @@ def test_a_wait_ends_at_its_deadline_without_a_slot() -> None:
 
 def test_a_higher_class_takes_a_slot_back_from_a_request_that_has_not_answered() -> None:
     async def scenario() -> None:
-        slots, runtime = Slots(Changes()), model(slots=2)
+        slots, runtime = SlotQueue(Changes()), model(slots=2)
         taken: list[str] = []
 
         def running(flow: str, rank: int, preemptible: bool) -> Turn:
@@ -140,7 +140,7 @@ def test_a_slot_kept_for_the_interactive_class_is_never_taken_by_another() -> No
     queue for it; an interactive one takes the kept slot at once, and the next interactive
     one, with both slots busy, waits (and takes no slot back from an answering request)."""
     async def run() -> None:
-        slots = Slots(Changes())
+        slots = SlotQueue(Changes())
         runtime = model(slots=2, interactive_slots=1)
         first = Turn("etl", 2, 10.0)
         assert slots.start_now(runtime, first)

@@ -12,7 +12,7 @@ from support import start_router, write_presets
 
 from router.children.backend import Backend
 from router.edge.keys import key_hash
-from router.edge.resumable import ConversationOwners, ConversationTaken
+from router.edge.resumable import StreamOwners, StreamTaken
 
 A, B = key_hash(b"key-a"), key_hash(b"key-b")
 CHILD = object()  # stands for a Backend: the table only keeps it
@@ -30,7 +30,7 @@ def test_a_key_hash_is_not_the_key_and_differs_per_key() -> None:
 
 
 def test_only_the_owner_finds_or_forgets_a_conversation() -> None:
-    owners = ConversationOwners()
+    owners = StreamOwners()
     owners.claim("conv", "m1", A, child())
     assert owners.owner("conv", A) == ("m1", CHILD)
     assert owners.owner("conv", B) is None  # as for an id nobody uses
@@ -42,29 +42,29 @@ def test_only_the_owner_finds_or_forgets_a_conversation() -> None:
 
 def test_a_conversation_id_is_not_taken_over_by_another_key_or_moved_to_another_model(
         ) -> None:
-    owners = ConversationOwners()
+    owners = StreamOwners()
     owners.claim("conv", "m1", A)  # pending: its model loads
     for model, key in (("m1", B), ("m2", A), ("m2", B)):
-        with pytest.raises(ConversationTaken) as caught:
+        with pytest.raises(StreamTaken) as caught:
             owners.claim("conv", model, key, child(), running=lambda m, c: True)
         assert caught.value.status == 409
         assert caught.value.type == "invalid_request_error"
     assert owners.owner("conv", A) == ("m1", None)
     owners.claim("conv", "m1", A, child())  # the same key and model: served now
-    with pytest.raises(ConversationTaken):
+    with pytest.raises(StreamTaken):
         owners.claim("conv", "m1", B, running=lambda m, c: True)
     assert owners.owner("conv", A) == ("m1", CHILD)
 
 
 def test_an_id_whose_child_is_gone_is_free_again() -> None:
-    owners = ConversationOwners()
+    owners = StreamOwners()
     owners.claim("conv", "m1", A, child())
     owners.claim("conv", "m2", B, running=lambda m, c: False)  # that child's stream is gone
     assert owners.owner("conv", A) is None and owners.owner("conv", B) == ("m2", None)
 
 
 def test_conversation_owners_are_bounded_least_recently_used_first() -> None:
-    owners = ConversationOwners(capacity=2)
+    owners = StreamOwners(capacity=2)
     owners.claim("a", "m1", A)
     owners.claim("b", "m2", A)
     assert owners.owner("a", A) == ("m1", None)  # "a" is now the most recently used
@@ -75,7 +75,7 @@ def test_conversation_owners_are_bounded_least_recently_used_first() -> None:
 def test_a_claim_records_the_child_that_serves_it() -> None:
     """A request claims its conversation once (``route.decide``), then records on that
     claim the child (or peer) its lease or the nodes gave it."""
-    owners = ConversationOwners()
+    owners = StreamOwners()
     claim = owners.claim("conv", "m1", A, running=lambda m, c: True)
     assert owners.owner("conv", A) == ("m1", None)
     claim.served_by(child())
@@ -83,7 +83,7 @@ def test_a_claim_records_the_child_that_serves_it() -> None:
 
 
 def test_a_claim_the_table_forgot_is_claimed_anew_and_never_takes_another_keys_id() -> None:
-    owners = ConversationOwners(capacity=1)
+    owners = StreamOwners(capacity=1)
     mine = owners.claim("conv", "m1", A, running=lambda m, c: True)
     owners.claim("other", "m1", A)  # "conv" is forgotten: the table is full
     assert owners.owner("conv", A) is None
@@ -91,7 +91,7 @@ def test_a_claim_the_table_forgot_is_claimed_anew_and_never_takes_another_keys_i
     assert owners.owner("conv", A) == ("m1", CHILD)
     owners.claim("flood", "m1", A)  # forgotten again, and then another key takes the id
     owners.claim("conv", "m2", B, child())
-    with pytest.raises(ConversationTaken):  # its child still serves: B's, not A's
+    with pytest.raises(StreamTaken):  # its child still serves: B's, not A's
         mine.served_by(child())
     assert owners.owner("conv", B) == ("m2", CHILD) and owners.owner("conv", A) is None
 

@@ -24,8 +24,7 @@ from ..host.memory import format_size
 from .accounting import Accounting
 from .lifecycle import Event, Queued, Status
 from .runtime import Fact, ModelRuntime, ModelSnapshot, QueueJoined, QueueLeft
-from .scheduler import Admission as Plan
-from .scheduler import plan_admission
+from .scheduler import AdmissionPlan, plan_admission
 
 log = logging.getLogger("router.admission")
 
@@ -121,7 +120,7 @@ class Admission:
         # Measured memory moves without one, so plan again now and then all the same.
         return REPLAN_S
 
-    def _planned(self, runtime: ModelRuntime, target_memory: int, waited: float) -> Plan:
+    def _planned(self, runtime: ModelRuntime, target_memory: int, waited: float) -> AdmissionPlan:
         """The planner's answer for ``runtime`` over every model as published now."""
         accounting = self._accounting
         return plan_admission(

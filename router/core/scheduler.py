@@ -1,6 +1,6 @@
 """Pure planning: who may start, who must be evicted or drained. No I/O, no clocks, no asyncio.
 
-Admission reads every model's use (``ModelUse``, from its published snapshot), asks
+Admission (``admission``) reads every model's use (``ModelUse``, from its published snapshot), asks
 ``plan_admission`` what to do for the model at the head of its admission queue, carries the
 plan out, and asks again whenever something changes. Keeping the decision a pure function of
 a snapshot makes every policy exhaustively unit-testable.
@@ -88,7 +88,7 @@ DEFAULT_EVICTION = "lru"
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmissionPlan:
     """``admit``: start the target now. ``evict``: stop these idle models first. ``drain``: stop
     giving these busy models new requests. ``refuse``: the target can never fit (a reason)."""
 
@@ -103,7 +103,7 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
                    target_devices: Mapping[str, int] | None = None,
                    device_budgets: Mapping[str, int] | None = None,
                    waited_s: float = 0.0, fairness_s: float | None = None,
-                   eviction: str = DEFAULT_EVICTION) -> Admission:
+                   eviction: str = DEFAULT_EVICTION) -> AdmissionPlan:
     """Decide whether ``target`` may start now, and what must make room for it, the
     candidates taken in the order of the ``eviction`` policy (``EVICTION_POLICIES``)."""
     order = EVICTION_POLICIES[eviction]
@@ -113,11 +113,11 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
     need = {RAM: target_memory, **(target_devices or {})}
     reason = _never_fits(need, budgets)
     if reason is not None:
-        return Admission(admit=False, refuse=reason)
+        return AdmissionPlan(admit=False, refuse=reason)
     others = [m for m in models if m.id != target and m.status.holds_process]
     shortfall = _Shortfall.of(others, need, budgets, models_max)
     if not shortfall.short():
-        return Admission(admit=True)
+        return AdmissionPlan(admit=True)
 
     # Stopping models free their capacity without further action.
     for m in others:
@@ -125,11 +125,11 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
             shortfall.free(m)
     evict = _evict_idle(others, shortfall, order)
     if not shortfall.short():
-        return Admission(admit=False, evict=evict)
+        return AdmissionPlan(admit=False, evict=evict)
     drain: tuple[str, ...] = ()
     if fairness_s is not None and waited_s >= fairness_s:
         drain = _drain_one_busy(others, shortfall, order)
-    return Admission(admit=False, evict=evict, drain=drain)
+    return AdmissionPlan(admit=False, evict=evict, drain=drain)
 
 
 def _never_fits(need: Mapping[str, int], budgets: Mapping[str, int]) -> str | None:

@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..serving.affinity import Prefix
 from ..serving.leases import Lease, Leases
-from ..serving.slotqueue import Slots
+from ..serving.slotqueue import SlotQueue
 from ..teams.fairshare import Turn
 from .admission import Admission
 from .executor import Executor
@@ -68,7 +68,7 @@ NOTHING_ELSE = Ends()
 
 class ModelWait:
     def __init__(self, settings: Settings, executor: Executor, admission: Admission,
-                 leases: Leases, slots: Slots,
+                 leases: Leases, slots: SlotQueue,
                  models: Callable[[], Iterable[ModelRuntime]]) -> None:
         self._settings = settings
         self._executor = executor
@@ -78,7 +78,7 @@ class ModelWait:
         self._models = models
 
     @property
-    def slots(self) -> Slots:
+    def slots(self) -> SlotQueue:
         """The slot queue (read by the simulation's invariants)."""
         return self._slots
 

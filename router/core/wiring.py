@@ -37,7 +37,7 @@ from ..host.gpus import GpuDevice
 from ..llama.flags import FlagTable
 from ..serving.leases import Leases
 from ..serving.load import Served
-from ..serving.slotqueue import Slots
+from ..serving.slotqueue import SlotQueue
 from ..warm.conversations import Conversations
 from ..warm.statestore import StateStore
 from ..warm.swaps import WarmSwaps
@@ -126,7 +126,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
     liveness = Liveness(interval=settings.liveness_interval, timeout=settings.liveness_timeout,
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
-    slots = Slots(changes)
+    slots = SlotQueue(changes)
     leases = Leases(gate=cpu_gate, idle=_idle_to(executor),
                     on_replica_done=executor.close_pool_later,
                     conversations=Conversations(warm) if warm is not None else None,
@@ -142,7 +142,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                 warm)
 
 
-def _forget_removed(events: EventBus, spawner: Spawner, slots: Slots, warm: WarmSwaps | None,
+def _forget_removed(events: EventBus, spawner: Spawner, slots: SlotQueue, warm: WarmSwaps | None,
                     conversations: Conversations | None) -> None:
     """Every table kept per model drops a removed model on the one signal its ``Forgotten``
     publishes (``events.MODEL_REMOVED``): its command line, its slot queue, its saved states

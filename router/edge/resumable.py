@@ -3,7 +3,7 @@
 llama-server keeps the stream of a request sent with ``X-Conversation-Id: <id>`` so a client
 can resume it after a disconnect. Through a router the client no longer knows which child has
 it, so the router remembers, per conversation id, the model and the very child (replica) that
-serves it (``ConversationOwners``, filled by the proxy), and answers:
+serves it (``StreamOwners``, filled by the proxy), and answers:
 
 * ``GET /v1/stream?conv_id=<id>&from=N``: relayed to the owning child; 404 "Stream not found
   or expired" when no running child owns it, 503 while its model is still loading or
@@ -19,7 +19,7 @@ never the key): for any other key, resuming, looking up or stopping it is answer
 for an id nobody uses (404, nothing, 204). A conversation id is held by the key and the model
 that started its stream while the router remembers it, until ``DELETE /v1/stream`` or until
 the child (or peer) that keeps it is gone: a request with that id from another key, or for
-another model, is refused with 409 (``ConversationTaken``) and moves nothing (the same key
+another model, is refused with 409 (``StreamTaken``) and moves nothing (the same key
 and model move it to the replica that serves the new request, as before). Without API keys
 every request has the same (empty) owner.
 
@@ -75,7 +75,7 @@ CHILD_TIMEOUT_S = 5.0
 MAX_LOOKUP_BYTES = 1 << 20  # a lookup's body, and a peer's answer to one
 
 
-class ConversationTaken(RouterError):
+class StreamTaken(RouterError):
     """A request with a conversation id that another key's or another model's stream holds."""
 
     status = 409
@@ -87,7 +87,7 @@ class ConversationTaken(RouterError):
                          "DELETE /v1/stream")
 
 
-class ConversationOwners:
+class StreamOwners:
     """Conversation id → (model id, the child or peer serving it once known, the key hash of
     its owner); a bounded LRU."""
 
@@ -101,14 +101,14 @@ class ConversationOwners:
     def claim(self, conv_id: str, model: str, key: str, child: Owner | None = None,
               *, running: Callable[[str, Owner], bool] | None = None) -> Claim:
         """Remember that ``key``'s request for ``model`` uses ``conv_id`` (served by ``child``
-        once known: ``Claim.served_by``). ConversationTaken when another key or model holds
+        once known: ``Claim.served_by``). StreamTaken when another key or model holds
         the id, unless the child that kept its stream is known to be gone (``running`` says
         whether it serves)."""
         found = self._owners.get(conv_id)
         if found is not None and (found[0], found[2]) != (model, key):
             held_by = found[1]
             if held_by is None or running is None or running(found[0], held_by):
-                raise ConversationTaken()
+                raise StreamTaken()
         self._owners[conv_id] = (model, child, key)
         self._owners.move_to_end(conv_id)
         while len(self._owners) > self.capacity:
@@ -135,7 +135,7 @@ class Claim:
     """A request's claim on its conversation id, made once (``route.decide``); the node or
     child that serves the request is recorded on it when known."""
 
-    owners: ConversationOwners
+    owners: StreamOwners
     conv_id: str
     model: str
     key: str
@@ -157,7 +157,7 @@ def serves(models: Models) -> Callable[[str, Owner], bool]:
     return running
 
 
-def _running_owner(owners: ConversationOwners, models: Models,
+def _running_owner(owners: StreamOwners, models: Models,
                    conv_id: str, request: RequestContext) -> tuple[str, Owner] | None:
     """The owning model and child of the request's key's conversation, if that child still
     serves (or peer, if it is up and the request did not pass through it)."""
@@ -182,7 +182,7 @@ def _conv_id(request: Request) -> str:
 class StreamResume:
     """``GET /v1/stream``: relay the owning child's replay of the stream."""
 
-    def __init__(self, models: Models, owners: ConversationOwners,
+    def __init__(self, models: Models, owners: StreamOwners,
                  shutdown: Shutdown | None = None) -> None:
         self.models = models
         self.owners = owners
@@ -219,7 +219,7 @@ class StreamResume:
             lease.release()
 
 
-async def lookup(request: Request, models: Models, owners: ConversationOwners,
+async def lookup(request: Request, models: Models, owners: StreamOwners,
                  client: httpx.AsyncClient) -> Response:
     """``POST /v1/streams/lookup``: the owning children's sessions for the given ids."""
     ctx = context(request.scope)
@@ -260,7 +260,7 @@ async def lookup(request: Request, models: Models, owners: ConversationOwners,
     return JSONResponse([session for sessions in answers for session in sessions])
 
 
-async def stop(request: Request, models: Models, owners: ConversationOwners,
+async def stop(request: Request, models: Models, owners: StreamOwners,
                client: httpx.AsyncClient) -> Response:
     """``DELETE /v1/stream``: the owning child stops the stream; the mapping is forgotten.
     Another key's stream is left alone, with the same 204."""

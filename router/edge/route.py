@@ -22,7 +22,7 @@ the core takes the lease: no model is resolved by name twice.
 * ``take``: a request sent to the default model in place of a name nobody uses names it from
   then on (``RequestContext.default_to``); the model's id goes into the request's context
   (metrics, activity); a request carrying ``X-Conversation-Id`` claims that conversation for
-  its key and model here, once (``resumable.ConversationOwners.claim``); the node or child
+  its key and model here, once (``resumable.StreamOwners.claim``); the node or child
   that serves it is recorded on that claim when known (``Claim.served_by``).
 """
 

@@ -19,7 +19,7 @@ from ..teams.usage import Usage
 from .defaults import DefaultModel
 from .metering import Meter
 from .reload import Reloader
-from .resumable import ConversationOwners
+from .resumable import StreamOwners
 
 
 class State:
@@ -42,7 +42,7 @@ class State:
         self.default = DefaultModel(settings.default_model,
                                     unknown_to_default=settings.unknown_model_to_default,
                                     peered=bool(settings.peer or settings.peer_dns))
-        self.conversations = ConversationOwners()  # resumable streams: which child has each
+        self.conversations = StreamOwners()  # resumable streams: which child has each
         self.usage = usage or Usage()  # what each team used (``teams.usage``)
         self.meter = Meter(self.usage)  # the teams' quotas and turns (``metering``)
         self.started = int(time.time())

@@ -35,7 +35,7 @@ from ..children.backend import Backend
 from ..config.presets import ModelPreset
 from ..http.tail import ResponseTail
 from ..teams.fairshare import Turn
-from ..warm.conversations import Conversations, Placement
+from ..warm.conversations import Conversations, SlotUse
 from .affinity import Decision, Prefix, choose_among
 from .load import Replica, Served
 from .pace import Option, Ticket, by_cost
@@ -56,8 +56,16 @@ class Gate(Protocol):
 class Lease:
     """A request's hold on one replica; ``release()`` exactly once when the response ends."""
 
-    __slots__ = ("_leases", "_released", "correction", "placement", "replica", "runtime",
-                 "ticket", "turn")
+    __slots__ = (
+        "_leases",
+        "_released",
+        "correction",
+        "replica",
+        "runtime",
+        "slot_use",
+        "ticket",
+        "turn",
+    )
 
     def __init__(self, leases: Leases, runtime: Served, replica: Replica,
                  ticket: Ticket | None = None, turn: Turn | None = None) -> None:
@@ -67,7 +75,7 @@ class Lease:
         self.ticket = ticket
         self.turn = turn  # its place in the slot queue, for a request that takes a slot
         self.correction = 0.0  # what its turn really cost less what it was expected to
-        self.placement: Placement | None = None  # its slot, where the router chose it
+        self.slot_use: SlotUse | None = None  # its slot, where the router chose it
         self._released = False
 
     @property
@@ -85,7 +93,7 @@ class Lease:
         routed by prefix, its replica's ``Pace``; for one placed in a slot, what the slot
         holds now (``conversations``). Call before ``release``."""
         conversations = self._leases.conversations
-        if self._released or (self.ticket is None and (self.placement is None
+        if self._released or (self.ticket is None and (self.slot_use is None
                                                        or conversations is None)):
             return
         timings = tail.timings  # read once
@@ -93,15 +101,15 @@ class Lease:
             return
         if self.ticket is not None:
             self.replica.pace.learn(timings, self.ticket.chars, self.ticket.cached_chars)
-        if self.placement is not None and conversations is not None:
-            conversations.learn(self.runtime.preset, self.placement, timings.prompt_n,
+        if self.slot_use is not None and conversations is not None:
+            conversations.learn(self.runtime.preset, self.slot_use, timings.prompt_n,
                                 timings.cache_n, timings.predicted_n)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if self.placement is not None:
-                Conversations.end(self.placement)
+            if self.slot_use is not None:
+                Conversations.end(self.slot_use)
             # Its slot goes to the next request first: the model is never idle in between.
             if self.turn is not None and self._leases.on_turn_end is not None:
                 self._leases.on_turn_end(self.runtime, self.turn, self.correction)
@@ -118,7 +126,7 @@ class Leases:
         self._on_replica_done = on_replica_done
         self.conversations = conversations  # slots placed for the conversations kept
         self.on_routed: RoutedCallback | None = None
-        self.on_turn_end = on_turn_end  # the slot queue's (``slotqueue.Slots.ended``)
+        self.on_turn_end = on_turn_end  # the slot queue's (``slotqueue.SlotQueue.ended``)
 
     def keeps_conversations(self, preset: ModelPreset) -> bool:
         """Whether the requests of a model with ``preset`` are placed in its slots
@@ -138,16 +146,16 @@ class Leases:
         if conversations is None or book is None or not conversations.keeps(preset,
                                                                             book.fingerprint):
             return None
-        placement = lease.placement = conversations.plan(
+        slot_use = lease.slot_use = conversations.plan(
             preset, book, prefix.stable, conversations.owner_of(credential, preset), wanted,
             pinned)
-        if placement.slot is None:
+        if slot_use.slot is None:
             return None
         speed = replica.pace.prompt_s_per_char
         index = runtime.replicas.index(replica) if replica in runtime.replicas else 0
-        await conversations.prepare(preset, placement, replica.child, index * runtime.slots,
+        await conversations.prepare(preset, slot_use, replica.child, index * runtime.slots,
                                     None if speed is None else speed * prefix.chars)
-        return placement.slot
+        return slot_use.slot
 
     def take(self, runtime: Served, replica: Replica | None = None,
              prefix: Prefix | None = None, turn: Turn | None = None) -> Lease:

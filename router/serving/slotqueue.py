@@ -43,7 +43,7 @@ from .load import Served
 log = logging.getLogger("router.slots")
 
 
-class Slots:
+class SlotQueue:
     def __init__(self, changes: Changes) -> None:
         self._changes = changes
         self._queues: dict[str, FairQueue] = {}

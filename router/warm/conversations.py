@@ -65,7 +65,7 @@ SECRET_NAME: Final = "owners.key"  # under the state directory, 0600
 
 
 @dataclass(eq=False, slots=True)
-class Placement:
+class SlotUse:
     """Where one request ran and what was done for it, for ``learn`` and ``end``."""
 
     book: SlotBook
@@ -155,7 +155,7 @@ class Conversations:
 
     def plan(self, preset: ModelPreset, book: SlotBook, keys: Sequence[int],
              owner: str | None, wanted: int | None = None, pinned: bool = True
-             ) -> Placement:
+             ) -> SlotUse:
         """A request's slot, taken at once (no await: nothing can take it meanwhile), and
         what must happen before it runs there (``prepare``); ``wanted``: the slot it names,
         ``pinned``: whether the child runs it in the slot it is sent to (``SlotBook.plan``)."""
@@ -167,18 +167,18 @@ class Conversations:
                          lambda tokens: worth_saving(tokens, None, io), wanted, pinned)
         waiting = None if plan.slot is not None else book.waiting[-1]
         if not plan.restore_keys:
-            return Placement(book, plan.slot, waiting, plan)
+            return SlotUse(book, plan.slot, waiting, plan)
         if kept > stored:  # its state is being kept: restored once it is
-            return Placement(book, plan.slot, waiting, plan, None, keeping, tuple(keys), owner)
-        return Placement(book, plan.slot, waiting, plan, state)
+            return SlotUse(book, plan.slot, waiting, plan, None, keeping, tuple(keys), owner)
+        return SlotUse(book, plan.slot, waiting, plan, state)
 
-    async def prepare(self, preset: ModelPreset, placement: Placement, child: Backend,
+    async def prepare(self, preset: ModelPreset, slot_use: SlotUse, child: Backend,
                       number: int, prefill_s: float | None) -> None:
         """Do what the request's slot needs first (module docstring): save the conversation
         it displaces, restore its own. ``number``: the first state number of this replica's
         slots (``replica * n_slots``); ``prefill_s``: how long computing the request's prompt
         is expected to take (None: not known). Never raises but a cancel."""
-        slot, plan = placement.slot, placement.plan
+        slot, plan = slot_use.slot, slot_use.plan
         if slot is None or plan is None:
             return
         written = None
@@ -192,13 +192,13 @@ class Conversations:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(bound):
                         written = await self.swaps.write_slot(
-                            preset, placement.book.fingerprint, child, slot, number + slot,
+                            preset, slot_use.book.fingerprint, child, slot, number + slot,
                             plan.save)
             finally:
                 self.swaps.displaced_wait(preset.id, time.perf_counter() - began)
         try:
-            await self._restore_for(preset, placement, child, slot)
-            if plan.erase and not placement.restored:  # another owner's conversation: its
+            await self._restore_for(preset, slot_use, child, slot)
+            if plan.erase and not slot_use.restored:  # another owner's conversation: its
                 await self._bounded(self.swaps.erase_slot(child, slot),  # prefix must not
                                     RESTORE_BOUND_S)  # serve this request
             for other in plan.erase_also:  # the child may choose these too (not pinned)
@@ -207,19 +207,19 @@ class Conversations:
             if written is not None:
                 self._keep(preset, written)
 
-    async def _restore_for(self, preset: ModelPreset, placement: Placement, child: Backend,
+    async def _restore_for(self, preset: ModelPreset, slot_use: SlotUse, child: Backend,
                            slot: int) -> None:
         """Restore the request's own conversation into ``slot``, if it has one saved that
         covers more than the slot holds: found at its plan, or once its commit ends."""
-        state = placement.state
-        if placement.keeping is not None:  # its own state, saved a moment ago
-            await asyncio.wait([placement.keeping], timeout=RESTORE_BOUND_S)
-            state, _ = self.stored(preset, placement.book.fingerprint, placement.keys,
-                                   placement.owner)
+        state = slot_use.state
+        if slot_use.keeping is not None:  # its own state, saved a moment ago
+            await asyncio.wait([slot_use.keeping], timeout=RESTORE_BOUND_S)
+            state, _ = self.stored(preset, slot_use.book.fingerprint, slot_use.keys,
+                                   slot_use.owner)
         if state is not None and await self._bounded(
                 self._restore(preset, child, slot, state), RESTORE_BOUND_S):
-            placement.restored = state.n_saved
-            placement.book.restored(slot, state.n_saved)
+            slot_use.restored = state.n_saved
+            slot_use.book.restored(slot, state.n_saved)
 
     def _keep(self, preset: ModelPreset, written: Written) -> None:
         """Commit a state saved on displacement in the background; it is known as under way
@@ -249,17 +249,17 @@ class Conversations:
             return False
         return await self.swaps.restore_one(preset.id, child, slot, state, on_demand=True)
 
-    def learn(self, preset: ModelPreset, placement: Placement, computed: int, cached: int,
+    def learn(self, preset: ModelPreset, slot_use: SlotUse, computed: int, cached: int,
               generated: int) -> None:
         """What the request's response says of its slot (its ``timings``: prompt tokens
         ``computed`` and ``cached``, tokens ``generated``): the tokens it holds now, and for a
         restore, whether it hit (module docstring)."""
-        placement.tokens = computed + cached + generated
-        if not placement.restored:
+        slot_use.tokens = computed + cached + generated
+        if not slot_use.restored:
             return
-        wanted = min(placement.restored, computed + cached)
+        wanted = min(slot_use.restored, computed + cached)
         missed = self.swaps.restore_judged(preset.id, cached >= HIT_SHARE * wanted, cached)
-        fingerprint = placement.book.fingerprint
+        fingerprint = slot_use.book.fingerprint
         if missed >= MISSES_TO_STOP and self.keeps(preset, fingerprint):
             self.swaps.do_not_restore(preset.id, fingerprint, (
                 f"{missed} restores in a row found none of their tokens cached: "
@@ -267,9 +267,9 @@ class Conversations:
                 "models)"))
 
     @staticmethod
-    def end(placement: Placement) -> None:
+    def end(slot_use: SlotUse) -> None:
         """The request's response ended: its slot is free (or taken by the oldest queued)."""
-        placement.book.end(placement.slot, placement.tokens, placement.waiting)
+        slot_use.book.end(slot_use.slot, slot_use.tokens, slot_use.waiting)
 
 
 def _secret(root: Path) -> bytes:

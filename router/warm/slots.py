@@ -17,7 +17,7 @@ LISTING_TIMEOUT_S = 5.0  # GET /slots, GET /metrics
 ONE_SHOT = {"connection": "close"}
 
 
-class ChildSlots:
+class SlotEndpoints:
     """The slot endpoints of the children, through one shared client."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:

@@ -76,7 +76,7 @@ from .choice import (
 )
 from .digests import CACHE_NAME, Digests
 from .slotbook import Conversation, SlotBook
-from .slots import ChildSlots
+from .slots import SlotEndpoints
 from .statestore import Commit, PendingSave, SavedState, StateStore
 from .weights import Fingerprints, covers
 
@@ -290,7 +290,7 @@ class WarmSwaps:
         (``slot_states``, on ``/models/sse``); ``digests``: the model files' content
         (default: kept in the store's directory)."""
         self.store = store
-        self._child = ChildSlots(client)  # the children's slot endpoints
+        self._child = SlotEndpoints(client)  # the children's slot endpoints
         self._events = events
         self.prints = Fingerprints(store, build, digests if digests is not None
                                    else Digests(store.root / CACHE_NAME))
