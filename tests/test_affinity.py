@@ -19,10 +19,12 @@ from prometheus_client import generate_latest
 from router.children.process import ChildProcess
 from router.config.presets import ModelPreset, PresetsInvalid, load_preset_file
 from router.config.reconfig import diff
+from router.config.sources import Catalogue
 from router.core.cpugate import CpuGate
 from router.core.runtime import ModelRuntime
 from router.edge import forward
 from router.edge.metering import Meter
+from router.edge.virtual import Virtuals
 from router.errors import ModelNotLoaded
 from router.http.shutdown import Shutdown
 from router.llama.flags import FlagTable
@@ -350,6 +352,7 @@ class KeySupervisor:
     """What ``forward.proxy`` asks of a supervisor; records the prefix it is given."""
 
     settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
+    catalogue = Catalogue({})  # no profiles, no virtual models
 
     def __init__(self, preset: ModelPreset) -> None:
         self.preset = preset
@@ -371,7 +374,7 @@ async def keys_passed(preset: ModelPreset, body: dict[str, Any]) -> Prefix | Non
     sup = KeySupervisor(preset)
     app = SimpleNamespace(state=SimpleNamespace(
         router=SimpleNamespace(models=sup, default=None, shutdown=Shutdown(30.0),
-                               peers=None, meter=Meter(Usage())),
+                               peers=None, meter=Meter(Usage()), virtuals=Virtuals()),
         webui=None))
     raw = json.dumps({"model": preset.id, **body}).encode()
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",

@@ -21,8 +21,10 @@ import httpx
 import pytest
 from support import proxy_in_uvicorn, start_router, write_presets
 
+from router.config.sources import Catalogue
 from router.edge.forward import proxy
 from router.edge.metering import Meter
+from router.edge.virtual import Virtuals
 from router.http.proxy import RESPONSE_DROP, upstream_headers
 from router.http.requests import RequestContext
 from router.http.shutdown import Shutdown
@@ -72,13 +74,14 @@ class FakeSupervisor:
     """Just what ``forward.proxy`` asks of the supervisor: every model is served by ``pool``."""
 
     settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
+    catalogue = Catalogue({})  # no profiles, no virtual models
 
     def __init__(self, pool: ChildConnections) -> None:
         self.pool = pool
 
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
-                                                                  upstream=None),
+                                                                  upstream=None, policy=None),
                                serving=True)
 
     def keeps_conversations(self, model: object) -> bool:
@@ -119,7 +122,8 @@ async def router_before(child: Child) -> AsyncIterator[httpx.AsyncClient]:
         state = SimpleNamespace(router=SimpleNamespace(models=FakeSupervisor(pool),
                                                        default=None,
                                                        shutdown=Shutdown(30.0),
-                                                       peers=None, meter=Meter(Usage())),
+                                                       peers=None,
+                                                       meter=Meter(Usage()), virtuals=Virtuals()),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
@@ -208,7 +212,8 @@ async def test_a_header_that_cannot_be_forwarded_is_a_400_envelope_and_nothing_i
                         (b"x-note", b"a\r\nx-injected: 1")],
             "app": SimpleNamespace(state=SimpleNamespace(
                 router=SimpleNamespace(models=FakeSupervisor(pool), default=None,
-                                       shutdown=Shutdown(30.0), peers=None, meter=Meter(Usage())),
+                                       shutdown=Shutdown(30.0), peers=None,
+                                       meter=Meter(Usage()), virtuals=Virtuals()),
                 webui=None))}
         messages: list[dict[str, Any]] = []
 

@@ -31,8 +31,10 @@ from support import (
     write_presets,
 )
 
+from router.config.sources import Catalogue
 from router.core.wait import NOTHING_ELSE, Ends, raise_if_ended, start_watchers
 from router.edge.metering import Meter
+from router.edge.virtual import Virtuals
 from router.http.shutdown import Shutdown
 from router.http.upstream import ChildConnections
 from router.teams.usage import Usage
@@ -77,6 +79,7 @@ class FakeSupervisor:
     ``loading`` never finishes loading."""
 
     settings = SimpleNamespace(max_body_bytes=1 << 20, models_autoload=True, state_dir=None)
+    catalogue = Catalogue({})  # no profiles, no virtual models
 
     def __init__(self, pool: ChildConnections) -> None:
         self.pool = pool
@@ -85,7 +88,7 @@ class FakeSupervisor:
 
     def find(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(id=model, preset=SimpleNamespace(id=model, prefix_routing=False,
-                                                                  upstream=None),
+                                                                  upstream=None, policy=None),
                                serving=model != "loading")
 
     def keeps_conversations(self, model: object) -> bool:
@@ -141,7 +144,8 @@ async def proxy_before(child: Child, shutdown: Shutdown
         supervisor = FakeSupervisor(pool)
         state = SimpleNamespace(router=SimpleNamespace(models=supervisor, default=None,
                                                        shutdown=shutdown,
-                                                       peers=None, meter=Meter(Usage())),
+                                                       peers=None,
+                                                       meter=Meter(Usage()), virtuals=Virtuals()),
                                 webui=None)
         try:
             async with proxy_in_uvicorn(state, TIMEOUT) as client:
@@ -169,7 +173,7 @@ async def test_a_request_queued_in_the_child_gets_the_503_when_the_grace_period_
     shutdown = Shutdown(GRACE_S)
     async with proxy_before(silent, shutdown) as (client, _, arrived):
         pending = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await arrived.wait()
+        await asyncio.wait_for(arrived.wait(), TIMEOUT)  # a 500 would never arrive
         shutdown.end()
         response = await pending
     assert_grace_envelope(response)
@@ -181,7 +185,7 @@ async def test_a_request_waiting_for_its_model_gets_the_503_when_the_grace_perio
     async with proxy_before(silent, shutdown) as (client, supervisor, arrived):
         pending = asyncio.ensure_future(
             client.post("/v1/chat/completions", json={**CHAT, "model": "loading"}))
-        await supervisor.waits.wait()
+        await asyncio.wait_for(supervisor.waits.wait(), TIMEOUT)
         shutdown.end()
         response = await pending
         assert supervisor.waiting == 0  # it left the wait

@@ -35,6 +35,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from ..llama.flags import FALSEY, TRUTHY, FlagTable, Resolved
+from .policy import FORCE, PARAMS, STRIP, UNSETTABLE, RequestPolicy, is_policy_key, policy_value
 
 GLOBAL_SECTION = "*"
 PATH_KEYS = frozenset({"model", "mmproj"})
@@ -56,6 +57,11 @@ ROUTING_PREFIX: Final = "prefix"
 ROUTING_LEAST_BUSY: Final = "least-busy"
 ROUTINGS: Final = (ROUTING_PREFIX, ROUTING_LEAST_BUSY)
 DEFAULT_SLOTS: Final = 4  # a child's slots without ``parallel`` (llama-server's -np auto)
+# How a virtual model (``targets``) chooses among its targets for each request (``choose``).
+CHOOSE_WARM: Final = "warm"  # the first target loaded, else the first
+CHOOSE_SPILLOVER: Final = "spillover"  # the first with a slot free and a short queue
+CHOOSE_FALLBACK: Final = "fallback"  # the first, then the next when one refuses
+CHOICES: Final = (CHOOSE_WARM, CHOOSE_SPILLOVER, CHOOSE_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,14 @@ class ModelPreset:
     # upstream-connections: connections open to the upstream at once, at most (None: as to a
     # child with llama-server's default HTTP threads, ``runtime.ModelRuntime.max_connections``).
     upstream_connections: int | None = field(default=None, metadata=LAUNCH)
+    # profile-of: the model whose children serve this name (a profile: no model of its own);
+    # policy: the body fields set, replaced or removed for this name's requests (``policy``).
+    profile_of: str | None = None
+    policy: RequestPolicy | None = None
+    # targets: the names a virtual model chooses among per request (no model of its own);
+    # choose: how (``CHOICES``).
+    targets: tuple[str, ...] = ()
+    choose: str = CHOOSE_WARM
 
     @property
     def model_path(self) -> str | None:
@@ -180,12 +194,14 @@ class Section:
 
 @dataclass(frozen=True)
 class ParsedSection:
-    """A validated section: llama-server args and preset-only options, both as written."""
+    """A validated section: llama-server args and preset-only options, both as written, and
+    the line of each key (``origins``)."""
 
     name: str
     origin: Origin
     args: dict[str, str]
     options: dict[str, object]
+    origins: Mapping[str, Origin] = field(default_factory=dict)
 
 
 @dataclass
@@ -202,6 +218,9 @@ class PresetFile:
         base = self.defaults
         args = {**(base.args if base else {}), **section.args}
         options = {**(base.options if base else {}), **section.options}
+        under = base.options.get("policy") if base else None
+        if isinstance(under, RequestPolicy) and "policy" in section.options:
+            options["policy"] = section.options["policy"].over(under)  # type: ignore[attr-defined]
         return ModelPreset(id=section.name, args=MappingProxyType(args), origin=section.origin,
                            **options)  # type: ignore[arg-type]
 
@@ -318,6 +337,21 @@ def _parse_routing(value: str) -> str:
     return value.lower()
 
 
+def _parse_choose(value: str) -> str:
+    if value.lower() not in CHOICES:
+        raise ValueError(f"bad choice {value!r}: use {', '.join(CHOICES)}")
+    return value.lower()
+
+
+def _parse_targets(value: str) -> tuple[str, ...]:
+    targets = _parse_list(value)
+    if not targets:
+        raise ValueError("no target: list the models to choose from, a, b")
+    if len(set(targets)) != len(targets):
+        raise ValueError("a target is listed twice")
+    return targets
+
+
 def _parse_upstream(value: str) -> str:
     """``http://host[:port]`` → ``http://host:port`` (no path, query, credentials)."""
     try:
@@ -393,6 +427,9 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),
     "upstream-connections": (_parse_count, "upstream_connections"),
+    "profile-of": (_parse_name, "profile_of"),
+    "targets": (_parse_targets, "targets"),
+    "choose": (_parse_choose, "choose"),
 }
 # Keys of a remote upstream: never defaults in [*], and only with ``upstream``.
 UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file", "upstream-connections")
@@ -416,6 +453,7 @@ def load_preset_file(path: Path, table: FlagTable) -> PresetFile:
             defaults = parsed_section
         else:
             problems += _upstream_problems(section.name, parsed_section.args, reader.origins)
+            problems += _profile_problems(parsed_section)
             models.append(parsed_section)
     for model in models:
         problems += _reserve_problems(model, defaults, origins)
@@ -439,10 +477,35 @@ class _SectionReader:
     options: dict[str, object] = field(default_factory=dict)
     origins: dict[str, Origin] = field(default_factory=dict)
 
+    policy: dict[str, dict[str, object]] = field(default_factory=dict)
+
     def read(self) -> ParsedSection:
         for key, value, origin in self.section.entries:
             self._read_entry(key, value, origin)
-        return ParsedSection(self.section.name, self.section.origin, self.args, self.options)
+        if self.policy:
+            self.options["policy"] = RequestPolicy(
+                MappingProxyType(self.policy.get(PARAMS, {})),
+                MappingProxyType(self.policy.get(FORCE, {})),
+                tuple(self.policy.get(STRIP, {})))
+        return ParsedSection(self.section.name, self.section.origin, self.args, self.options,
+                             self.origins)
+
+    def _read_policy(self, key: str, value: str, origin: Origin) -> None:
+        """A request policy entry (``policy``): ``params.NAME``, ``force.NAME`` or ``strip``."""
+        self.origins[key] = origin
+        if key == STRIP:
+            for name in _parse_list(value):
+                self.policy.setdefault(STRIP, {})[name] = None
+            return
+        kind = PARAMS if key.startswith(PARAMS) else FORCE
+        name = key[len(kind):]
+        if not name:
+            self._problem(origin, f"'{kind}' names no field: write {kind}FIELD = VALUE", key)
+        elif name in UNSETTABLE:
+            self._problem(origin, f"'{name}' cannot be set by a preset: the router decides "
+                          "it (the model a request names, whether it streams)", key)
+        else:
+            self.policy.setdefault(kind, {})[name] = policy_value(value)
 
     def _problem(self, origin: Origin, message: str, key: str) -> None:
         self.problems.append(PresetProblem(origin, message, self.section.name, key))
@@ -450,6 +513,9 @@ class _SectionReader:
     def _read_entry(self, key: str, value: str, origin: Origin) -> None:
         if key == "version":
             self._problem(origin, "'version' belongs before the first section", key)
+            return
+        if is_policy_key(key):
+            self._read_policy(key, value, origin)
             return
         preset_key = _PRESET_ONLY_ENV.get(key, key)
         resolved = self.table.lookup(key)
@@ -503,11 +569,49 @@ class _SectionReader:
         self.origins[option.key] = origin
 
 
+# The keys a profile's section may hold: its names and its request policy (``policy``); a
+# virtual model's: its names, its targets and how it chooses.
+PROFILE_KEYS = ("profile-of", "alias", "tags")
+VIRTUAL_KEYS = ("targets", "choose", "alias", "tags")
+
+
+def _profile_problems(section: ParsedSection) -> list[PresetProblem]:
+    """A profile (``profile-of``) or a virtual model (``targets``) has no model of its own:
+    its section holds no model source, no llama-server flag and no other preset key (its
+    base's or its targets' children serve it)."""
+    origins = section.origins
+    kind = next((key for key in ("profile-of", "targets") if key in origins), None)
+    if kind is None:
+        return [PresetProblem(origins["choose"], "'choose' needs 'targets': the models a "
+                              "virtual model chooses among", section.name, "choose")] \
+            if "choose" in origins else []
+    allowed = PROFILE_KEYS if kind == "profile-of" else VIRTUAL_KEYS
+    problems = []
+    for key, origin in origins.items():
+        if key in SOURCE_KEYS or key == "upstream" or (key in ("profile-of", "targets") \
+                and key != kind):
+            problems.append(PresetProblem(
+                origins[kind], f"'{kind}' cannot be set together with '{key}' (line "
+                f"{origin.line}): a {'profile' if kind == 'profile-of' else 'virtual model'} "
+                "has no model of its own", section.name, kind))
+        elif key not in allowed and (kind == "targets" or not is_policy_key(key)):
+            problems.append(PresetProblem(origin, (
+                "a profile runs on its base's children: set this in the base's section (a "
+                "profile holds only profile-of, alias, tags, params., force. and strip)"
+                if kind == "profile-of" else
+                "a virtual model runs on its targets' children: set this in their sections "
+                "(a virtual model holds only targets, choose, alias and tags)"),
+                section.name, key))
+    return problems
+
+
 def _defaults_problems(section: ParsedSection,
                        origins: Mapping[str, Origin]) -> list[PresetProblem]:
-    """``[*]`` sits under every model, so it names no model source and no remote upstream."""
+    """``[*]`` sits under every model, so it names no model source, no remote upstream and
+    no profile's base."""
     keys = [key for key in SOURCE_KEYS if key in section.args]
-    keys += [key for key in UPSTREAM_KEYS if key in origins]
+    keys += [key for key in (*UPSTREAM_KEYS, "profile-of", "targets", "choose")
+             if key in origins]
     return [PresetProblem(origins[key], f"'{key}' cannot be a default for every model",
                           section.name, key) for key in keys]
 

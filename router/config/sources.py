@@ -21,6 +21,7 @@ from .presets import (
     SOURCE_KEYS,
     ModelPreset,
     Origin,
+    ParsedSection,
     PresetFile,
     PresetProblem,
     PresetsInvalid,
@@ -91,20 +92,53 @@ def scan_models_dir(directory: Path,
 
 @dataclass(frozen=True)
 class Catalogue:
-    """Every known model by id, plus the alias → id map used for routing."""
+    """Every known model by id, plus the alias → id map used for routing; and the names with
+    no model of their own (``names``, with their aliases): profiles (``profile-of``: served by
+    another model's children) and virtual models (``targets``: one of several models, chosen
+    per request)."""
 
     models: dict[str, ModelPreset]
     aliases: dict[str, str] = field(default_factory=dict)
     warnings: tuple[PresetProblem, ...] = ()
+    names: dict[str, ModelPreset] = field(default_factory=dict)
+    name_aliases: dict[str, str] = field(default_factory=dict)
 
     def resolve(self, name: str) -> str | None:
-        """Canonical id for a model id or alias, or None."""
+        """Canonical id for a model id or alias, or None (a profile's or a virtual model's
+        name is no model's)."""
         if name in self.models:
             return name
         return self.aliases.get(name)
 
+    def named(self, name: str) -> ModelPreset | None:
+        """The profile or virtual model a name (its id or an alias) is, or None."""
+        found = self.names.get(name)
+        if found is None and name in self.name_aliases:
+            found = self.names[self.name_aliases[name]]
+        return found
+
+    def profile(self, name: str) -> ModelPreset | None:
+        """The profile a name is, or None."""
+        found = self.named(name)
+        return found if found is not None and found.profile_of is not None else None
+
+    def virtual(self, name: str) -> ModelPreset | None:
+        """The virtual model a name is, or None."""
+        found = self.named(name)
+        return found if found is not None and found.targets else None
+
+    @property
+    def profiles(self) -> list[ModelPreset]:
+        return [p for p in self.names.values() if p.profile_of is not None]
+
+    @property
+    def virtuals(self) -> list[ModelPreset]:
+        return [p for p in self.names.values() if p.targets]
+
     def close_matches(self, name: str) -> list[str]:
-        return difflib.get_close_matches(name, [*self.models, *self.aliases], n=3, cutoff=0.5)
+        return difflib.get_close_matches(
+            name, [*self.models, *self.aliases, *self.names, *self.name_aliases], n=3,
+            cutoff=0.5)
 
 
 def scan_hf_cache() -> list[ModelPreset]:
@@ -150,15 +184,81 @@ def build_catalogue(preset_paths: Iterable[Path], models_dirs: Iterable[Path],
     global_args, global_options = _global_defaults(files)
     for model_id, model in merged.items():  # models-dir entries get [*]'s preset-only keys too
         merged[model_id] = replace(model, **global_options)  # type: ignore[arg-type]
+    named = _named_sections(files)
     _merge_preset_sections(files, merged, problems)
     override_args = {option.key: value for option, value in overrides or []}
     final, aliases = _final_models(merged, global_args, override_args, problems)
+    name_aliases = _checked_names(named, final, aliases, problems)
     if problems:
         raise PresetsInvalid(problems)
     for model_id in _cache_entries_backing_dedup_presets(final, table):
         final[model_id] = replace(final[model_id], listed=False)
     warnings = (*dir_warnings, *(w for f in files for w in f.warnings))
-    return Catalogue(final, aliases, warnings)
+    return Catalogue(final, aliases, warnings,
+                     {pid: replace(preset, profile_of=aliases.get(preset.profile_of or "",
+                                                                  preset.profile_of))
+                      for pid, (preset, _) in sorted(named.items())},  # its base by id
+                     name_aliases)
+
+
+def _named_sections(files: list[PresetFile]) -> dict[str, tuple[ModelPreset, ParsedSection]]:
+    """The profiles (``profile-of``) and virtual models (``targets``) of every file, taken
+    out of the files' models: each a preset with no arguments, its names, and a profile's
+    request policy (``[*]``'s under its own) or a virtual model's targets."""
+    named: dict[str, tuple[ModelPreset, ParsedSection]] = {}
+    for preset_file in files:
+        for section in [s for s in preset_file.models
+                        if "profile_of" in s.options or "targets" in s.options]:
+            preset_file.models.remove(section)
+            own = preset_file.merged(section)
+            named[section.name] = (ModelPreset(
+                id=section.name, args=MappingProxyType({}), origin=section.origin,
+                aliases=own.aliases, tags=own.tags, profile_of=own.profile_of,
+                policy=own.policy if own.profile_of else None, targets=own.targets,
+                choose=own.choose), section)
+    return named
+
+
+def _checked_names(named: dict[str, tuple[ModelPreset, ParsedSection]],
+                   models: dict[str, ModelPreset], aliases: dict[str, str],
+                   problems: list[PresetProblem]) -> dict[str, str]:
+    """Each profile's base is a model (not a profile, not missing), a virtual model's
+    targets are no virtual model (a target no model here has is a peer's), and their names
+    are no model's; their aliases (alias → id)."""
+    found: dict[str, str] = {}
+    virtual = {n for n, (p, _) in named.items() if p.targets} | {
+        a for n, (p, _) in named.items() if p.targets for a in p.aliases}
+    for profile_id, (profile, section) in named.items():
+        if profile.targets:
+            problems += [PresetProblem(section.origins.get("targets", section.origin),
+                                       f"'{target}' is itself a virtual model: a target must "
+                                       "be a model or a profile", profile_id, "targets")
+                         for target in profile.targets if target in virtual]
+        else:
+            problems += _base_problems(profile, section, named, models, aliases)
+        for name in (profile_id, *profile.aliases):
+            if name in models or name in aliases or name in found:
+                problems.append(PresetProblem(
+                    section.origin, f"'{name}' is already the name or an alias of another "
+                    "model or profile", profile_id))
+            elif name != profile_id:
+                found[name] = profile_id
+    return found
+
+
+def _base_problems(profile: ModelPreset, section: ParsedSection,
+                   named: dict[str, tuple[ModelPreset, ParsedSection]],
+                   models: dict[str, ModelPreset], aliases: dict[str, str]
+                   ) -> list[PresetProblem]:
+    """A profile's base must be a model: not a profile or virtual model, not missing."""
+    line = section.origins.get("profile-of", section.origin)
+    base = profile.profile_of or ""
+    if base in named or any(base in p.aliases for p, _ in named.values()):
+        return [PresetProblem(line, f"'{base}' is itself a profile or a virtual model: a "
+                              "profile's base must be a model", profile.id, "profile-of")]
+    if base not in models and base not in aliases:
+        return [PresetProblem(line, f"no model named '{base}'", profile.id, "profile-of")]
+    return []
 
 
 def _load_preset_files(paths: Iterable[Path], table: FlagTable,

@@ -182,6 +182,8 @@ class ModelView:
         }
         if preset.upstream is not None:  # a remote upstream (its key is never shown)
             entry["upstream"] = preset.upstream
+        if preset.policy:
+            entry["policy"] = preset.policy.describe()
         if model.info and model.status is not Status.UNLOADED:
             for key, value in model.info.items():
                 entry.setdefault(key, value)

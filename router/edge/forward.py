@@ -9,6 +9,8 @@ default model (``defaults``) like every other request without a model, or get th
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections.abc import Coroutine
@@ -17,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 from starlette.datastructures import QueryParams
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..config.presets import CHOOSE_FALLBACK
 from ..core.wait import Ends
 from ..errors import (
     BadRequest,
+    LoadFailed,
     MethodNotAllowed,
     NotFound,
     RouterError,
@@ -46,17 +50,24 @@ from ..http.proxy import (
     upstream_headers,
     wait_disconnect,
 )
-from ..http.requests import WAIT_BUDGET_HEADER, RequestContext, context
+from ..http.requests import (
+    BODY_METHODS,
+    WAIT_BUDGET_HEADER,
+    RequestContext,
+    context,
+    parse_json,
+)
 from ..llama.webui import StaticUI
 from ..serving.affinity import NO_PREFIX, Prefix, request_prefix
 from ..teams.fairshare import Turn
 from .keys import Forbidden
 from .metering import Metered
 from .nodes import serve_across_nodes
-from .route import Route, decide, take
+from .route import Route, decide, take, virtual_route
 from .state import State
 
 if TYPE_CHECKING:
+    from ..config.policy import RequestPolicy
     from ..config.presets import ModelPreset
     from ..core.view import ModelView
     from ..serving.leases import Lease
@@ -132,8 +143,35 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     model = request.model or await _default_or_page(state, scope, send, request)
     if model is None:
         return  # a page of the web UI was the answer
-    route = take(state, request, decide(state.models, state.peers, state.default, request, model),
-                 request.conv_id if body else None)
+    route = decide(state.models, state.peers, state.default, request, model, state.virtuals)
+    while True:
+        try:
+            return await _forward_route(state, scope, receive, send, request, body, route)
+        except LoadFailed:
+            if route.virtual is None or route.choice is None or not route.choice.rest \
+                    or route.virtual.choose != CHOOSE_FALLBACK:
+                raise
+            # Its load failed: the virtual model's next target (``choose = fallback``), with
+            # the body as the client sent it (the next target's policy applies to that).
+            if request.body is not body:
+                await request.rewritten(body)
+            route = virtual_route(state.models, state.peers, request, route.virtual,
+                                   state.virtuals, _tried(route))
+
+
+def _tried(route: Route) -> tuple[str, ...]:
+    """The targets of a virtual model's route that refused it already: all but the rest."""
+    assert route.virtual is not None and route.choice is not None
+    return tuple(t for t in route.virtual.targets if t not in route.choice.rest)
+
+
+async def _forward_route(state: State, scope: Scope, receive: Receive, send: Send,
+                         request: RequestContext, body: bytes, route: Route) -> None:
+    """The request on its route, decided: its body as its name's policy makes it, its team's
+    quotas (``metering``), the peers holding the model, else a lease here and the relay."""
+    route = take(state, request, route, request.conv_id if body else None)
+    if route.policy and body:
+        body = await _with_policy(request, route.policy, body)
     metered = state.meter.begin(request, route.model_id)  # 429 over a quota
     lease: Lease | None = None
     error: BaseException | None = None
@@ -196,6 +234,29 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
         if metered is not None:
             metered.turn.preempt = None
     return True
+
+
+async def _with_policy(request: RequestContext, policy: RequestPolicy, body: bytes) -> bytes:
+    """The body its model's request policy makes (``policy``: fields set, replaced, removed),
+    read again as the request's one reading (``RequestContext.rewritten``); the body itself
+    when no rule changes it. A body that is not a JSON object (multipart, another JSON value,
+    UTF-16) is refused: a policy that held only for JSON would be a bypass."""
+    if request.method not in BODY_METHODS:
+        return body
+    if request.parsed is not None:
+        whole: Any = request.parsed
+    elif request.scanned is not None:
+        whole = await asyncio.to_thread(parse_json, body)  # the one reader, off the loop
+    else:
+        whole = None
+    if not isinstance(whole, dict):
+        raise BadRequest(f"model '{request.model_id}' sets request fields (params., force., "
+                         "strip in its preset): its requests take a JSON object body")
+    changed = policy.apply(whole)
+    if changed is None:
+        return body
+    return await request.rewritten(
+        json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode())
 
 
 def _admit(state: State, scope: Scope) -> RequestContext:
@@ -353,10 +414,13 @@ def _for_remote(request: RequestContext, preset: ModelPreset,
     """The request as the remote upstream of ``preset`` gets it (``proxy.for_remote``). The
     model it names there is the one the router decided: ``upstream-model`` when set, and for
     a request the default model took, the default's own name (its ``upstream-model``, else
-    its id), written where it named one or would (the JSON body's ``model``, the multipart
-    field, ``?model=``), never the name the client gave: the upstream must not decide again
-    what the key's scope was checked against."""
-    name = preset.upstream_model or (preset.id if request.defaulted else None)
+    its id), and for one that came by a profile's or virtual model's name, the model's own,
+    written where it named one or would (the JSON body's ``model``, the multipart field,
+    ``?model=``), never the name the client gave: the upstream must not decide again what
+    the key's scope was checked against."""
+    by_other_name = request.defaulted or (request.model != preset.id  # a profile, a virtual
+                                          and request.model not in preset.aliases)  # model
+    name = preset.upstream_model or (preset.id if by_other_name else None)
     headers, body = for_remote(headers, body, request.json_scan() if name else None,
                                preset.upstream_key, name,
                                request.headers.get(b"content-type", b""),

@@ -50,7 +50,9 @@ async def serve_across_nodes(state: State, scope: Scope, request: RequestContext
     it). Raises like ``proxy.relay`` for the last node tried."""
     peers = state.peers
     assert peers is not None and request.model is not None and request.body is not None
-    model, parsed = request.model, request.parsed
+    # The model as the nodes name it: a virtual model's target, else the one requested.
+    model = route.model_id if route.virtual is not None else request.model
+    parsed = request.parsed
     order = candidates(route.holders, model, route.local, state.node)
     prefix = request_prefix(parsed, request.path in RESPONSES_PATHS) if parsed is not None \
         else NO_PREFIX
@@ -88,7 +90,7 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
     body = request.body or b""
     # --peer-prefix: the peer knows the model by its own id; a request the default model took
     # names it, so that the peer serves the model the router decided (not its own default).
-    if peer_model != model or request.defaulted:
+    if peer_model != request.model or request.defaulted:  # a virtual model's target too
         body, target = _renamed(body, request, target, peer_model)
     request.node = peer.node
     if route.conversation is not None:  # resumed through the peer that has it

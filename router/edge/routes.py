@@ -22,6 +22,7 @@ from .. import dashboard
 from ..config.downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
 from ..config.keyfile import KeyScope
 from ..config.presets import ModelPreset
+from ..core.view import Models
 from ..errors import (
     BadRequest,
     MalformedBody,
@@ -44,7 +45,7 @@ from .keys import Forbidden, key_scope_of
 from .resumable import StreamResume
 from .resumable import lookup as lookup_streams
 from .resumable import stop as stop_stream
-from .route import local_model, resolve_in_scope
+from .route import local_model, resolve_in_scope, target_model
 from .state import State, _state
 
 
@@ -117,6 +118,8 @@ async def list_models(request: Request) -> Response:
     key_scope = key_scope_of(request.scope)
     data = [m.entry(state.started) for m in models.views() if m.preset.listed
             and (key_scope is None or key_scope.allows(m.id, m.aliases))]
+    data += _profile_entries(models, state.started, key_scope)
+    data += _virtual_entries(state, key_scope)
     default_id, _ = _default_model(state, key_scope)
     for entry in data:
         if entry["id"] == default_id:
@@ -127,6 +130,46 @@ async def list_models(request: Request) -> Response:
         skipped = state.peers.skipped()
     return JSONResponse({"data": data, "object": "list",
                          **({"skipped_peers": skipped} if skipped else {})})
+
+
+def _profile_entries(models: Models, created: int, key_scope: KeyScope | None
+                     ) -> list[dict[str, Any]]:
+    """The profiles' ``/models`` entries (those in the key's scope): each its base's entry
+    (its status is its base's) under its own names, with its base and its request policy."""
+    entries = []
+    for profile in models.catalogue.profiles:
+        base_id = models.catalogue.resolve(profile.profile_of or "")
+        base = models.view(base_id) if base_id is not None else None
+        if base is None or (key_scope is not None
+                            and not key_scope.allows(profile.id, profile.aliases)):
+            continue
+        entry = base.entry(created)
+        entry.update(id=profile.id, aliases=sorted(profile.aliases), tags=list(profile.tags),
+                     can_remove=False, profile_of=base.id)
+        entry.pop("policy", None)
+        if profile.policy:
+            entry["policy"] = profile.policy.describe()
+        entries.append(entry)
+    return entries
+
+
+def _virtual_entries(state: State, key_scope: KeyScope | None) -> list[dict[str, Any]]:
+    """The virtual models' ``/models`` entries (those in the key's scope): their targets and
+    how they choose, loaded while a target here is, the target that served last and why."""
+    models = state.models
+    entries = []
+    for virtual in models.catalogue.virtuals:
+        if key_scope is not None and not key_scope.allows(virtual.id, virtual.aliases):
+            continue
+        loaded = any(view is not None and view.serving
+                     for view in (target_model(models, t) for t in virtual.targets))
+        entries.append({
+            "id": virtual.id, "aliases": sorted(virtual.aliases), "tags": list(virtual.tags),
+            "object": "model", "owned_by": "llamacpp", "created": state.started,
+            "status": {"value": "loaded" if loaded else "unloaded"}, "source": "preset",
+            "can_remove": False, "targets": list(virtual.targets), "choose": virtual.choose,
+            **state.virtuals.describe(virtual.id)})
+    return entries
 
 
 async def _model_from_json(request: Request) -> str:
@@ -328,14 +371,29 @@ class EventStream:
 
     def _accepts(self, event: dict[str, Any]) -> bool:
         model = event.get("model")
-        return isinstance(model, str) and self._shows(model)
+        return isinstance(model, str) and (self._shows(model) or bool(self._profiles_of(model)))
+
+    def _profiles_of(self, model_id: str) -> list[str]:
+        """The ids of the profiles of ``model_id`` this stream shows: each gets its base's
+        events under its own id (its status is its base's)."""
+        return [p.id for p in self.state.models.catalogue.profiles
+                if p.profile_of == model_id and (self.key_scope is None
+                                                 or self.key_scope.allows(p.id, p.aliases))]
+
+    def _as_seen(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """An event of a model as this stream sends it: itself where the key sees the model,
+        and a copy under each profile of it that the key sees."""
+        model = event.get("model")
+        if not isinstance(model, str) or model == "*" or event.get("node"):
+            return [event]
+        return [*([event] if self._shows(model) else []),
+                *({**event, "model": profile} for profile in self._profiles_of(model))]
 
     def _snapshot(self) -> list[dict[str, Any]]:
         snapshot: list[dict[str, Any]] = [
-            {"model": model.id, "event": "model_status",
-             "data": {"status": model.status.public}}
-            for model in self.state.models.views()
-            if model.preset.listed and self._shows(model.id)]
+            seen for model in self.state.models.views() if model.preset.listed
+            for seen in self._as_seen({"model": model.id, "event": "model_status",
+                                       "data": {"status": model.status.public}})]
         peers = self.state.peers
         for model_id, holders in (peers.listing() if peers is not None else {}).items():
             if self._shows(model_id):
@@ -362,7 +420,11 @@ class EventStream:
             async def next_event() -> str:
                 if snapshot:
                     return json.dumps(snapshot.pop())
-                event = await subscription.get()
+                seen = self._as_seen(await subscription.get())
+                while not seen:  # a base the key sees only through its profiles, none now
+                    seen = self._as_seen(await subscription.get())
+                event, rest = seen[0], seen[1:]
+                snapshot.extend(reversed(rest))  # sent next, in order
                 if peers is not None and peers.peers:
                     event = across_nodes(event, peers, self.state.models)
                     data = event.get("data")

@@ -20,6 +20,7 @@ from .defaults import DefaultModel
 from .metering import Meter
 from .reload import Reloader
 from .resumable import StreamOwners
+from .virtual import Virtuals
 
 
 class State:
@@ -43,6 +44,7 @@ class State:
                                     unknown_to_default=settings.unknown_model_to_default,
                                     peered=bool(settings.peer or settings.peer_dns))
         self.conversations = StreamOwners()  # resumable streams: which child has each
+        self.virtuals = Virtuals()  # what each virtual model's targets served (``virtual``)
         self.usage = usage or Usage()  # what each team used (``teams.usage``)
         self.meter = Meter(self.usage)  # the teams' quotas and turns (``metering``)
         self.started = int(time.time())

@@ -278,6 +278,18 @@ class RequestContext:
         empty = body[:end].rstrip(b" \t\r\n").endswith(b"{")
         return jsonscan.add_key(body, end, empty, name, value)
 
+    async def rewritten(self, body: bytes) -> bytes:
+        """Take ``body`` (a JSON object the router wrote: a model's request policy) as the
+        request's body from now on, read again as ``read`` reads one: parsed when small,
+        scanned when large. Its model is the one decided already."""
+        self.body = body
+        self.parsed, self.scanned = None, None
+        if len(body) > SMALL_JSON_BYTES:
+            self.scanned = await jsonscan.scan(body)
+        else:
+            self.parsed = parse_json(body)
+        return body
+
     def json_scan(self) -> jsonscan.Scanned | None:
         """The body as ``jsonscan`` reads a JSON object (what a rename of its model writes
         with: ``proxy.with_model``), once; None when it was not read as one."""

@@ -90,6 +90,10 @@ class RouterMetrics:
             "by their prompt's prefix, by decision: prefix_hit (the replica that served its "
             "longest prefix), miss (none had: the least busy), override (that replica was "
             "saturated: the least busy with a free slot)", ["model", "decision"], registry=r)
+        self.virtual_choices = Counter(
+            "llamarouter_virtual_choices", "Requests to a virtual model, by the target chosen "
+            "and why: conversation (its earlier turns' target), warm, first, spillover, "
+            "least_loaded, fallback", ["model", "target", "reason"], registry=r)
 
         # Labelled children per (model, endpoint, status): a request is counted with one dict
         # lookup instead of a labels() call per family (the hot path; none are ever removed).
