@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from router.config.envvars import ChildEnv
 from router.config.presets import ModelPreset
 from router.config.reconfig import diff, needs_restart
 
@@ -50,7 +51,7 @@ _CHANGED: dict[str, object] = {
     "ttl": 7.0, "replicas": 2, "replica_routing": "least-busy", "dedup_cache_models": True,
     "listed": False, "warm_swaps": False, "shared_conversations": True, "interactive_slots": 1,
     "upstream": "http://127.0.0.1:9", "upstream_model": "x", "upstream_key": "k",
-    "upstream_connections": 3,
+    "upstream_connections": 3, "env": ChildEnv({"CUDA_VISIBLE_DEVICES": "1"}),
 }
 
 

@@ -1,6 +1,7 @@
 """What the operator declares: process settings from flags and environment (``settings``),
 API key files (``keyfile``), CORS origins (``origins``), listen addresses (``listen``), INI
-presets in llama.cpp's format (``presets``), where models come from (``sources``, merged into
+presets in llama.cpp's format (``presets``), the environment variables a preset may give its
+children (``envvars``), where models come from (``sources``, merged into
 one catalogue), Hugging Face downloads (``downloads``), and what a new catalogue changes
 (``reconfig``).
 

@@ -20,11 +20,14 @@ Differences from llama.cpp, all in the direction of fewer surprises:
 * keys outside a section, a repeated section, a repeated key, an unknown key or a bad boolean
   are errors naming file, line, section and key, not silently ignored or reinterpreted;
 * router-owned keys (``host``, ``port``, ``api-key``, TLS, ``models-*``) are dropped from
-  children with a warning naming the line.
+  children with a warning naming the line;
+* ``env = NAME=VALUE, …`` (no llama.cpp counterpart) adds to the children's environment
+  (``envvars``); a section's entries go over ``[*]``'s name by name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -35,6 +38,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from ..llama.flags import FALSEY, TRUTHY, FlagTable, Resolved
+from .envvars import NO_ENV, ChildEnv, parse_env
 
 GLOBAL_SECTION = "*"
 PATH_KEYS = frozenset({"model", "mmproj"})
@@ -144,6 +148,9 @@ class ModelPreset:
     # upstream-connections: connections open to the upstream at once, at most (None: as to a
     # child with llama-server's default HTTP threads, ``runtime.ModelRuntime.max_connections``).
     upstream_connections: int | None = field(default=None, metadata=LAUNCH)
+    # env: variables added to its children's environment (``envvars``: names the router keeps
+    # refused; a secret-looking name's value shown as ``***`` by its repr and in /models).
+    env: ChildEnv = field(default=NO_ENV, metadata=LAUNCH)
 
     @property
     def model_path(self) -> str | None:
@@ -201,9 +208,19 @@ class PresetFile:
         """The model preset of ``section`` with this file's ``[*]`` underneath it."""
         base = self.defaults
         args = {**(base.args if base else {}), **section.args}
-        options = {**(base.options if base else {}), **section.options}
+        options = merge_options(base.options if base else {}, section.options)
         return ModelPreset(id=section.name, args=MappingProxyType(args), origin=section.origin,
                            **options)  # type: ignore[arg-type]
+
+
+def merge_options(base: Mapping[str, object], own: Mapping[str, object]) -> dict[str, object]:
+    """Preset-only options ``own`` over ``base`` (``[*]``'s): field by field, but ``env``
+    name by name."""
+    merged = {**base, **own}
+    base_env, own_env = base.get("env"), own.get("env")
+    if isinstance(base_env, ChildEnv) and isinstance(own_env, ChildEnv):
+        merged["env"] = own_env.over(base_env)
+    return merged
 
 
 def canonical_model_id(name: str) -> str:
@@ -393,6 +410,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "upstream-model": (_parse_name, "upstream_model"),
     "upstream-api-key-file": (lambda value: read_key_file(Path(value)), "upstream_key"),
     "upstream-connections": (_parse_count, "upstream_connections"),
+    "env": (parse_env, "env"),
 }
 # Keys of a remote upstream: never defaults in [*], and only with ``upstream``.
 UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file", "upstream-connections")
@@ -474,6 +492,8 @@ class _SectionReader:
         parser, attr = PRESET_ONLY[preset_key]
         if preset_key == "upstream-api-key-file":  # relative to the preset's directory
             value = str((self.directory / Path(value).expanduser()).absolute())
+        elif preset_key == "env":  # a LLAMA_ARG_* name's refusal names its preset key
+            parser = functools.partial(parse_env, table=self.table)
         try:
             parsed = parser(value)
         except ValueError as exc:
@@ -541,6 +561,9 @@ def _upstream_problems(name: str, args: Mapping[str, str],
                     origins[key], f"'{key}' cannot be set with 'upstream' (line "
                     f"{origins['upstream'].line}): a remote upstream serves the model",
                     name, key))
+        if "env" in origins:
+            problems.append(PresetProblem(origins["env"], "a remote upstream has no child to "
+                                          "set an environment for", name, "env"))
     else:
         for key in UPSTREAM_KEYS[1:]:
             if key in origins:
