@@ -52,7 +52,7 @@ from ..host.cpus import (
     shares_with,
     spin_environment,
 )
-from ..host.gpus import GpuDevice, devices_used
+from ..host.gpus import GpuDevice, devices_used, visible_devices
 from ..llama.flags import FlagTable
 from .accounting import TRANSIENT_ERRNOS
 from .lifecycle import ChildGone, ChildStarted, Event, LoadProgress, Status
@@ -180,7 +180,7 @@ class Spawner:
         if places_itself(args):
             return False
         on_gpu = bool(runtime.estimate_devices) if runtime.n_layer is not None \
-            else bool(devices_used(args, self.gpus))
+            else bool(devices_used(args, visible_devices(self.gpus, runtime.preset.env)))
         return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
 
     def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
