@@ -1,7 +1,8 @@
 """Children's environment with the real llama-server (``router.children.childenv``): a router on a
 Vertex AI prediction container (``AIP_MODE=PREDICTION``, ``AIP_HTTP_PORT`` = the router's own
 port) still serves from its children, and options set in the router's environment
-(``LLAMA_ARG_*``) do not reach them: presets decide."""
+(``LLAMA_ARG_*``) do not reach them: presets decide; a preset's own ``env`` does, and a
+secret-looking value of it is never shown."""
 
 from __future__ import annotations
 
@@ -46,3 +47,36 @@ def test_a_router_on_a_prediction_container_serves_from_its_children(
     assert ("not passed to llama-server children: AIP_HEALTH_ROUTE, AIP_HTTP_PORT, AIP_MODE, "
             "AIP_PREDICT_ROUTE, LLAMA_ARG_CTX_SIZE, LLAMA_ARG_EMBEDDINGS, "
             "LLAMA_SERVER_CHILD_MODE") in log
+
+
+def test_a_presets_env_reaches_its_child_and_a_secret_is_never_shown(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """A preset's ``env`` entries are in its child's environment (``/proc/<pid>/environ``),
+    over the router's own; ``/models`` shows them, a secret-looking one as ``***``, and its
+    value is in no answer and no log line."""
+    presets = write_presets(tmp_path / "env.ini", f"[alpha]\nmodel = {tiny_models['alpha']}\n"
+                            "env = LLAMA_ROUTER_TEST_MARK=hello, MY_SERVICE_TOKEN=s3cret-value, "
+                            "CUDA_VISIBLE_DEVICES=\n")
+    with start_router(tmp_path, "--presets", str(presets), "--log-level", "debug",
+                      env={"CUDA_VISIBLE_DEVICES": "0"}) as router, \
+            router.client() as client:
+        reply = client.post("/v1/chat/completions", json={"model": "alpha", **CHAT})
+        assert reply.status_code == 200, reply.text
+        listing = client.get("/models")
+        status = next(m for m in listing.json()["data"] if m["id"] == "alpha")["status"]
+        assert status["env"] == {"LLAMA_ROUTER_TEST_MARK": "hello", "MY_SERVICE_TOKEN": "***",
+                                 "CUDA_VISIBLE_DEVICES": ""}
+        environ = proc_environ(status["pid"])
+        assert environ["LLAMA_ROUTER_TEST_MARK"] == "hello"
+        assert environ["MY_SERVICE_TOKEN"] == "s3cret-value"
+        assert environ["CUDA_VISIBLE_DEVICES"] == ""  # the preset's, not the router's
+        assert "s3cret-value" not in listing.text
+        assert "s3cret-value" not in client.get("/props").text
+        log = router.log()
+    assert "s3cret-value" not in log
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    """A process's environment as ``/proc/<pid>/environ`` holds it."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(entry.split("=", 1) for entry in raw.decode().split("\0") if "=" in entry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from router.config.envvars import ChildEnv
 from router.config.policy import RequestPolicy
 from router.config.presets import ModelPreset
 from router.config.reconfig import diff, needs_restart
@@ -53,6 +54,7 @@ _CHANGED: dict[str, object] = {
     "upstream": "http://127.0.0.1:9", "upstream_model": "x", "upstream_key": "k",
     "upstream_connections": 3, "profile_of": "base",
     "policy": RequestPolicy(MappingProxyType({"temperature": 0.2})),
+    "env": ChildEnv({"CUDA_VISIBLE_DEVICES": "1"}),
 }
 
 

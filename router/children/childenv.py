@@ -19,6 +19,10 @@ elsewhere or behave as another deployment (every name below is one llama-server 
   ``--`` go to every child. ``ignored`` names them so the router can warn at start.
 * ``LLAMA_SERVER_ROUTER_PORT`` and ``LLAMA_SERVER_CHILD_MODE``: the router sets the first
   itself (child mode, ``process``); the second would make a child a downloader.
+
+The names are declared once, in ``config.envvars``, which also refuses them in a preset's
+``env``. The spawner puts a preset's ``env`` entries over what is left (``spawner``), so
+``CUDA_VISIBLE_DEVICES`` in a preset replaces the router's for that model's children.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-SECRET_NAMES = frozenset({"LLAMA_API_KEY", "LLAMA_ARG_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-                          "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "HF_TOKEN",
-                          "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH"})
-SECRET_PREFIXES = ("LLAMA_ROUTER_API_KEY",)
-DEPLOYMENT_PREFIXES = ("AIP_",)
-OPTION_PREFIX = "LLAMA_ARG_"
-ROUTER_OWNED = frozenset({"LLAMA_SERVER_ROUTER_PORT", "LLAMA_SERVER_CHILD_MODE"})
+from ..config.envvars import (
+    DEPLOYMENT_PREFIXES,
+    OPTION_PREFIX,
+    ROUTER_OWNED,
+    SECRET_NAMES,
+    SECRET_PREFIXES,
+)
 
 
 def _kept(name: str) -> bool:

@@ -1,7 +1,8 @@
 """What the operator declares: process settings from flags and environment (``settings``),
 API key files (``keyfile``), CORS origins (``origins``), listen addresses (``listen``), INI
 presets in llama.cpp's format (``presets``), a name's request policy (``policy``: the body
-fields a preset sets, replaces or removes), where models come from (``sources``, merged into
+fields a preset sets, replaces or removes), the environment variables a preset may give its
+children (``envvars``), where models come from (``sources``, merged into
 one catalogue), Hugging Face downloads (``downloads``), and what a new catalogue changes
 (``reconfig``).
 

@@ -20,11 +20,14 @@ Differences from llama.cpp, all in the direction of fewer surprises:
 * keys outside a section, a repeated section, a repeated key, an unknown key or a bad boolean
   are errors naming file, line, section and key, not silently ignored or reinterpreted;
 * router-owned keys (``host``, ``port``, ``api-key``, TLS, ``models-*``) are dropped from
-  children with a warning naming the line.
+  children with a warning naming the line;
+* ``env = NAME=VALUE, …`` (no llama.cpp counterpart) adds to the children's environment
+  (``envvars``); a section's entries go over ``[*]``'s name by name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -35,6 +38,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from ..llama.flags import FALSEY, TRUTHY, FlagTable, Resolved
+from .envvars import NO_ENV, ChildEnv, parse_env
 from .policy import FORCE, PARAMS, STRIP, UNSETTABLE, RequestPolicy, is_policy_key, policy_value
 
 GLOBAL_SECTION = "*"
@@ -158,6 +162,9 @@ class ModelPreset:
     # choose: how (``CHOICES``).
     targets: tuple[str, ...] = ()
     choose: str = CHOOSE_WARM
+    # env: variables added to its children's environment (``envvars``: names the router keeps
+    # refused; a secret-looking name's value shown as ``***`` by its repr and in /models).
+    env: ChildEnv = field(default=NO_ENV, metadata=LAUNCH)
 
     @property
     def model_path(self) -> str | None:
@@ -217,12 +224,22 @@ class PresetFile:
         """The model preset of ``section`` with this file's ``[*]`` underneath it."""
         base = self.defaults
         args = {**(base.args if base else {}), **section.args}
-        options = {**(base.options if base else {}), **section.options}
-        under = base.options.get("policy") if base else None
-        if isinstance(under, RequestPolicy) and "policy" in section.options:
-            options["policy"] = section.options["policy"].over(under)  # type: ignore[attr-defined]
+        options = merge_options(base.options if base else {}, section.options)
         return ModelPreset(id=section.name, args=MappingProxyType(args), origin=section.origin,
                            **options)  # type: ignore[arg-type]
+
+
+def merge_options(base: Mapping[str, object], own: Mapping[str, object]) -> dict[str, object]:
+    """Preset-only options ``own`` over ``base`` (``[*]``'s): field by field, but ``env``
+    name by name and the request ``policy`` field by field of the body."""
+    merged = {**base, **own}
+    base_env, own_env = base.get("env"), own.get("env")
+    if isinstance(base_env, ChildEnv) and isinstance(own_env, ChildEnv):
+        merged["env"] = own_env.over(base_env)
+    base_policy, own_policy = base.get("policy"), own.get("policy")
+    if isinstance(base_policy, RequestPolicy) and isinstance(own_policy, RequestPolicy):
+        merged["policy"] = own_policy.over(base_policy)
+    return merged
 
 
 def canonical_model_id(name: str) -> str:
@@ -430,6 +447,7 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "profile-of": (_parse_name, "profile_of"),
     "targets": (_parse_targets, "targets"),
     "choose": (_parse_choose, "choose"),
+    "env": (parse_env, "env"),
 }
 # Keys of a remote upstream: never defaults in [*], and only with ``upstream``.
 UPSTREAM_KEYS = ("upstream", "upstream-model", "upstream-api-key-file", "upstream-connections")
@@ -540,6 +558,8 @@ class _SectionReader:
         parser, attr = PRESET_ONLY[preset_key]
         if preset_key == "upstream-api-key-file":  # relative to the preset's directory
             value = str((self.directory / Path(value).expanduser()).absolute())
+        elif preset_key == "env":  # a LLAMA_ARG_* name's refusal names its preset key
+            parser = functools.partial(parse_env, table=self.table)
         try:
             parsed = parser(value)
         except ValueError as exc:
@@ -645,6 +665,9 @@ def _upstream_problems(name: str, args: Mapping[str, str],
                     origins[key], f"'{key}' cannot be set with 'upstream' (line "
                     f"{origins['upstream'].line}): a remote upstream serves the model",
                     name, key))
+        if "env" in origins:
+            problems.append(PresetProblem(origins["env"], "a remote upstream has no child to "
+                                          "set an environment for", name, "env"))
     else:
         for key in UPSTREAM_KEYS[1:]:
             if key in origins:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 from ..llama.flags import FlagTable, Option
 from .downloads import HfRef, ResolveError, cached_models, resolve_cached
+from .envvars import NO_ENV
 from .presets import (
     SOURCE_KEYS,
     ModelPreset,
@@ -26,6 +27,7 @@ from .presets import (
     PresetProblem,
     PresetsInvalid,
     load_preset_file,
+    merge_options,
 )
 
 _DRAFT_PREFIXES = ("mtp-", "dspark-", "dflash-")
@@ -298,7 +300,7 @@ def _global_defaults(files: list[PresetFile]) -> tuple[dict[str, str], dict[str,
     for preset_file in files:
         if preset_file.defaults is not None:
             global_args.update(preset_file.defaults.args)
-            global_options.update(preset_file.defaults.options)
+            global_options = merge_options(global_options, preset_file.defaults.options)
     return global_args, global_options
 
 
@@ -337,7 +339,8 @@ def _final_models(merged: dict[str, ModelPreset], global_args: dict[str, str],
     for model_id in sorted(merged):
         model = merged[model_id]
         if model.upstream is not None:  # served remotely: no llama-server arguments, one
-            final[model_id] = replace(model, args=MappingProxyType({}), replicas=1)
+            final[model_id] = replace(model, args=MappingProxyType({}), replicas=1,
+                                      env=NO_ENV)  # no child, no environment
             _add_aliases(model, merged, aliases, problems)
             continue
         args = {**global_args, **model.args, **override_args}

@@ -22,7 +22,13 @@ import logging
 from collections.abc import Callable, Iterable
 
 from ..host.cpus import OtherWork
-from ..host.gpus import GpuDevice, holds_gpu_device, placement, usage_by_pid
+from ..host.gpus import (
+    GpuDevice,
+    holds_gpu_device,
+    placement,
+    usage_by_pid,
+    visible_devices,
+)
 from ..host.memory import RAM, estimate_for_args, measure_rss
 from .runtime import Estimated, ModelRuntime, ModelSnapshot, own_pids
 
@@ -75,7 +81,7 @@ class Accounting:
                 return Estimated(again=True)
             log.warning("cannot estimate memory: %s", exc, extra={"model": runtime.id})
             return Estimated()
-        where = placement(one, preset.args, self.gpus)
+        where = placement(one, preset.args, visible_devices(self.gpus, preset.env))
         if one.prompt_cache_unbounded:
             log.warning("cache-ram = -1: the prompt cache has no limit, so the memory "
                         "estimate leaves it out; only the measured size counts",

@@ -8,7 +8,8 @@
   ``at_spawn`` marks a share ``shared`` (its threads wait briefly) when, at the spawn,
   another model's child holds one of its cores or other processes keep the machine busy.
 * ``spawn_ready``: one child, spawned (a port taken meanwhile is retried with another) and
-  waited for until healthy. While it loads, its own progress reports (child mode, see
+  waited for until healthy, with the environment ``launch_env`` makes (the preset's
+  ``env`` over the router's). While it loads, its own progress reports (child mode, see
   ``process``) are reported as the lifecycle's ``LoadProgress`` (published as
   llama.cpp's router does: ``status_change`` with ``progress``), the least advanced of the
   model's children being started.
@@ -51,7 +52,7 @@ from ..host.cpus import (
     shares_with,
     spin_environment,
 )
-from ..host.gpus import GpuDevice, devices_used
+from ..host.gpus import GpuDevice, devices_used, visible_devices
 from ..llama.flags import FlagTable
 from .accounting import TRANSIENT_ERRNOS
 from .lifecycle import ChildGone, ChildStarted, Event, LoadProgress, Status
@@ -126,7 +127,16 @@ class Spawner:
         if preset.upstream is not None:
             return ("upstream", preset.upstream, preset.upstream_key,
                     preset.upstream_connections, preset.replicas)
-        return (*self.launch_argv(preset, 0, None, None), preset.replicas)
+        return (*self.launch_argv(preset, 0, None, None), preset.replicas,
+                tuple(sorted(preset.env.items())))
+
+    def launch_env(self, preset: ModelPreset, cpu: CpuShare | None) -> dict[str, str]:
+        """A child's whole environment: the router's as children get it (``childenv``), the
+        router's CPU placement (its spin, with CPU sharing on), then the preset's ``env``
+        entries over both (``envvars`` refuses every name the router sets itself)."""
+        placed = (cpu.environment() if cpu is not None else spin_environment()) \
+            if self.cores else {}
+        return {**child_environment(), **placed, **preset.env}
 
     def launch_argv(self, preset: ModelPreset, port: int, cache_ram_mib: int | None,
                     cpu: CpuShare | None) -> list[str]:
@@ -170,7 +180,7 @@ class Spawner:
         if places_itself(args):
             return False
         on_gpu = bool(runtime.estimate_devices) if runtime.n_layer is not None \
-            else bool(devices_used(args, self.gpus))
+            else bool(devices_used(args, visible_devices(self.gpus, runtime.preset.env)))
         return not (on_gpu and all_layers_offloaded(args, runtime.n_layer))
 
     def cpu_shares(self, runtime: ModelRuntime, count: int) -> list[CpuShare | None]:
@@ -245,9 +255,7 @@ class Spawner:
                 port = free_port()
                 cpu = self.at_spawn(runtime, cpu)  # no await from here to ChildStarted
                 argv = self.launch_argv(runtime.preset, port, runtime.cache_ram_mib, cpu)
-                env = {**child_environment(), **(cpu.environment() if cpu is not None
-                                                  else spin_environment())} \
-                    if self.cores else None
+                env = self.launch_env(runtime.preset, cpu)
                 on_state = functools.partial(self._child_state, runtime, reports)
                 child = ChildProcess(runtime.id, argv, port, runtime.logs, self._client,
                                      env=env, max_connections=runtime.max_connections,

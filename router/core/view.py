@@ -202,6 +202,8 @@ class ModelView:
             "in_flight": model.in_flight,
             "waiting": model.waiting,
         }
+        if model.preset.env:  # a secret-looking name's value as "***" (``envvars``)
+            status["env"] = model.preset.env.shown()
         status.update(self._process_status())
         if model.preset.replicas > 1 or len(model.replicas) > 1:
             status["replicas"] = [{"pid": r.pid, "port": r.port, "in_flight": r.in_flight,

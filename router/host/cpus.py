@@ -62,7 +62,7 @@ CPU_ENV = ("LLAMA_ARG_THREADS",)
 # barrier a thread sleeps at is a futex wake-up), so a child alone on its cores keeps libgomp's
 # default. 1,000 rounds made the tiny model's wake-ups show more (TTFT 3.3 ms, not 1.6-1.9).
 POLITE_SPIN = {"GOMP_SPINCOUNT": "3000"}
-_SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 # Other work that makes a child's threads wait briefly even alone on its cores: this many
 # cores' worth of CPU time, over the last sample, spent outside the router and its children
@@ -134,7 +134,7 @@ def spin_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 
 
 def _spin_set_by(environ: Mapping[str, str]) -> bool:
-    return any(name in environ for name in _SPIN_SETTINGS)
+    return any(name in environ for name in SPIN_SETTINGS)
 
 
 def shares_with(share: CpuShare, others: Iterable[CpuShare]) -> CpuShare:

@@ -19,6 +19,8 @@ arguments (b11434 semantics):
   otherwise ``tensor-split`` proportions, or an even split, divide it among them.
 * The compute buffer goes to the first device used; the prompt cache (``--cache-ram``) and the
   runtime stay in host RAM with whatever is not offloaded.
+* ``CUDA_VISIBLE_DEVICES`` in a preset's ``env`` (``visible_devices``) narrows and orders the
+  GPUs its child sees: ``device = CUDA0`` is then the first GPU it lists.
 """
 
 from __future__ import annotations
@@ -186,14 +188,39 @@ def placement(estimate: Estimate, args: Mapping[str, str],
     return result
 
 
+def visible_devices(devices: list[GpuDevice], environ: Mapping[str, str]) -> list[GpuDevice]:
+    """The GPUs a child with ``environ`` (its preset's ``env``) sees, in CUDA's order:
+    ``CUDA_VISIBLE_DEVICES`` lists nvidia-smi indices or ``GPU-…`` UUIDs (or their prefixes);
+    as in CUDA, an index of no GPU ends the list there. Unset, or with an entry this cannot
+    map (a MIG instance), every GPU, as without it."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return list(devices)
+    seen: list[GpuDevice] = []
+    for entry in (e.strip() for e in listed.split(",") if e.strip()):
+        if entry.lstrip("-").isdigit():
+            found = next((d for d in devices if d.index == int(entry)), None)
+            if found is None:
+                break
+        else:
+            found = next((d for d in devices if entry.startswith("GPU-")
+                          and d.uuid.startswith(entry)), None)
+            if found is None:
+                return list(devices)
+        if found not in seen:
+            seen.append(found)
+    return seen
+
+
 def devices_used(args: Mapping[str, str], devices: list[GpuDevice]) -> list[GpuDevice]:
-    """The GPUs a child's ``device`` option selects (all of them when unset)."""
+    """The GPUs a child's ``device`` option selects among ``devices``, those it sees
+    (``CUDAn`` is the n-th of them; all of them when unset)."""
     listed = option_value(args, "device", "dev")
     if listed is None or listed == "":
         return list(devices)
     if listed.lower() == "none":
         return []
-    by_index = {d.index: d for d in devices}
+    by_index = dict(enumerate(devices))
     chosen = []
     for name in listed.split(","):
         match = re.search(r"(\d+)$", name.strip())
