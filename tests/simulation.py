@@ -17,6 +17,10 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
   memory than the budget;
 * a model with requests in flight is never evicted (stopped other than by an explicit unload
   or the shutdown);
+* residency (a preset's ``pin`` and ``min-resident``, drawn for some models): a pinned model is
+  never evicted, drained or stopped by its idle TTL, nor a model within its minimum residency;
+  when the pins fill ``--models-max`` or the budget, requests for the other models are
+  refused at once (no wedge: every request ends, served or refused);
 * no wedge: whenever a request waits, something runs, loads or stops on its behalf (see
   ``_check_progress``), and the head of the admission queue has a drain under way once it has
   waited the fairness bound;
@@ -55,8 +59,8 @@ import contextlib
 import functools
 import random
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, cast
@@ -71,7 +75,15 @@ from router.children.process import ChildExited, ChildTimeout
 from router.config.presets import ModelPreset
 from router.config.settings import Settings
 from router.config.sources import Catalogue
-from router.core.lifecycle import ChildStarted, Event, InvalidTransition, Refuse, Status, Stop
+from router.core.lifecycle import (
+    ChildStarted,
+    Drain,
+    Event,
+    InvalidTransition,
+    Refuse,
+    Status,
+    Stop,
+)
 from router.core.runtime import Estimated, ModelRuntime
 from router.core.spawner import Spawner
 from router.core.supervisor import Supervisor
@@ -130,6 +142,8 @@ class Config:
     load_timeout: float
     liveness: bool
     ttl: float  # --idle-timeout (0: never)
+    pinned: frozenset[str] = frozenset()  # models whose preset says ``pin = true``
+    min_resident: Mapping[str, float] = field(default_factory=dict)  # ``min-resident``
 
     @classmethod
     def draw(cls, rng: random.Random) -> Config:
@@ -148,6 +162,15 @@ class Config:
             liveness=rng.random() < 0.5,
             ttl=rng.choice((0.0, 0.0, 8.0)),
         )
+
+    def with_residency(self, rng: random.Random) -> Config:
+        """This configuration with residency keys drawn by ``rng`` (its own generator: the
+        seed's other draws stay what they were): a pinned model in a quarter of them, a
+        ``min-resident`` on some models in a third."""
+        pinned = frozenset({rng.choice(self.models)}) if rng.random() < 0.25 else frozenset()
+        resident = {m: rng.choice((1.0, 4.0, 15.0)) for m in self.models
+                    if rng.random() < 0.5} if rng.random() < 1 / 3 else {}
+        return replace(self, pinned=pinned, min_resident=resident)
 
 
 @dataclass
@@ -381,7 +404,8 @@ class Simulation:
         self.shutdown_live = (self.script is None
                               and random.Random(self.seed * 7919 + 1).random() < 0.25)
         if self.config is None:
-            self.config = Config.draw(self.rng)
+            self.config = Config.draw(self.rng).with_residency(
+                random.Random(self.seed * 7919 + 3))
         self._status: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drains: dict[str, float] = {}  # model -> since when it drains
@@ -410,7 +434,8 @@ class Simulation:
         kept = self.rng.choice((0, 1)) if slots == 2 else 0
         presets = {m: ModelPreset(m, MappingProxyType(
             {"model": f"/sim/{m}.gguf", **({"parallel": str(slots)} if slots else {})}),
-            replicas=c.replicas[m], interactive_slots=kept) for m in c.models}
+            replicas=c.replicas[m], interactive_slots=kept, pin=m in c.pinned,
+            min_resident=c.min_resident.get(m, 0.0)) for m in c.models}
         sup = Supervisor(wire(settings, Catalogue(presets), FlagTable([]), Path("/nonexistent"),
                               cast(httpx.AsyncClient, None), self.events, cores=[],
                               spawner=FakeSpawner(self), warm=self.warm))
@@ -429,6 +454,7 @@ class Simulation:
                     and runtime.in_flight > 0):
                 self.violate(f"{runtime.id} stopped ({event.reason}) with "
                              f"{runtime.in_flight} requests in flight")
+            self._check_residency(runtime, event)
             try:
                 return command(runtime, event)
             except InvalidTransition as exc:
@@ -436,6 +462,23 @@ class Simulation:
                 raise
         sup.executor.command = checked_command  # type: ignore[method-assign]
         self.sup = sup
+
+    def _check_residency(self, runtime: ModelRuntime, event: Event) -> None:
+        """A pinned model is never evicted, drained or stopped by its idle TTL; a model within
+        its ``min-resident`` is not yet."""
+        if isinstance(event, Stop) and event.reason in ("evicted", "idle"):
+            what = f"stopped ({event.reason})"
+        elif isinstance(event, Drain):
+            what = f"drained for {event.waiting_for}"
+        else:
+            return
+        preset, loaded_at = runtime.preset, runtime.loaded_at
+        if preset.pin:
+            self.violate(f"pinned model {runtime.id} {what}")
+        elif loaded_at is not None and clock.now() < loaded_at + preset.min_resident:
+            self.violate(f"{runtime.id} within its min-resident {what}: loaded "
+                         f"{clock.now() - loaded_at:.3f} s ago, min-resident "
+                         f"{preset.min_resident:g} s")
 
     def violate(self, what: str) -> None:
         """Record a violation once (a broken state is seen again at every later check)."""
@@ -715,7 +758,8 @@ class Simulation:
         old = presets[model]
         context = str(self.rng.choice((1024, 2048, 4096)))
         presets[model] = ModelPreset(model, MappingProxyType({**old.args, "ctx-size": context}),
-                                     replicas=old.replicas)
+                                     replicas=old.replicas, pin=old.pin,
+                                     min_resident=old.min_resident)
         self.log(f"reconfigure {model} ctx-size {context}")
         sup.reconfigure(Catalogue(presets))
         runtime = sup.models[model]
@@ -838,8 +882,11 @@ class Simulation:
         others = list(self.sup.models.values())
         if any(o.status in (Status.LOADING, Status.STOPPING) for o in others):
             return  # capacity is on its way
-        if any(o.status is Status.LOADED and o.in_flight > 0 for o in others):
+        if any(o.status is Status.LOADED and o.in_flight > 0 and not o.preset.pin
+               for o in others):
             return  # a busy model: the fairness bound drains it (``_check_head``)
+        if any(self._resident(o, now) for o in others):
+            return  # admission plans again when that model's min-resident ends
         self.violate(f"requests wait for {m.id} in the admission queue and nothing runs, "
                      f"loads or stops: {others}")
 
@@ -877,10 +924,19 @@ class Simulation:
         models = list(self.sup.models.values())
         if any(o.status in (Status.LOADING, Status.STOPPING) or o.draining for o in models):
             return
-        busy = [o for o in models if o.status is Status.LOADED and o.in_flight > 0]
+        busy = [o for o in models if o.status is Status.LOADED and o.in_flight > 0
+                and not o.preset.pin and not self._resident(o, now)]
         if busy:
             self.violate(f"{head.id} waited {waited:.2f} s at the head of the queue, past the "
                          f"fairness bound, and nothing drains: {models}")
+
+    @staticmethod
+    def _resident(m: ModelRuntime, now: float) -> bool:
+        """Loaded and within its ``min-resident`` (plus a loop turn: admission plans again
+        just after it ends)."""
+        loaded_at, resident = m.loaded_at, m.preset.min_resident
+        return (resident > 0 and m.status is Status.LOADED and loaded_at is not None
+                and now - loaded_at < resident + 0.1)
 
     def check_events(self) -> None:
         """Each model's published statuses follow the lifecycle."""
@@ -917,6 +973,8 @@ def describe(sim: Simulation, trace_lines: int = 40) -> str:
             f"{c.memory_budget} (sizes {c.sizes}), replicas {c.replicas}, fairness "
             f"{c.fairness:g} s, wait budget {c.wait_budget:g} s, stop timeout "
             f"{c.stop_timeout:g} s, liveness {c.liveness}, ttl {c.ttl:g}"
+            + (f", pinned {sorted(c.pinned)}" if c.pinned else "")
+            + (f", min-resident {dict(c.min_resident)}" if c.min_resident else "")
             + (", shut down with traffic running" if sim.shutdown_live else "")
             + (", every slot save hangs" if sim.saves == "hang" else ""))
     return "\n".join([head, *sim.violations[:10], "trace (last lines):",

@@ -14,8 +14,10 @@ from router.logs import LogRing
 from router.serving.load import Replica
 
 
-def serving(ttl: float | None = None, **state: object) -> ModelRuntime:
-    preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl)
+def serving(ttl: float | None = None, pin: bool = False, min_resident: float = 0.0,
+            **state: object) -> ModelRuntime:
+    preset = ModelPreset(id="m", args=MappingProxyType({"model": "/m.gguf"}), ttl=ttl,
+                         pin=pin, min_resident=min_resident)
     runtime = ModelRuntime(preset, LogRing(10), state=ModelState(Status.LOADED, **state))
     runtime.state = replace(runtime.state, replicas=tuple([Replica(object.__new__(ChildProcess))]))
     runtime.load.used_at = 100.0
@@ -45,3 +47,16 @@ def test_only_an_idle_serving_model_expires() -> None:
     stopped = serving()
     stopped.state = ModelState(Status.UNLOADED)
     assert not idle_expired(stopped, 60.0, 1e9)
+
+
+def test_a_pinned_model_never_expires() -> None:
+    assert not idle_expired(serving(pin=True), 60.0, 1e9)
+    assert not idle_expired(serving(ttl=5.0, pin=True), 0.0, 1e9)
+
+
+def test_min_resident_outlasts_a_shorter_ttl() -> None:
+    """Loaded at 90, used last at 100, ``ttl`` 10 and ``min-resident`` 30: kept until 120."""
+    assert not idle_expired(serving(ttl=10.0, min_resident=30.0, loaded_at=90.0), 0.0, 119.0)
+    assert idle_expired(serving(ttl=10.0, min_resident=30.0, loaded_at=90.0), 0.0, 120.0)
+    # a min-resident shorter than the TTL changes nothing
+    assert idle_expired(serving(ttl=10.0, min_resident=5.0, loaded_at=90.0), 0.0, 110.0)

@@ -314,6 +314,28 @@ def test_warm_swaps_is_a_preset_option(tmp_path: Path, help_table: FlagTable) ->
     assert (problem.origin.line, problem.section, problem.key) == (3, "a", "warm-swaps")
 
 
+def test_pin_and_min_resident_are_preset_options(tmp_path: Path, help_table: FlagTable
+                                                ) -> None:
+    """Residency: ``pin`` a boolean, ``min-resident`` seconds (also in ``[*]`` and by their
+    pseudo-environment names), never passed to a child; a bad value names file, line and key."""
+    model_file(tmp_path)
+    preset_file = load(tmp_path, "[*]\nmin-resident = 30\n[a]\nmodel = m.gguf\npin = true\n"
+                       "[b]\nmodel = m.gguf\n__PRESET_MIN_RESIDENT = 2.5\n"
+                       "[c]\nmodel = m.gguf\n__PRESET_PIN = on\n", help_table)
+    models = by_id(preset_file)
+    assert (models["a"].pin, models["a"].min_resident) == (True, 30.0)
+    assert (models["b"].pin, models["b"].min_resident) == (False, 2.5)
+    assert models["c"].pin
+    assert not {"pin", "min-resident"} & set(models["a"].args)  # never passed to a child
+    path = tmp_path / "presets.ini"
+    [problem] = problems_of(tmp_path, "[a]\nhf = o/r\npin = always\n", help_table)
+    assert_names(problem, path, 3, "a", "pin", "bad boolean 'always'")
+    [problem] = problems_of(tmp_path, "[a]\nhf = o/r\nmin-resident = 1m\n", help_table)
+    assert_names(problem, path, 3, "a", "min-resident", "bad number of seconds")
+    [problem] = problems_of(tmp_path, "[a]\nhf = o/r\nmin-resident = -5\n", help_table)
+    assert_names(problem, path, 3, "a", "min-resident", "finite number >= 0")
+
+
 def test_interactive_slots_keep_the_other_classes_a_slot(tmp_path: Path,
                                                         help_table: FlagTable) -> None:
     """``interactive-slots`` (here or in ``[*]``) must be fewer than the children's slots

@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from router.core.scheduler import AdmissionPlan, ModelUse, Status, plan_admission
+from router.core.scheduler import (
+    EVICTION_POLICIES,
+    AdmissionPlan,
+    ModelUse,
+    Status,
+    plan_admission,
+)
 
 U, LOADING, L, S = Status.UNLOADED, Status.LOADING, Status.LOADED, Status.STOPPING
 
@@ -364,3 +370,128 @@ def test_a_new_eviction_policy_is_one_entry_of_the_table(monkeypatch: pytest.Mon
             ModelUse("new-ish", Status.LOADED, last_used=5.0, in_flight=1)]
     assert plan_admission(busy, "x", 2, waited_s=9, fairness_s=1, eviction="mru").drain == \
         ("new-ish",)
+
+
+# --------------------------------------------------------------------------- residency
+
+def res(mid: str, status: Status = Status.LOADED, in_flight: int = 0, last_used: float = 0.0,
+        memory: int = 0, pinned: bool = False, resident_until: float | None = None,
+        devices: dict[str, int] | None = None) -> ModelUse:
+    return ModelUse(mid, status, in_flight, last_used, memory, devices=devices or {},
+                    pinned=pinned, resident_until=resident_until)
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_a_pinned_idle_model_is_never_chosen_for_eviction(eviction: str) -> None:
+    """Under every policy: the pinned model is the first in any order (least recently used,
+    and first by id), yet the one evicted is the other, for a model slot or for memory."""
+    models = [res("a", last_used=0.0, memory=50, pinned=True), res("b", last_used=9.0,
+                                                                   memory=50)]
+    plan = plan_admission(models, "t", 2, eviction=eviction)
+    assert plan == AdmissionPlan(admit=False, evict=("b",))
+    plan = plan_admission(models, "t", 0, target_memory=50, memory_budget=120,
+                          eviction=eviction)
+    assert plan == AdmissionPlan(admit=False, evict=("b",))
+    on_gpu = [res("a", devices={"gpu0": 30}, pinned=True), res("b", last_used=9.0,
+                                                               devices={"gpu0": 30})]
+    plan = plan_admission(on_gpu, "t", 0, target_devices={"gpu0": 30},
+                          device_budgets={"gpu0": 70}, eviction=eviction)
+    assert plan == AdmissionPlan(admit=False, evict=("b",))
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_a_pinned_busy_model_is_never_drained(eviction: str) -> None:
+    models = [res("a", in_flight=1, pinned=True), res("b", in_flight=1, last_used=9.0)]
+    plan = plan_admission(models, "t", 2, waited_s=60, fairness_s=10, eviction=eviction)
+    assert plan == AdmissionPlan(admit=False, drain=("b",))
+
+
+def test_every_small_snapshot_keeps_its_pins() -> None:
+    """Every mix of up to three models (idle, busy, loading, stopping; pinned or not) under
+    every limit: no pinned model is ever evicted or drained, and a refusal names exactly the
+    pins loading or loaded when they alone fill --models-max."""
+    kinds = [(L, 0), (L, 1), (LOADING, 0), (S, 0)]
+    for n in range(1, 4):
+        for combo in itertools.product(kinds, (False, True), repeat=n):
+            pairs = list(zip(combo[::2], combo[1::2], strict=True))
+            models = [res(f"m{i}", status, in_flight, last_used=float(i), pinned=pinned)
+                      for i, ((status, in_flight), pinned) in enumerate(pairs)]
+            pins = {m.id for m in models if m.pinned and m.status in (L, LOADING)}
+            for models_max in range(1, 4):
+                for eviction in EVICTION_POLICIES:
+                    plan = plan_admission(models, "t", models_max, waited_s=99,
+                                          fairness_s=1, eviction=eviction)
+                    assert not pins & set(plan.evict + plan.drain), (models, plan)
+                    refused = len(pins) >= models_max
+                    assert (plan.refuse is not None) == refused, (models, models_max, plan)
+                    assert set(plan.pinned) == (pins if refused else set())
+
+
+def test_with_all_room_held_by_pins_the_plan_refuses_naming_them() -> None:
+    models = [res("a", pinned=True), res("c", Status.LOADING, pinned=True), res("b", U)]
+    plan = plan_admission(models, "b", 2)
+    assert not plan.admit and plan.pinned == ("a", "c") and plan.evict == ()
+    assert plan.refuse == ("--models-max 2 is held by pinned models: a, c (pin = true); "
+                           "unload one with POST /models/unload or raise --models-max")
+    # a pinned model that is stopping (unloaded explicitly) is leaving: the load waits for it
+    stopping = [res("a", S, pinned=True, devices={"gpu0": 5})]  # holds its slot until gone
+    assert plan_admission(stopping, "b", 1) == AdmissionPlan(admit=False)
+    # room held by a pin and by a model that may go: no refusal, the other one goes
+    mixed = [res("a", pinned=True), res("d", last_used=5.0)]
+    assert plan_admission(mixed, "b", 2) == AdmissionPlan(admit=False, evict=("d",))
+
+
+def test_with_the_memory_budget_held_by_pins_the_plan_refuses_naming_them() -> None:
+    gib = 1 << 30
+    models = [res("a", memory=6 * gib, pinned=True), res("d", memory=1 * gib)]
+    plan = plan_admission(models, "b", 0, target_memory=3 * gib, memory_budget=8 * gib)
+    assert plan.pinned == ("a",)
+    assert plan.refuse == ("the memory budget (8.0 GiB) is held by pinned models: a (pin = "
+                           "true), which leave 2.0 GiB of the 3.0 GiB it needs; unload one "
+                           "with POST /models/unload or raise --memory-budget")
+    on_gpu = [res("a", devices={"gpu1": 30}, pinned=True)]
+    plan = plan_admission(on_gpu, "b", 0, target_devices={"gpu1": 30},
+                          device_budgets={"gpu1": 50})
+    assert plan.pinned == ("a",) and plan.refuse is not None
+    assert "memory budget of gpu1" in plan.refuse and "--gpu-memory-budget" in plan.refuse
+    # a pin on another GPU is not in the way
+    elsewhere = plan_admission(on_gpu, "b", 0, target_devices={"gpu0": 30},
+                               device_budgets={"gpu0": 50, "gpu1": 50})
+    assert elsewhere == AdmissionPlan(admit=True)
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_min_resident_protects_a_model_loaded_less_than_its_time_ago(eviction: str) -> None:
+    """Loaded at 100 with ``min-resident = 30``: not evicted at 110 (the plan says to plan
+    again at 130), evicted at 130; another idle model may go meanwhile."""
+    models = [res("a", resident_until=130.0)]
+    plan = plan_admission(models, "b", 1, now=110.0, eviction=eviction)
+    assert plan == AdmissionPlan(admit=False, wake_at=130.0)
+    assert plan_admission(models, "b", 1, now=130.0, eviction=eviction) == \
+        AdmissionPlan(admit=False, evict=("a",))
+    two = [res("a", resident_until=130.0), res("c", last_used=50.0)]
+    assert plan_admission(two, "b", 2, now=110.0, eviction=eviction) == \
+        AdmissionPlan(admit=False, evict=("c",))
+
+
+def test_min_resident_holds_off_the_fairness_drain_until_it_ends() -> None:
+    busy = [res("a", in_flight=1, resident_until=130.0)]
+    plan = plan_admission(busy, "b", 1, waited_s=20, fairness_s=10, now=110.0)
+    assert plan == AdmissionPlan(admit=False, wake_at=130.0)
+    plan = plan_admission(busy, "b", 1, waited_s=40, fairness_s=10, now=130.0)
+    assert plan == AdmissionPlan(admit=False, drain=("a",))
+
+
+def test_wake_at_names_the_earliest_residency_that_would_help() -> None:
+    models = [res("a", memory=10, resident_until=140.0), res("c", resident_until=125.0),
+              res("d", resident_until=120.0, devices={"gpu1": 10})]
+    # RAM is short: c and d hold none, so only a's residency is waited for
+    plan = plan_admission(models, "b", 0, target_memory=10, memory_budget=15, now=110.0)
+    assert plan == AdmissionPlan(admit=False, wake_at=140.0)
+    plan = plan_admission(models, "b", 3, now=110.0)
+    assert plan == AdmissionPlan(admit=False, wake_at=120.0)
+    # a residency that has ended is no protection; a pin has none to wait for
+    assert plan_admission([res("a", resident_until=100.0)], "b", 1, now=110.0).evict == ("a",)
+    assert plan_admission([res("a", pinned=True, resident_until=130.0),
+                           res("c", resident_until=130.0)], "b", 2, now=110.0).wake_at \
+        == 130.0

@@ -284,3 +284,89 @@ def test_a_removed_model_leaves_nothing_in_any_table() -> None:
         await sup.close()
 
     run_virtually(scenario())
+
+
+def loaded_times(sim: Simulation, model: str) -> list[float]:
+    """When ``model`` became loaded, each time (its published events)."""
+    return [at for at, m, kind, data in sim.events.log
+            if m == model and kind == "status_change" and data.get("status") == "loaded"
+            and "duration" in data]
+
+
+def stop_reasons(sim: Simulation, model: str) -> list[str]:
+    return [data["reason"] for at, m, kind, data in sim.events.log
+            if m == model and kind == "stopping"]
+
+
+def test_pins_filling_models_max_refuse_the_others_at_once() -> None:
+    """``pin = true`` on `a`, ``--models-max 1``: while `a` is loaded (busy, then idle), a
+    request for `b` is answered at once with the 503 naming the pin, well within its wait
+    budget, and `a` stays loaded; an explicit unload of `a` still works, and `b` then loads."""
+    sim = play(scenario_config(pinned=frozenset({"a"})), [
+        (0.0, "request", {"model": "a", "duration": 20.0}),
+        (5.0, "request", {"model": "b"}),
+        (25.0, "request", {"model": "b"}),
+        (30.0, "unload", {"model": "a"}),
+        (31.0, "request", {"model": "b"}),
+    ])
+    assert not sim.violations, describe(sim)
+    a, busy_b, idle_b, after = (by_id(sim, n) for n in (0, 1, 2, 4))
+    assert a.outcome == "ok" and after.outcome == "ok", describe(sim)
+    for refused in (busy_b, idle_b):
+        assert refused.outcome == "503 LoadFailed", describe(sim)
+        assert refused.ended - refused.started < 0.1, describe(sim)
+    assert stop_reasons(sim, "a") == ["unloaded"], describe(sim)
+    assert len(loaded_times(sim, "a")) == 1 and len(loaded_times(sim, "b")) == 1
+
+
+def test_pins_refusal_names_them_and_the_way_out() -> None:
+    sim = Simulation(0, config=scenario_config(pinned=frozenset({"a"})), script=[])
+
+    async def scenario() -> None:
+        from router.errors import LoadFailed
+
+        sup = sim.build()
+        await sup.wait.load_task(sup.models["a"], on_demand=False)
+        with pytest.raises(LoadFailed) as refused:
+            await sup.acquire(sup.find("b"))
+        assert refused.value.message == (
+            "cannot load 'b': --models-max 1 is held by pinned models: a (pin = true); "
+            "unload one with POST /models/unload or raise --models-max")
+        assert sup.models["a"].serving and not sup.admission.queue
+        await sup.close()
+
+    run_virtually(scenario())
+
+
+def test_min_resident_stops_two_models_thrashing() -> None:
+    """``--models-max 1``, ``min-resident = 5`` on both, requests alternating A, B, A, B: the
+    request for B waits while A is within its time and loads the moment it is over (the
+    admission queue's head plans again then, not at the fairness bound, 30 s away); the
+    second request for A, sent while A is still loaded, is served by it: one load each."""
+    sim = play(scenario_config(fairness=30.0, min_resident={"a": 5.0, "b": 5.0}), [
+        (0.0, "request", {"model": "a"}),
+        (0.5, "request", {"model": "b"}),
+        (1.0, "request", {"model": "a"}),
+        (1.5, "request", {"model": "b"}),
+    ])
+    assert not sim.violations, describe(sim)
+    assert [by_id(sim, n).outcome for n in range(4)] == ["ok"] * 4, describe(sim)
+    [a_loaded] = loaded_times(sim, "a")
+    [b_loaded] = loaded_times(sim, "b")
+    load_s = 3.0  # the slowest fake start
+    assert a_loaded + 5.0 <= b_loaded <= a_loaded + 5.0 + load_s + 0.1, describe(sim)
+    assert by_id(sim, 2).leased_at < a_loaded + 5.0, describe(sim)  # A served, not swapped
+    assert stop_reasons(sim, "a") == ["evicted"], describe(sim)
+
+
+def test_min_resident_shorter_budget_gets_the_budget_503() -> None:
+    """A request whose wait budget ends before the model in the way may be evicted gets
+    the usual 503 at its budget; the residency is kept."""
+    sim = play(scenario_config(min_resident={"a": 30.0}), [
+        (0.0, "request", {"model": "a"}),
+        (4.0, "request", {"model": "b", "budget": 2.0}),
+    ])
+    assert not sim.violations, describe(sim)
+    late = by_id(sim, 1)
+    assert late.outcome == "503 WaitBudgetExceeded", describe(sim)
+    assert 2.0 <= late.ended - late.started <= 2.5, describe(sim)

@@ -127,6 +127,12 @@ class ModelPreset:
     load_timeout: float | None = None
     wait_budget: float | None = None
     ttl: float | None = None
+    # pin: never stopped to make room (the planner's evictions and drains, memory included)
+    # nor by its idle TTL; only an explicit unload stops it (``scheduler``, ``liveness``).
+    pin: bool = False
+    # min-resident: seconds after it became loaded during which only an explicit unload
+    # stops it: no eviction, drain or idle TTL (two models cannot thrash each other).
+    min_resident: float = 0.0
     replicas: int = field(default=1, metadata=LAUNCH)
     # replica-routing: how requests choose among replicas (``affinity``): "prefix" (the
     # replica that served the prompt's longest prefix) or "least-busy".
@@ -432,6 +438,8 @@ PRESET_ONLY: dict[str, tuple[Callable[[str], object], str]] = {
     "load-timeout": (_parse_seconds, "load_timeout"),
     "wait-budget": (_parse_seconds, "wait_budget"),
     "ttl": (_parse_seconds, "ttl"),
+    "pin": (_parse_bool, "pin"),
+    "min-resident": (_parse_seconds, "min_resident"),
     "replicas": (_parse_count, "replicas"),
     "replica-routing": (_parse_routing, "replica_routing"),
     "alias": (_parse_list, "aliases"),

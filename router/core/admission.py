@@ -5,10 +5,13 @@ backoff sat out). Only the head of the queue plans: it asks the pure planner
 (``scheduler.plan_admission``) over every model's published snapshot
 (``runtime.ModelSnapshot``), with what each holds (the larger of estimate and measurement,
 ``accounting``), and is admitted, or has the idle models it names stopped (``evict``) and
-the busy ones drained (``drain``), or is refused because it can never fit. Then it waits for
-a change and plans again. ``admit`` returns in the loop step in which the planner admitted
-it, so the caller switches the model to loading before anyone else plans: two loads cannot
-both take the last slot.
+the busy ones drained (``drain``), or is refused because it can never fit, or cannot while
+the pinned models stay (a preset's ``pin``: the refusal names them, and every request waiting
+for the load gets it at once). Then it waits for a change and plans again; a model within its
+``min-resident`` that stands in the way ends no wait by a change, so the head also plans again
+when that residency ends (the plan's ``wake_at``: admission's own deadline, never a poll).
+``admit`` returns in the loop step in which the planner admitted it, so the caller switches
+the model to loading before anyone else plans: two loads cannot both take the last slot.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ log = logging.getLogger("router.admission")
 
 NEVER_LOADED_S = 1.0  # what a model never loaded yet counts for in a wait estimate
 REPLAN_S = 1.0  # plan again at least this often while queued at the head
+RESIDENCY_SLACK_S = 0.001  # past a residency's end, so that the next plan finds it over
 
 
 class Admission:
@@ -68,7 +72,7 @@ class Admission:
 
     async def admit(self, runtime: ModelRuntime) -> None:
         """Queue, and return once the planner admits the model; raises LoadFailed when it can
-        never fit. Cancelling it leaves the queue."""
+        never fit, or cannot while the pinned models stay. Cancelling it leaves the queue."""
         estimated = await self._accounting.estimate(runtime)
         if estimated is not None:
             self._apply(runtime, estimated)
@@ -99,9 +103,14 @@ class Admission:
     def _plan(self, runtime: ModelRuntime, target_memory: int, since: float) -> float | None:
         """One planning round at the head of the queue: None when admitted, else how long to
         wait at most before planning again (0: until the next change)."""
-        waited = clock.now() - since
+        now = clock.now()
+        waited = now - since
         plan = self._planned(runtime, target_memory, waited)
         if plan.refuse is not None:
+            if plan.pinned:
+                log.warning("refused: %s", plan.refuse,
+                            extra={"event": "held_by_pins", "model": runtime.id})
+                raise LoadFailed(f"cannot load '{runtime.id}': {plan.refuse}")
             raise LoadFailed(self.never_fits_message(runtime))
         if plan.admit:
             return None
@@ -114,11 +123,15 @@ class Admission:
             return None
         for busy in plan.drain:
             self._drain(busy, runtime.id)
+        wake_in = REPLAN_S
         if not plan.evict and not plan.drain and waited < self.settings.fairness:
-            return self.settings.fairness - waited + 0.01  # then drain a busy model
-        # Waiting for a stop, a drain or a busy model's last request: each is a change.
+            wake_in = self.settings.fairness - waited + 0.01  # then drain a busy model
+        # A minimum residency in the way ends without a change: plan again as it ends.
+        if plan.wake_at is not None:
+            wake_in = min(wake_in, max(plan.wake_at - now, 0.0) + RESIDENCY_SLACK_S)
+        # Else waiting for a stop, a drain or a busy model's last request: each is a change.
         # Measured memory moves without one, so plan again now and then all the same.
-        return REPLAN_S
+        return wake_in
 
     def _planned(self, runtime: ModelRuntime, target_memory: int, waited: float) -> AdmissionPlan:
         """The planner's answer for ``runtime`` over every model as published now."""
@@ -130,7 +143,8 @@ class Admission:
              if m.preset.upstream is None],  # a remote upstream holds nothing here
             runtime.id, self.settings.models_max, target_memory=target_memory,
             memory_budget=self.memory_budget, target_devices=runtime.estimate_devices,
-            device_budgets=self.gpu_budgets, waited_s=waited, fairness_s=self.settings.fairness)
+            device_budgets=self.gpu_budgets, waited_s=waited, fairness_s=self.settings.fairness,
+            now=clock.now())
 
     def never_fits_message(self, runtime: ModelRuntime) -> str:
         for pool, need in sorted(runtime.estimate_devices.items()):

@@ -23,7 +23,8 @@ that ends while it is paused is not counted.
 upstreams; a peer router counts its own in its state (``peer.PeerState.missed``).
 
 The other end of a model's life is watched here too, the idle TTL (``reap_idle``): a model
-serving nothing for its ``ttl`` (else ``--idle-timeout``) is stopped.
+serving nothing for its ``ttl`` (else ``--idle-timeout``) is stopped, unless its preset pins
+it (``pin``) or it became loaded less than its ``min-resident`` ago.
 """
 
 from __future__ import annotations
@@ -135,9 +136,14 @@ REAPER_INTERVAL_S = 1.0
 
 
 def idle_expired(runtime: ModelRuntime, default_ttl: float, now: float) -> bool:
-    """A serving model with nothing in flight or waiting, unused for its TTL (0: never)."""
-    ttl = runtime.preset.ttl if runtime.preset.ttl is not None else default_ttl
-    return bool(ttl and runtime.serving and runtime.in_flight == 0 and runtime.waiting == 0
+    """A serving model with nothing in flight or waiting, unused for its TTL (0: never); never
+    a pinned one (``pin``), nor one loaded less than its ``min-resident`` ago."""
+    preset = runtime.preset
+    ttl = preset.ttl if preset.ttl is not None else default_ttl
+    loaded_at = runtime.loaded_at
+    resident = loaded_at is not None and now < loaded_at + preset.min_resident
+    return bool(ttl and not preset.pin and not resident and runtime.serving
+                and runtime.in_flight == 0 and runtime.waiting == 0
                 and now - runtime.last_used >= ttl)
 
 

@@ -325,9 +325,14 @@ class ModelSnapshot(ModelReads):
     def use(self, memory: int, devices: Mapping[str, int] | None = None, *,
             gpu: bool = False) -> ModelUse:
         """What the admission planner reads of it, with the memory it holds (``gpu``: its
-        stopping children may still hold GPU memory)."""
+        stopping children may still hold GPU memory), and its residency: its preset's
+        ``pin``, and the end of its ``min-resident`` counted from when it became loaded."""
+        preset, loaded_at = self.preset, self.state.loaded_at
+        resident_until = (loaded_at + preset.min_resident
+                          if preset.min_resident > 0 and loaded_at is not None else None)
         return ModelUse(self.id, self.status, self.in_flight, self.last_used, memory,
-                        self.draining, self.waiting, devices or {}, gpu)
+                        self.draining, self.waiting, devices or {}, gpu, pinned=preset.pin,
+                        resident_until=resident_until)
 
 
 def snapshot_of(runtime: ModelRuntime) -> ModelSnapshot:

@@ -24,6 +24,14 @@ Policy:
   ``fairness_s``, the least recently used busy model is *drained*: it takes no new requests,
   finishes what it has, and is then evicted like any idle model.
 * A model that can never fit (its estimate alone exceeds a budget) is refused at once.
+* Residency (a preset's ``pin`` and ``min-resident``): a pinned model (``ModelUse.pinned``) is
+  never evicted nor drained, whatever the limit that is short; it still counts against every
+  limit. When the pinned models alone leave the target no room, no eviction could ever make
+  it: the target is refused at once, naming the pins (``AdmissionPlan.pinned``), instead of
+  waiting out its requests' budgets. A model within its minimum residency
+  (``ModelUse.resident_until`` later than ``now``) is not evicted nor drained yet; the plan
+  says when the earliest such protection that stands in the way ends (``wake_at``), and the
+  caller plans again then.
 
 Which of the candidates goes first is the eviction policy: an order over ``ModelUse``, picked
 by name from ``EVICTION_POLICIES`` (one table, as uvicorn picks its loops): a new policy is one
@@ -38,6 +46,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..host.memory import RAM as RAM  # its home; re-exported for the planner's readers
+from ..host.memory import format_size
 from .lifecycle import Status as Status  # its home; re-exported for older imports
 
 
@@ -54,10 +63,16 @@ class ModelUse:
     waiting: int = 0  # requests queued for it (e.g. woken by its load, not yet served)
     devices: Mapping[str, int] = field(default_factory=dict)  # GPU bytes per device pool
     gpu: bool = False  # stopping, and its children may still hold GPU memory (any vendor)
+    pinned: bool = False  # its preset's ``pin``: never evicted nor drained
+    resident_until: float | None = None  # clock time its ``min-resident`` ends (None: none)
 
     @property
     def busy(self) -> bool:
         return self.in_flight > 0 or self.waiting > 0
+
+    def protected(self, now: float) -> bool:
+        """Not to be evicted nor drained at ``now``: pinned, or within its minimum residency."""
+        return self.pinned or (self.resident_until is not None and now < self.resident_until)
 
     @property
     def holds_slot(self) -> bool:
@@ -90,12 +105,17 @@ DEFAULT_EVICTION = "lru"
 @dataclass(frozen=True)
 class AdmissionPlan:
     """``admit``: start the target now. ``evict``: stop these idle models first. ``drain``: stop
-    giving these busy models new requests. ``refuse``: the target can never fit (a reason)."""
+    giving these busy models new requests. ``refuse``: the target cannot fit (a reason);
+    ``pinned``: with ``refuse``, the pinned models holding the room it lacks (empty: its
+    estimate alone exceeds a budget). ``wake_at``: clock time at which the minimum residency
+    of a model in the way ends: plan again then (None: no such protection)."""
 
     admit: bool
     evict: tuple[str, ...] = ()
     drain: tuple[str, ...] = ()
     refuse: str | None = None
+    pinned: tuple[str, ...] = ()
+    wake_at: float | None = None
 
 
 def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
@@ -103,9 +123,11 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
                    target_devices: Mapping[str, int] | None = None,
                    device_budgets: Mapping[str, int] | None = None,
                    waited_s: float = 0.0, fairness_s: float | None = None,
-                   eviction: str = DEFAULT_EVICTION) -> AdmissionPlan:
-    """Decide whether ``target`` may start now, and what must make room for it, the
-    candidates taken in the order of the ``eviction`` policy (``EVICTION_POLICIES``)."""
+                   now: float = 0.0, eviction: str = DEFAULT_EVICTION) -> AdmissionPlan:
+    """Decide whether ``target`` may start now (clock time ``now``, against which minimum
+    residencies are read), and what must make room for it, the candidates taken in the order
+    of the ``eviction`` policy (``EVICTION_POLICIES``). Pinned models and models within their
+    minimum residency are never candidates, under any policy."""
     order = EVICTION_POLICIES[eviction]
     budgets: dict[str, int] = dict(device_budgets or {})
     if memory_budget is not None:
@@ -118,18 +140,23 @@ def plan_admission(models: Sequence[ModelUse], target: str, models_max: int, *,
     shortfall = _Shortfall.of(others, need, budgets, models_max)
     if not shortfall.short():
         return AdmissionPlan(admit=True)
+    held = _held_by_pins(others, need, budgets, models_max)
+    if held is not None:
+        return AdmissionPlan(admit=False, refuse=held[0], pinned=held[1])
 
     # Stopping models free their capacity without further action.
     for m in others:
         if m.status is Status.STOPPING:
             shortfall.free(m)
-    evict = _evict_idle(others, shortfall, order)
+    movable = [m for m in others if not m.protected(now)]
+    evict = _evict_idle(movable, shortfall, order)
     if not shortfall.short():
         return AdmissionPlan(admit=False, evict=evict)
     drain: tuple[str, ...] = ()
     if fairness_s is not None and waited_s >= fairness_s:
-        drain = _drain_one_busy(others, shortfall, order)
-    return AdmissionPlan(admit=False, evict=evict, drain=drain)
+        drain = _drain_one_busy(movable, shortfall, order)
+    return AdmissionPlan(admit=False, evict=evict, drain=drain,
+                         wake_at=_residency_ends(others, shortfall, now))
 
 
 def _never_fits(need: Mapping[str, int], budgets: Mapping[str, int]) -> str | None:
@@ -174,6 +201,44 @@ class _Shortfall:
         for pool, held in m.pools().items():
             if pool in self.over:
                 self.over[pool] -= held
+
+
+def _held_by_pins(others: Sequence[ModelUse], need: Mapping[str, int],
+                  budgets: Mapping[str, int], models_max: int
+                  ) -> tuple[str, tuple[str, ...]] | None:
+    """When the pinned models loading or loaded leave the target no room under a limit,
+    whatever else stops: why (the limit, the pins holding it) and those pins; else None."""
+    pins = [m for m in others if m.pinned and m.status in (Status.LOADING, Status.LOADED)]
+    short = _Shortfall.of(pins, need, budgets, models_max)
+    if short.count_over > 0:
+        names = tuple(sorted(m.id for m in pins))
+        return (f"--models-max {models_max} is held by pinned models: {_listed(names)}; "
+                "unload one with POST /models/unload or raise --models-max", names)
+    for pool, over in sorted(short.over.items()):
+        if over <= 0:
+            continue
+        names = tuple(sorted(m.id for m in pins if m.pools().get(pool, 0) > 0))
+        budget, flag = (("memory budget", "--memory-budget") if pool == RAM
+                        else (f"memory budget of {pool}", "--gpu-memory-budget"))
+        return (f"the {budget} ({format_size(budgets[pool])}) is held by pinned models: "
+                f"{_listed(names)}, which leave {format_size(max(0, need[pool] - over))} of "
+                f"the {format_size(need[pool])} it needs; unload one with POST /models/unload "
+                f"or raise {flag}", names)
+    return None
+
+
+def _listed(pins: Sequence[str]) -> str:
+    return f"{', '.join(pins)} (pin = true)"
+
+
+def _residency_ends(others: Sequence[ModelUse], shortfall: _Shortfall, now: float
+                    ) -> float | None:
+    """The earliest end of a minimum residency that keeps a model from freeing something
+    still short (None: none does)."""
+    ends = [m.resident_until for m in others
+            if m.status is Status.LOADED and not m.pinned and m.resident_until is not None
+            and m.resident_until > now and shortfall.helps(m)]
+    return min(ends, default=None)
 
 
 def _evict_idle(others: Sequence[ModelUse], shortfall: _Shortfall, order: EvictionOrder

@@ -184,6 +184,11 @@ class ModelView:
             entry["upstream"] = preset.upstream
         if preset.policy:
             entry["policy"] = preset.policy.describe()
+        if preset.pin:  # its residency, when its preset sets one
+            entry["pin"] = True
+        if preset.min_resident:  # seconds, as the preset wrote them (30, not 30.0)
+            seconds = preset.min_resident
+            entry["min_resident"] = int(seconds) if seconds.is_integer() else seconds
         if model.info and model.status is not Status.UNLOADED:
             for key, value in model.info.items():
                 entry.setdefault(key, value)
