@@ -55,7 +55,7 @@ _CHANGED: dict[str, object] = {
     "upstream": "http://127.0.0.1:9", "upstream_model": "x", "upstream_key": "k",
     "upstream_connections": 3, "profile_of": "base",
     "policy": RequestPolicy(MappingProxyType({"temperature": 0.2})),
-    "env": ChildEnv({"CUDA_VISIBLE_DEVICES": "1"}),
+    "env": ChildEnv({"CUDA_VISIBLE_DEVICES": "1"}), "targets": ("a", "b"), "choose": "spillover",
 }
 
 
