@@ -38,7 +38,7 @@ from ..config.presets import ModelPreset
 from ..config.settings import Settings
 from ..errors import LoadFailed, ModelUnloaded
 from ..events import EventBus
-from ..serving.load import Replica, book_of, new_replica
+from ..serving.load import Replica, Served, book_of, new_replica
 from ..warm.choice import PREFIX_KEYS
 from ..warm.swaps import SlotHolder, WarmSwaps
 from .admission import Admission
@@ -56,6 +56,7 @@ from .lifecycle import (
     FailureCounted,
     Forget,
     Forgotten,
+    Idle,
     KillReplica,
     LoadEnded,
     Publish,
@@ -133,6 +134,11 @@ class Executor:
         self.loads = loading(self)  # made last: it may call back into this executor
 
     # ----------------------------------------------------------------- events in
+
+    def idle(self, model: Served) -> None:
+        """The leases' word that the model's last request in flight ended: its ``Idle``."""
+        assert isinstance(model, ModelRuntime)  # the leases are handed records only
+        self.apply(model, Idle())
 
     def apply(self, runtime: ModelRuntime, event: Event | Fact) -> None:
         """Move the model through ``event`` and start its effects (an event that cannot happen

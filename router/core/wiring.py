@@ -36,7 +36,6 @@ from ..host.cpus import OtherWork, machine_cores
 from ..host.gpus import GpuDevice
 from ..llama.flags import FlagTable
 from ..serving.leases import Leases
-from ..serving.load import Served
 from ..serving.slotqueue import SlotQueue
 from ..warm.conversations import Conversations
 from ..warm.statestore import StateStore
@@ -45,7 +44,7 @@ from .accounting import Accounting
 from .admission import Admission
 from .cpugate import CpuGate
 from .executor import Executor
-from .lifecycle import Drain, Idle, Undrain
+from .lifecycle import Drain, Undrain
 from .liveness import Liveness, reap_idle
 from .loader import Loader
 from .modelchanges import ModelChanges
@@ -127,7 +126,7 @@ def wire(settings: Settings, catalogue: Catalogue, table: FlagTable, binary: Pat
                         misses=settings.liveness_misses, is_paused=cpu_gate.is_paused,
                         on_unresponsive=executor.kill_unresponsive)
     slots = SlotQueue(changes)
-    leases = Leases(gate=cpu_gate, idle=_idle_to(executor),
+    leases = Leases(gate=cpu_gate, idle=executor.idle,
                     on_replica_done=executor.close_pool_later,
                     conversations=Conversations(warm) if warm is not None else None,
                     on_turn_end=slots.ended)
@@ -153,17 +152,6 @@ def _forget_removed(events: EventBus, spawner: Spawner, slots: SlotQueue, warm: 
         events.on_removed(warm.forget)
     if conversations is not None:
         events.on_removed(conversations.forget)
-
-
-def _idle_to(executor: Executor) -> Callable[[Served], None]:
-    """What the leases tell of a model whose last request in flight ended: its lifecycle's
-    ``Idle``, through the executor."""
-
-    def idle(model: Served) -> None:
-        assert isinstance(model, ModelRuntime)  # the leases are handed records only
-        executor.apply(model, Idle())
-
-    return idle
 
 
 def _room_makers(models: dict[str, ModelRuntime], executor: Executor) -> tuple[
