@@ -78,6 +78,7 @@ class Route:
     policy: RequestPolicy | None = None
     virtual: ModelPreset | None = None  # the virtual model it came through, if any
     choice: Choice | None = None  # and the target chosen, why, what to try next
+    prefix_keys: tuple[int, ...] = ()  # the prompt's keys it was chosen by (``_keys``)
 
 
 def decide(models: Models, peers: Peers | None, default: DefaultModel,
@@ -127,7 +128,8 @@ def virtual_route(models: Models, peers: Peers | None, request: RequestContext,
         local.preset.policy if local is not None else None)
     model_id = profile.id if profile is not None else (
         local.preset.id if local is not None else choice.target)
-    return Route(model_id, local, holders, policy=policy, virtual=virtual, choice=choice)
+    return Route(model_id, local, holders, policy=policy, virtual=virtual, choice=choice,
+                 prefix_keys=keys)
 
 
 def _keys(request: RequestContext) -> tuple[int, ...]:
@@ -169,7 +171,7 @@ def take(state: State, request: RequestContext, route: Route, conv_id: str | Non
         request.default_to(route.defaulted_to)
     request.model_id = route.model_id
     if route.virtual is not None and route.choice is not None:
-        state.virtuals.chose(route.virtual, route.choice, _keys(request))
+        state.virtuals.chose(route.virtual, route.choice, route.prefix_keys)
         state.metrics.virtual_choices.labels(route.virtual.id, route.choice.target,
                                              route.choice.reason).inc()
     if not conv_id:
