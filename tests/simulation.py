@@ -20,7 +20,9 @@ virtual time moves on), and on every lifecycle event, the invariants are checked
 * residency (a preset's ``pin`` and ``min-resident``, drawn for some models): a pinned model is
   never evicted, drained or stopped by its idle TTL, nor a model within its minimum residency;
   when the pins fill ``--models-max`` or the budget, requests for the other models are
-  refused at once (no wedge: every request ends, served or refused);
+  refused at once (no wedge: every request ends, served or refused); a request's keep_alive
+  (drawn for one in ten) with no idle TTL is never stopped by its idle TTL, and its ``0`` is
+  an explicit unload, which neither holds back;
 * no wedge: whenever a request waits, something runs, loads or stops on its behalf (see
   ``_check_progress``), and the head of the admission queue has a drain under way once it has
   waited the fairness bound;
@@ -57,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import random
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -186,6 +189,7 @@ class Request:
     ended: float | None = None
     outcome: str = "pending"  # ok, left, <status> <error type>, crashed, unloaded
     lease: Lease | None = None
+    keep_alive: float | None = None  # its body's keep_alive, read (``edge.keepalive``)
 
 
 # ----------------------------------------------------------------------------- fake children
@@ -406,6 +410,9 @@ class Simulation:
         if self.config is None:
             self.config = Config.draw(self.rng).with_residency(
                 random.Random(self.seed * 7919 + 3))
+        # A request in ten carries a keep_alive: unload once idle, a second, or no idle TTL
+        # (its own generator: the other draws of a seed stay what they were).
+        self._kept = random.Random(self.seed * 7919 + 4)
         self._status: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drains: dict[str, float] = {}  # model -> since when it drains
@@ -473,6 +480,9 @@ class Simulation:
         else:
             return
         preset, loaded_at = runtime.preset, runtime.loaded_at
+        if isinstance(event, Stop) and event.reason == "idle" and runtime.keep_alive == math.inf:
+            self.violate(f"{runtime.id} stopped by its idle TTL though a request's keep_alive "
+                         "asked for none")
         if preset.pin:
             self.violate(f"pinned model {runtime.id} {what}")
         elif loaded_at is not None and clock.now() < loaded_at + preset.min_resident:
@@ -509,6 +519,8 @@ class Simulation:
                     n, model, at, duration=rng.choice((0.05, 0.5, 2.0, 8.0, 30.0)),
                     budget=rng.choice((None, None, 2.0, 10.0)),
                     leave_after=rng.choice((None, None, None, 0.5, 5.0)))
+                if self._kept.random() < 0.1:
+                    request.keep_alive = self._kept.choice((0.0, 1.0, math.inf))
                 steps.append((at, lambda r=request: self.request(r)))  # type: ignore[misc]
             elif kind < 0.78:
                 steps.append((at, lambda m=model: self.load(m)))  # type: ignore[misc]
@@ -671,6 +683,8 @@ class Simulation:
         try:
             runtime = sup.resolve(r.model)
             self.teams.waits(r.id, r.model)
+            if r.keep_alive is not None:  # as the edge applies it, before the lease
+                sup.keep_alive(sup.find(r.model), r.keep_alive)
             lease = await sup.acquire(sup.find(r.model), budget=budget,
                                       ends=Ends(gone, shutdown.over, shutdown.error),
                                       turn=turn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -60,3 +61,22 @@ def test_min_resident_outlasts_a_shorter_ttl() -> None:
     assert idle_expired(serving(ttl=10.0, min_resident=30.0, loaded_at=90.0), 0.0, 120.0)
     # a min-resident shorter than the TTL changes nothing
     assert idle_expired(serving(ttl=10.0, min_resident=5.0, loaded_at=90.0), 0.0, 110.0)
+
+
+def test_a_requests_keep_alive_is_the_ttl_of_its_load() -> None:
+    kept = serving(ttl=10.0)
+    kept.keep_alive = 30.0
+    assert not idle_expired(kept, 0.0, 129.0) and idle_expired(kept, 0.0, 130.0)
+    assert kept.idle_ttl(5.0) == 30.0
+    kept.keep_alive = math.inf  # negative on the wire: no idle TTL
+    assert not idle_expired(kept, 60.0, 1e9) and kept.idle_ttl(60.0) == 0.0
+    kept.keep_alive = None  # a stop began: the preset's again
+    assert kept.idle_ttl(5.0) == 10.0
+
+
+def test_keep_alive_0_unloads_once_idle_as_an_explicit_unload_would() -> None:
+    pinned = serving(pin=True, min_resident=60.0, loaded_at=99.0)
+    pinned.keep_alive = 0.0
+    assert idle_expired(pinned, 0.0, 100.0)  # neither the pin nor min-resident hold it
+    pinned.load.in_flight = 1
+    assert not idle_expired(pinned, 0.0, 100.0)  # not while a request runs

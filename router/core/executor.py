@@ -71,6 +71,7 @@ from .lifecycle import (
     Stop,
     StopChildren,
     Stopped,
+    Unload,
     transition,
 )
 from .modelset import ModelSet
@@ -78,6 +79,7 @@ from .runtime import (
     FACTS,
     Estimated,
     Fact,
+    KeptAlive,
     LoadTimed,
     ModelRuntime,
     QueueJoined,
@@ -136,9 +138,14 @@ class Executor:
     # ----------------------------------------------------------------- events in
 
     def idle(self, model: Served) -> None:
-        """The leases' word that the model's last request in flight ended: its ``Idle``."""
+        """The leases' word that the model's last request in flight ended: its ``Idle``; and
+        the unload a request's ``keep_alive: 0`` asked for once it is idle (``KeptAlive``)."""
         assert isinstance(model, ModelRuntime)  # the leases are handed records only
         self.apply(model, Idle())
+        if model.keep_alive == 0 and model.waiting == 0 and model.status is Status.LOADED:
+            log.info("idle; unloading as a request's keep_alive 0 asked",
+                     extra={"event": "keep_alive_unload", "model": model.id})
+            self.command(model, Unload(explicit=False))
 
     def apply(self, runtime: ModelRuntime, event: Event | Fact) -> None:
         """Move the model through ``event`` and start its effects (an event that cannot happen
@@ -237,6 +244,7 @@ class Executor:
             case KillReplica(replica, why):
                 self._kill_replica(runtime, replica, why)
             case StopChildren(reason, replicas):
+                note(runtime, KeptAlive(None))  # a request's keep_alive lasts for one load
                 runtime.stop_task = _task(self._stop_children(runtime, reason, replicas),
                                           f"stop:{runtime.id}")
             case CancelReplacement():
@@ -443,3 +451,5 @@ def note(runtime: ModelRuntime, fact: Fact) -> None:
             runtime.waiting += 1
         case WaitEnded():
             runtime.waiting -= 1
+        case KeptAlive(seconds):
+            runtime.keep_alive = seconds

@@ -37,7 +37,7 @@ from typing import Generic, TypeVar
 from .. import clock
 from ..children.backend import Backend
 from ..children.remote import RemoteUpstream
-from .lifecycle import Status
+from .lifecycle import UNLOADED, Status
 from .runtime import ModelRuntime
 
 log = logging.getLogger("router.liveness")
@@ -137,14 +137,19 @@ REAPER_INTERVAL_S = 1.0
 
 def idle_expired(runtime: ModelRuntime, default_ttl: float, now: float) -> bool:
     """A serving model with nothing in flight or waiting, unused for its TTL (0: never); never
-    a pinned one (``pin``), nor one loaded less than its ``min-resident`` ago."""
+    a pinned one (``pin``), nor one loaded less than its ``min-resident`` ago. A request's
+    ``keep_alive: 0`` is an unload once idle, as ``POST /models/unload``: pin and
+    ``min-resident`` do not hold it (``Executor.idle`` does it at once; this, if the model
+    was never leased after it)."""
+    if not (runtime.serving and runtime.in_flight == 0 and runtime.waiting == 0):
+        return False
+    if runtime.keep_alive == 0:
+        return True
     preset = runtime.preset
-    ttl = preset.ttl if preset.ttl is not None else default_ttl
+    ttl = runtime.idle_ttl(default_ttl)
     loaded_at = runtime.loaded_at
     resident = loaded_at is not None and now < loaded_at + preset.min_resident
-    return bool(ttl and not preset.pin and not resident and runtime.serving
-                and runtime.in_flight == 0 and runtime.waiting == 0
-                and now - runtime.last_used >= ttl)
+    return bool(ttl and not preset.pin and not resident and now - runtime.last_used >= ttl)
 
 
 async def reap_idle(models: Callable[[], Iterable[ModelRuntime]], default_ttl: float,
@@ -155,7 +160,13 @@ async def reap_idle(models: Callable[[], Iterable[ModelRuntime]], default_ttl: f
         await asyncio.sleep(REAPER_INTERVAL_S)
         now = clock.now()
         for runtime in list(models()):
-            if idle_expired(runtime, default_ttl, now):
+            if not idle_expired(runtime, default_ttl, now):
+                continue
+            if runtime.keep_alive == 0:  # an explicit unload, asked for by a request
+                log.info("idle; unloading as a request's keep_alive 0 asked",
+                         extra={"event": "keep_alive_unload", "model": runtime.id})
+                stop(runtime, UNLOADED)
+            else:
                 log.info("idle for %.0f s; unloading", now - runtime.last_used,
                          extra={"event": "idle_unload", "model": runtime.id})
                 stop(runtime, "idle")

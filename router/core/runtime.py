@@ -15,6 +15,7 @@ N``); the leases choose which one a request takes (``serving.leases``).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -89,8 +90,19 @@ class WaitEnded:
     """A request stopped waiting for it (served, refused or gone)."""
 
 
-Fact = Estimated | Unestimated | QueueJoined | QueueLeft | LoadTimed | WaitBegan | WaitEnded
-FACTS = (Estimated, Unestimated, QueueJoined, QueueLeft, LoadTimed, WaitBegan, WaitEnded)
+@dataclass(frozen=True, slots=True)
+class KeptAlive:
+    """A request's ``keep_alive`` (``edge.keepalive``): the model's idle TTL from now until it
+    stops, in seconds; ``math.inf``: no idle TTL; ``0``: unload once idle, as ``POST
+    /models/unload`` would; None: its preset's TTL again (when a stop begins)."""
+
+    seconds: float | None
+
+
+Fact = (Estimated | Unestimated | QueueJoined | QueueLeft | LoadTimed | WaitBegan | WaitEnded
+        | KeptAlive)
+FACTS = (Estimated, Unestimated, QueueJoined, QueueLeft, LoadTimed, WaitBegan, WaitEnded,
+         KeptAlive)
 
 
 # --------------------------------------------------------------------------- the record
@@ -111,6 +123,7 @@ class ModelReads:
     preset: ModelPreset
     state: ModelState
     load: ModelLoad
+    keep_alive: float | None  # a request's idle TTL for this load (``KeptAlive``)
 
     @property
     def id(self) -> str:
@@ -119,6 +132,16 @@ class ModelReads:
     @property
     def in_flight(self) -> int:
         return self.load.in_flight
+
+    def idle_ttl(self, default: float) -> float:
+        """Its idle TTL in force, in seconds (0: none): a request's ``keep_alive`` for this
+        load (``math.inf``: none), else its preset's ``ttl``, else ``default`` (the router's
+        ``--idle-timeout``)."""
+        kept = self.keep_alive
+        if kept is not None:
+            return 0.0 if kept == math.inf else kept
+        ttl = self.preset.ttl
+        return ttl if ttl is not None else default
 
     @property
     def last_used(self) -> float:
@@ -255,6 +278,7 @@ class ModelRuntime(ModelReads):
     last_load_s: float | None = None  # how long its last successful load took
     estimated: bool = False  # its header was read (or found unreadable for good)
     estimate_due: bool = False  # reading it failed for a passing cause: read again soon
+    keep_alive: float | None = None  # a request's idle TTL for this load (``KeptAlive``)
 
     def __repr__(self) -> str:
         pids = [r.child.pid for r in self.replicas]
@@ -307,6 +331,7 @@ class ModelSnapshot(ModelReads):
     estimate_devices: Mapping[str, int] = field(default_factory=dict)
     cache_ram_mib: int | None = None
     last_load_s: float | None = None
+    keep_alive: float | None = None
 
     def __repr__(self) -> str:
         return f"<ModelSnapshot {self.preset.id} {self.state.status.value}>"
@@ -340,4 +365,4 @@ def snapshot_of(runtime: ModelRuntime) -> ModelSnapshot:
     return ModelSnapshot(runtime.preset, runtime.state, runtime.load, runtime.logs,
                          runtime.waiting, runtime.estimate,
                          MappingProxyType(dict(runtime.estimate_devices)),
-                         runtime.cache_ram_mib, runtime.last_load_s)
+                         runtime.cache_ram_mib, runtime.last_load_s, runtime.keep_alive)

@@ -40,7 +40,7 @@ from .lifecycle import (
     Closing,
     Unload,
 )
-from .runtime import ModelRuntime
+from .runtime import KeptAlive, ModelRuntime
 from .view import ModelView
 from .wait import NOTHING_ELSE, Ends, refusal
 from .wiring import Core
@@ -215,6 +215,11 @@ class Supervisor:
         return self.core.model_changes.reconfigure(catalogue)
 
     # ----------------------------------------------------------------- stopping
+
+    def keep_alive(self, model: ModelView, seconds: float) -> None:
+        """A request's ``keep_alive`` (``edge.keepalive``): the model's idle TTL until it next
+        stops (``math.inf``: none; 0: unload once its requests are done)."""
+        self.executor.apply(self._record(model), KeptAlive(seconds))
 
     async def unload(self, model: ModelView, *, explicit: bool = True) -> None:
         """Cancel a download or load of the model (the handle ``find`` gave), or stop its

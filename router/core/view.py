@@ -14,6 +14,7 @@ request's handle on its model (``route.decide``): the core leases by the snapsho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,6 +123,12 @@ class ModelView:
         return self._model.in_flight
 
     @property
+    def idle_ttl(self) -> float:
+        """Its idle TTL in force, seconds (0: none): a request's ``keep_alive`` for this load,
+        else its preset's ``ttl``, else ``--idle-timeout`` (``liveness.idle_ttl``)."""
+        return self._model.idle_ttl(self._sup.settings.idle_timeout)
+
+    @property
     def waiting(self) -> int:
         return self._model.waiting
 
@@ -189,6 +196,10 @@ class ModelView:
         if preset.min_resident:  # seconds, as the preset wrote them (30, not 30.0)
             seconds = preset.min_resident
             entry["min_resident"] = int(seconds) if seconds.is_integer() else seconds
+        if model.keep_alive is not None:  # a request's, for this load: -1 for none, as sent
+            kept = model.keep_alive
+            entry["keep_alive"] = -1 if kept == math.inf else int(kept) if kept.is_integer() \
+                else kept
         if model.info and model.status is not Status.UNLOADED:
             for key, value in model.info.items():
                 entry.setdefault(key, value)
@@ -360,6 +371,8 @@ class Models(Protocol):
     async def load(self, model: ModelView) -> None: ...
 
     async def unload(self, model: ModelView, *, explicit: bool = True) -> None: ...
+
+    def keep_alive(self, model: ModelView, seconds: float) -> None: ...
 
     def add_model(self, preset: ModelPreset) -> ModelView: ...
 

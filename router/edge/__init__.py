@@ -1,7 +1,8 @@
 """The HTTP API: the composition of the app (``app``), the outer middleware and error handlers
 (``middleware``), API keys (``keys``), CORS (``cors``), the routes the router answers itself
 (``routes``), the proxy's entry (``forward``), the routing decision (``route``), a virtual
-model's target (``virtual``), the default model (``defaults``), a metered request's quotas,
+model's target (``virtual``), the keep_alive field of a request (``keepalive``), the default
+model (``defaults``), a metered request's quotas,
 turn and usage (``metering``), serving across nodes (``nodes``), resumable streams
 (``resumable``), live reloads (``reload``) and what the routes share (``state``).
 

@@ -60,6 +60,8 @@ from ..http.requests import (
 from ..llama.webui import StaticUI
 from ..serving.affinity import NO_PREFIX, Prefix, request_prefix
 from ..teams.fairshare import Turn
+from .keepalive import FIELD as KEEP_ALIVE
+from .keepalive import keep_alive_seconds, may_keep_alive
 from .keys import Forbidden
 from .metering import Metered
 from .nodes import serve_across_nodes
@@ -172,6 +174,8 @@ async def _forward_route(state: State, scope: Scope, receive: Receive, send: Sen
     route = take(state, request, route, request.conv_id if body else None)
     if route.policy and body:
         body = await _with_policy(request, route.policy, body)
+    fields = request.fields
+    kept = _kept_alive(request, fields[KEEP_ALIVE]) if KEEP_ALIVE in fields else None
     metered = state.meter.begin(request, route.model_id)  # 429 over a quota
     lease: Lease | None = None
     error: BaseException | None = None
@@ -181,6 +185,8 @@ async def _forward_route(state: State, scope: Scope, receive: Receive, send: Sen
             return
         local = route.local  # the handle on the model, decided once
         assert local is not None  # the nodes leave a request to this router only if it has it
+        if kept is not None:
+            state.models.keep_alive(local, kept)
         placed = _placed(state, request, local)
         prefix = _prefix(state, request, local)
         while True:
@@ -234,6 +240,13 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
         if metered is not None:
             metered.turn.preempt = None
     return True
+
+
+def _kept_alive(request: RequestContext, value: object) -> float | None:
+    """The idle TTL the request's ``keep_alive`` sets (``keepalive``): checked whatever the
+    key (BadRequest), None when the key may not load and unload models."""
+    seconds = keep_alive_seconds(value)
+    return seconds if may_keep_alive(request.key_scope) else None
 
 
 async def _with_policy(request: RequestContext, policy: RequestPolicy, body: bytes) -> bytes:

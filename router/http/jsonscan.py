@@ -48,7 +48,8 @@ _LONGEST_MODEL_KEY = len('"' + "\\u006d" * 5 + '"')  # "model" with every letter
 
 # The top-level fields read besides ``model`` (``Scanned.fields``): those a policy decides on.
 POLICY_FIELDS = frozenset({"stream", "max_tokens", "max_completion_tokens", "n_predict",
-                           "max_output_tokens", "id_slot", "response_fields", "ignore_eos"})
+                           "max_output_tokens", "id_slot", "response_fields", "ignore_eos",
+                           "keep_alive"})
 _LONGEST_FIELD_KEY = 2 + 6 * max(map(len, POLICY_FIELDS))  # every letter escaped
 _MAX_FIELD_STRING = 4096  # a policy field's string value longer than this reads as COMPOUND
 COMPOUND: Final = "<compound>"  # an array or object value (or a long string) of a field
