@@ -16,6 +16,8 @@ Fault knobs (all optional):
   --crash-after S      os._exit(3) S seconds after the process started
   --crash-on-request   os._exit(3) when the first inference request (completion, chat, infill,
                        embeddings) arrives, before any reply
+  --unavailable        every inference request is answered 503 "unavailable_error" (a child
+                       that cannot take it: llama-server's answer while it loads)
   --ignore-sigterm     SIGTERM is ignored (SIG_IGN), so only SIGKILL (or SIGINT) stops it
   --fail-health        /health stays 503 forever and no ready line is written (a child stuck
                        loading, as far as a router can tell); the other endpoints work normally
@@ -139,6 +141,7 @@ def help_text() -> str:
         ("--startup-delay S", "report 'Loading model' for S seconds"),
         ("--crash-after S", "exit with code 3 after S seconds"),
         ("--crash-on-request", "exit with code 3 on the first inference request"),
+        ("--unavailable", "answer every inference request 503"),
         ("--ignore-sigterm", "ignore SIGTERM"),
         ("--fail-health", "/health stays 503"),
         ("--token-delay S", "delay between generated tokens (default: 0.0)"),
@@ -187,6 +190,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     opt("--startup-delay", type=float, default=0.0)
     opt("--crash-after", type=float, default=None)
     opt("--crash-on-request", action="store_true")
+    opt("--unavailable", action="store_true")
     opt("--ignore-sigterm", action="store_true")
     opt("--fail-health", action="store_true")
     opt("--token-delay", type=float, default=0.0)
@@ -440,6 +444,8 @@ def build_app(state: State) -> ASGIApp:
             if args.crash_on_request and not state.inference_seen:
                 crash("--crash-on-request")
             state.inference_seen = True
+            if args.unavailable:
+                raise ApiError(503, "Loading model", "unavailable_error")
             is_embd = "embedding" in request.url.path
             if is_embd and not args.embeddings:
                 raise ApiError(501, "This server does not support embeddings. Start it with "

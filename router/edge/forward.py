@@ -27,6 +27,7 @@ from ..errors import (
     MethodNotAllowed,
     NotFound,
     RouterError,
+    UpstreamError,
     send_error,
     send_unexpected,
 )
@@ -41,6 +42,7 @@ from ..http.paths import (
     UNPINNED_SLOT_PATHS,
 )
 from ..http.proxy import (
+    FailOver,
     Preempted,
     Preemption,
     ResponseAborted,
@@ -75,6 +77,11 @@ if TYPE_CHECKING:
     from ..serving.leases import Lease
 
 log = logging.getLogger("router.forward")
+
+NO_FAIL_OVER: frozenset[int] = frozenset()
+# A child's answers that a virtual model's ``choose = fallback`` takes as its target's failure
+# (nothing relayed; the next target tried): llama-server's "unavailable" (loading, no slot).
+FALLBACK_STATUSES = frozenset({503})
 
 
 def _autoload(params: QueryParams, default: bool) -> bool:
@@ -149,16 +156,28 @@ async def _forward(scope: Scope, receive: Receive, send: Send) -> None:
     while True:
         try:
             return await _forward_route(state, scope, receive, send, request, body, route)
-        except LoadFailed:
-            if route.virtual is None or route.choice is None or not route.choice.rest \
-                    or route.virtual.choose != CHOOSE_FALLBACK:
+        except (LoadFailed, UpstreamError, FailOver) as exc:
+            virtual = route.virtual
+            if virtual is None or not _falls_back(route):
+                if isinstance(exc, FailOver):  # only asked for where the route falls back
+                    raise UpstreamError(f"the model's child {exc}") from None
                 raise
-            # Its load failed: the virtual model's next target (``choose = fallback``), with
-            # the body as the client sent it (the next target's policy applies to that).
+            log.info("target %s of virtual model %s failed before answering (%s); trying the "
+                     "next", route.model_id, virtual.id, exc, extra={"event": "virtual_fallback"})
+            # Its load failed, or its child failed (or answered 503) before the first byte:
+            # the virtual model's next target (``choose = fallback``), with the body as the
+            # client sent it (the next target's policy applies to that).
             if request.body is not body:
                 await request.rewritten(body)
-            route = virtual_route(state.models, state.peers, request, route.virtual,
-                                   state.virtuals, _tried(route))
+            route = virtual_route(state.models, state.peers, request, virtual, state.virtuals,
+                                  _tried(route))
+
+
+def _falls_back(route: Route) -> bool:
+    """Whether a failure of the route's target before its first byte tries the next one: a
+    virtual model's target with ``choose = fallback``, and targets left to try."""
+    return route.virtual is not None and route.choice is not None \
+        and bool(route.choice.rest) and route.virtual.choose == CHOOSE_FALLBACK
 
 
 def _tried(route: Route) -> tuple[str, ...]:
@@ -233,7 +252,8 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
     try:
         if prefix is not None:
             body = await _in_its_slot(state, request, lease, prefix, body)
-        await _relay(state, scope, receive, send, request, local, lease, body, preemption)
+        await _relay(state, scope, receive, send, request, local, lease, body, preemption,
+                     FALLBACK_STATUSES if _falls_back(route) else NO_FAIL_OVER)
     except Preempted:
         return False
     finally:
@@ -408,9 +428,11 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,
            request: RequestContext, model: ModelView, lease: Lease, body: bytes,
-           preemption: Preemption | None = None) -> Coroutine[Any, Any, None]:
+           preemption: Preemption | None = None, fail_over: frozenset[int] = NO_FAIL_OVER
+           ) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
-    maybe its own model name) and its answer back as the child writes it."""
+    maybe its own model name) and its answer back as the child writes it; an answer with a
+    status in ``fail_over`` raises ``FailOver`` instead (nothing sent)."""
     headers = upstream_headers(scope["headers"], request)
     preset = model.preset
     target = request.target()
@@ -418,7 +440,7 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
         headers, body, target = _for_remote(request, preset, headers, body, target)
     return relay(lease.child.connections, request.method, target, headers, body,
                  receive=receive, send=send, shutdown=state.shutdown,
-                 direct=direct_body(scope), preemption=preemption)
+                 direct=direct_body(scope), preemption=preemption, fail_over=fail_over)
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,
