@@ -16,6 +16,8 @@ SUBSCRIBER_QUEUE_SIZE = 256
 # The event of a model dropped from the router (the lifecycle's ``Forgotten``): the one signal
 # on which every part drops what it keeps of that model (``EventBus.on_removed``).
 MODEL_REMOVED = "model_remove"
+# The event of a configuration applied by a reload (``edge.reload``), with its diff.
+MODELS_RELOADED = "models_reload"
 
 Event = dict[str, Any]
 
@@ -60,6 +62,16 @@ class EventBus:
         def listener(event: Event) -> None:
             if event.get("event") == MODEL_REMOVED and "node" not in event:
                 forget(event["model"])
+
+        self.listeners.append(listener)
+
+    def on_reloaded(self, reloaded: Callable[[], None]) -> None:
+        """Call ``reloaded()`` whenever a new configuration was applied (``MODELS_RELOADED``):
+        a table kept per name that is no model (a virtual model's) drops what it removed."""
+
+        def listener(event: Event) -> None:
+            if event.get("event") == MODELS_RELOADED and "node" not in event:
+                reloaded()
 
         self.listeners.append(listener)
 

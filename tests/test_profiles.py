@@ -206,3 +206,33 @@ def test_the_targets_served_lately_follow_a_conversation() -> None:
 
 def catalogue_free_virtual() -> ModelPreset:
     return ModelPreset(id="v", args=MappingProxyType({}), targets=("a", "b"))
+
+
+def test_a_reload_drops_what_it_removed_and_a_flood_of_conversations_stays_bounded() -> None:
+    from router.serving.affinity import TABLE_KEYS
+    virtuals = Virtuals()
+    virtual = catalogue_free_virtual()
+    other = ModelPreset(id="w", args=MappingProxyType({}), targets=("a",))
+    # A flood of distinct conversations: the prefix keys kept per target stay bounded.
+    for n in range(TABLE_KEYS * 3):
+        virtuals.chose(virtual, Choice("b", "warm"), (n * 7 + 1, n * 7 + 2))
+    virtuals.chose(other, Choice("a", "warm"), (5,))
+    served = virtuals._served["v"].tables["b"]
+    assert len(served) <= TABLE_KEYS
+    assert virtuals.describe("v")["choices"] == {"b:warm": TABLE_KEYS * 3}
+    # A reload that removes w and takes b out of v's targets: nothing of either is kept.
+    virtuals.keep([ModelPreset(id="v", args=MappingProxyType({}), targets=("a", "c"))])
+    assert len(virtuals) == 1 and virtuals.describe("w") == {}
+    assert virtuals.match("v", "b", (1, 2)) == 0 and "b" not in virtuals._served["v"].tables
+    virtuals.keep([])
+    assert len(virtuals) == 0
+
+
+def test_the_reload_signal_reaches_what_keeps_tables_per_name() -> None:
+    from router.events import MODELS_RELOADED, EventBus
+    bus, seen = EventBus(), []
+    bus.on_reloaded(lambda: seen.append(1))
+    bus.publish("*", MODELS_RELOADED, {"added": [], "removed": ["v"], "changed": []})
+    bus.publish_payload({"model": "*", "event": MODELS_RELOADED, "node": "peer-1"})  # a peer's
+    bus.publish("*", "models_reload_failed", {"errors": []})
+    assert seen == [1]

@@ -38,7 +38,7 @@ from ..config.presets import PresetsInvalid
 from ..config.settings import ApiKeysInvalid, Settings
 from ..config.sources import Catalogue, build_catalogue
 from ..core.view import Models
-from ..events import EventBus
+from ..events import MODELS_RELOADED, EventBus
 from ..llama.flags import FlagTable, Option
 from . import defaults
 from .keys import Keys
@@ -225,7 +225,7 @@ class Reloader:
         log.info("configuration reloaded (%s): added %s, removed %s, changed %s", trigger,
                  diff["added"] or "none", diff["removed"] or "none", diff["changed"] or "none",
                  extra={"event": "reloaded"})
-        self.events.publish("*", "models_reload", {**diff, "trigger": trigger})
+        self.events.publish("*", MODELS_RELOADED, {**diff, "trigger": trigger})
         return {"success": True, **diff, "not_reloaded": NOT_RELOADED}
 
     def _reject(self, problems: list[str], trigger: str) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class State:
                                     peered=bool(settings.peer or settings.peer_dns))
         self.conversations = StreamOwners()  # resumable streams: which child has each
         self.virtuals = Virtuals()  # what each virtual model's targets served (``virtual``)
+        events.on_reloaded(lambda: self.virtuals.keep(models.catalogue.virtuals))
         self.usage = usage or Usage()  # what each team used (``teams.usage``)
         self.meter = Meter(self.usage)  # the teams' quotas and turns (``metering``)
         self.started = int(time.time())

@@ -118,6 +118,20 @@ class Virtuals:
         if keys:
             served.tables.setdefault(choice.target, PrefixTable()).record(keys)
 
+    def keep(self, virtuals: Sequence[ModelPreset]) -> None:
+        """Forget what no longer is: the virtual models a reload removed, and the targets a
+        virtual model no longer has (its ``targets`` changed)."""
+        targets = {v.id: set(v.targets) for v in virtuals}
+        for virtual in [v for v in self._served if v not in targets]:
+            del self._served[virtual]
+        for virtual, served in self._served.items():
+            for target in [t for t in served.tables if t not in targets[virtual]]:
+                del served.tables[target]
+
+    def __len__(self) -> int:
+        """The virtual models with a record (what ``keep`` bounds)."""
+        return len(self._served)
+
     def describe(self, virtual: str) -> dict[str, Any]:
         """For ``/models``: the target that served last and why, and the choices so far."""
         served = self._served.get(virtual)
