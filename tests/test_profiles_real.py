@@ -171,3 +171,67 @@ def test_virtual_models_choose_warm_spill_over_and_fall_back(
         metrics = client.get("/metrics").text
         assert 'llamarouter_virtual_choices_total{model="spill",reason="spillover",' \
                'target="beta"} 1.0' in metrics
+
+
+FAMILIES = """\
+[smol]
+model = {smollm2}
+ctx-size = 1024
+[short]
+profile-of = smol
+force.max_tokens = 1
+force.n_predict = 1
+force.max_output_tokens = 1
+[embed]
+model = {embed}
+embeddings = true
+pooling = mean
+ctx-size = 256
+[embed-b64]
+profile-of = embed
+force.encoding_format = base64
+"""
+
+
+def test_a_policy_holds_on_every_endpoint_family(
+        tmp_path: Path, llama_server: Path, smollm2: Path,
+        tiny_models: dict[str, Path]) -> None:
+    """``force.`` as the child applies it, on chat, completions, ``/completion``,
+    ``/v1/responses``, ``/v1/messages`` (each its own length field, one token) and embeddings
+    (``encoding_format``); ``/infill`` reaches the child with the policy's body (SmolLM2 has
+    no infill tokens: the child's own 501)."""
+    presets = write_presets(tmp_path / "f.ini", FAMILIES.format(
+        smollm2=smollm2, embed=tiny_models["embed"]))
+    hi = [{"role": "user", "content": "hi"}]
+    with start_router(tmp_path, "--presets", str(presets)) as router, \
+            router.client() as client:
+        def one_token(path: str, body: dict[str, object], count: object) -> None:
+            for stream in (False, True):
+                answer = client.post(path, json={"model": "short", "stream": stream, **body})
+                assert answer.status_code == 200, (path, answer.text)
+                if not stream:
+                    assert count(answer.json()) == 1, (path, answer.text)
+                else:
+                    assert answer.text.count("data:") >= 1, (path, answer.text)
+
+        one_token("/v1/chat/completions", {"messages": hi, "max_tokens": 50},
+                  lambda a: a["usage"]["completion_tokens"])
+        one_token("/v1/completions", {"prompt": "hi", "max_tokens": 50},
+                  lambda a: a["usage"]["completion_tokens"])
+        one_token("/completion", {"prompt": "hi", "n_predict": 50},
+                  lambda a: a["tokens_predicted"])
+        one_token("/v1/responses", {"input": "hi", "max_output_tokens": 50},
+                  lambda a: a["usage"]["output_tokens"])
+        one_token("/v1/messages", {"messages": hi, "max_tokens": 50},
+                  lambda a: a["usage"]["output_tokens"])
+        infill = client.post("/infill", json={"model": "short", "input_prefix": "def f(",
+                                              "input_suffix": "):\n"})
+        assert infill.status_code == 501 and "Infill" in infill.json()["error"]["message"]
+
+        plain = client.post("/v1/embeddings", json={"model": "embed", "input": "hello"})
+        assert plain.status_code == 200 and isinstance(plain.json()["data"][0]["embedding"], list)
+        forced = client.post("/v1/embeddings", json={"model": "embed-b64", "input": "hello",
+                                                     "encoding_format": "float"})
+        assert forced.status_code == 200, forced.text
+        assert isinstance(forced.json()["data"][0]["embedding"], str)  # base64, forced
+        assert len(router.children()) == 2  # one child per base, whatever the names
