@@ -58,3 +58,42 @@ def test_a_pin_filling_models_max_refuses_the_other_model_at_once(
         assert router.models()["beta"]["status"]["value"] == "loaded"
         assert wait_until(lambda: router.models()["alpha"]["status"]["value"] == "unloaded",
                           timeout=20.0)
+
+
+def _loads(router: object) -> int:
+    """Loads so far, all models (``llamarouter_model_loads_total``)."""
+    with router.client() as client:  # type: ignore[attr-defined]
+        text = client.get("/metrics").text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("llamarouter_model_loads_total{")))
+
+
+def test_min_resident_stops_two_clients_thrashing_two_models(
+        tmp_path: Path, tiny_models: dict[str, Path], llama_server: Path) -> None:
+    """Two clients, one asking alpha and one beta over and over, under ``--models-max 1``:
+    with ``min-resident = 2`` the models swap at most once per two seconds (plus the first
+    load), and every request is answered."""
+    import threading
+    presets = write_presets(tmp_path / "models.ini", (
+        "[*]\nctx-size = 256\nparallel = 1\nmin-resident = 2\n"
+        f"[alpha]\nmodel = {tiny_models['alpha']}\n"
+        f"[beta]\nmodel = {tiny_models['beta']}\n"))
+    with start_router(tmp_path, "--presets", str(presets), "--models-max", "1") as router:
+        answers: list[int] = []
+        started = time.monotonic()
+
+        def client(model: str) -> None:
+            with router.client() as c:
+                while time.monotonic() - started < 6.0:
+                    answers.append(c.post("/v1/chat/completions", json={
+                        "model": model, **CHAT}).status_code)
+
+        threads = [threading.Thread(target=client, args=(m,)) for m in ("alpha", "beta")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        elapsed = time.monotonic() - started
+        assert answers and set(answers) == {200}, answers
+        loads = _loads(router)
+        assert 2 <= loads <= elapsed / 2 + 2, (loads, elapsed)
