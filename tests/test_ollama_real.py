@@ -84,6 +84,13 @@ def test_chat_streamed_and_whole(router: RouterProcess) -> None:
     text = "".join(p.message.content or "" for p in parts)
     assert text == whole.message.content  # the same greedy answer, streamed
     assert parts[-1].eval_count == whole.eval_count
+    # Recorded as the Ollama request it was, with the tokens the child generated (its tail).
+    with httpx.Client(base_url=router.url, headers={"Authorization": f"Bearer {ADMIN}"}) as raw:
+        records = raw.get("/activity").json()["requests"]
+    chats = [r for r in records if r["endpoint"] == "/api/chat" and r["model"] == "smol"]
+    assert len(chats) >= 2 and all(r["status"] == 200 for r in chats[:2])
+    assert {r["tokens"] for r in chats[:2]} == {whole.eval_count}
+    assert all(r["ttft_s"] is not None for r in chats[:2])
 
 
 def test_generate_and_raw(router: RouterProcess) -> None:
