@@ -139,8 +139,10 @@ def test_a_stream_becomes_ndjson_split_anywhere(cut: int) -> None:
     out = b"".join(answer.feed(stream[i:i + cut]) for i in range(0, len(stream), cut))
     out += answer.end()
     lines = [json.loads(line) for line in out.splitlines()]
-    assert [line["message"]["content"] for line in lines] == ["Hel", "lo", ""]
-    assert [line["done"] for line in lines] == [False, False, True]
+    # The first event's line (the role alone) goes out as soon as it comes: the client's first
+    # byte is as early as on the OpenAI path.
+    assert [line["message"]["content"] for line in lines] == ["", "Hel", "lo", ""]
+    assert [line["done"] for line in lines] == [False, False, False, True]
     last = lines[-1]
     assert last["model"] == "m:latest" and last["done_reason"] == "stop"
     assert last["prompt_eval_count"] == 7 and last["eval_count"] == 2

@@ -140,7 +140,7 @@ class Answer:
         for call in delta.get("tool_calls") or ():
             self._add_call(call)
         out = b""
-        if text or thinking:
+        if text or thinking or "role" in delta:  # the first event too, as soon as it comes
             out = self._line(text or "", thinking or "")
         if choice.get("finish_reason") and self._calls:
             out += self._line("", "", [self._calls[i] for i in sorted(self._calls)])
