@@ -774,13 +774,18 @@ def test_the_routes_are_the_one_list_of_local_routes() -> None:
     from starlette.routing import Route
 
     from router.dashboard import DASHBOARD_PATHS
+    from router.edge.ollamaroutes import routes as ollama_routes
     from router.edge.routes import HANDLERS, routes
-    from router.http.paths import KNOWN_ENDPOINTS, LOCAL_PATHS, LOCAL_ROUTES
+    from router.http.paths import KNOWN_ENDPOINTS, LOCAL_PATHS, LOCAL_ROUTES, OLLAMA_ROUTES
 
     pairs = {(path, method) for path, methods in LOCAL_ROUTES.items() for method in methods}
     assert set(HANDLERS) == pairs
-    table = [r for r in routes() if isinstance(r, Route)]
+    ollama = {(r.path, m) for r in ollama_routes() if isinstance(r, Route)
+              for m in (r.methods or ()) if m != "HEAD"}
+    assert ollama == {(p, m) for p, methods in OLLAMA_ROUTES.items() for m in methods}
+    table = [r for r in [*routes(), *ollama_routes()] if isinstance(r, Route)]
     served = {(r.path, m) for r in table for m in (r.methods or ()) if m != "HEAD"}
-    assert pairs <= served and {p for p, _ in served} - set(LOCAL_ROUTES) <= DASHBOARD_PATHS
+    assert pairs <= served and {p for p, _ in served} - set(LOCAL_ROUTES) - set(OLLAMA_ROUTES) \
+        <= DASHBOARD_PATHS
     assert {r.path for r in table} == LOCAL_PATHS
     assert set(LOCAL_ROUTES) <= KNOWN_ENDPOINTS

@@ -4,9 +4,11 @@
 model's target (``virtual``), the keep_alive field of a request (``keepalive``), the default
 model (``defaults``), a metered request's quotas,
 turn and usage (``metering``), serving across nodes (``nodes``), resumable streams
-(``resumable``), live reloads (``reload``) and what the routes share (``state``).
+(``resumable``), live reloads (``reload``), what the routes share (``state``), and Ollama's
+API on the same port (``ollamaroutes``; chat, generate and embed down the proxied path:
+``ollamachat``).
 
 It owns no model state: it decides and asks. It may import ``foundation``, ``llama``,
 ``dashboard``, ``host``, ``config``, ``teams``, ``http``, ``children``, ``serving``,
-``core``, ``peers`` and ``observe``.
+``core``, ``peers``, ``observe`` and ``ollama``.
 """

@@ -1,5 +1,6 @@
-"""The router's ASGI app: its routes (``routes``), the proxy for everything else
-(``forward``), and the middleware around both (``middleware``); ``paths`` says which is which.
+"""The router's ASGI app: its routes (``routes``, and Ollama's: ``ollamaroutes``), the
+proxy for everything else (``forward``), and the middleware around both (``middleware``);
+``paths`` says which is which.
 
 The router's own middleware is the outermost layer, outside Starlette's error middleware: a
 proxied request passes the router's middleware only (the proxy answers its own failures with
@@ -24,6 +25,7 @@ from .cors import CorsMiddleware
 from .forward import ProxyMiddleware
 from .keys import ApiKeyMiddleware, Keys
 from .middleware import EXCEPTION_HANDLERS, RequestMetricsMiddleware
+from .ollamaroutes import routes as ollama_routes
 from .routes import routes
 from .state import State
 
@@ -55,7 +57,8 @@ def create_app(lifespan: Lifespan, api_keys: Keys | Sequence[str],
     swaps, or the keys themselves); ``metrics``: what the edge counts every request into
     (None: nothing); ``webui``: the web UI served at ``/``, None for none; ``cors``: what
     pages of other origins may use (default: llama-server's ``*``)."""
-    app = RouterApp(routes=routes(), lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
+    app = RouterApp(routes=[*routes(), *ollama_routes()], lifespan=lifespan,
+                    exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(ProxyMiddleware)
     app.state.webui = webui
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, webui=webui)

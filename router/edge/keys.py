@@ -46,10 +46,12 @@ from ..http.paths import (
     INFER_PATHS,
     LISTING_PATHS,
     METRICS_PATHS,
+    OLLAMA_ROUTES,
     PUBLIC_PATHS,
     READ_METHODS,
 )
 from ..http.requests import RequestContext, context
+from ..ollama.answers import error_body
 from ..teams.members import PRIORITY_HEADER, MemberError, member_of
 
 if TYPE_CHECKING:
@@ -212,6 +214,16 @@ class Flight:
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+async def send_ollama_error(send: Send, exc: RouterError) -> None:
+    """A refusal in Ollama's shape (``{"error": "..."}``), for Ollama's paths."""
+    body = error_body(exc.message)
+    await send({"type": "http.response.start", "status": exc.status, "headers": [
+        (b"content-type", b"application/json; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in exc.headers.items())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def _event_stream(head: Message) -> bool:
     return any(name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
                for name, value in head.get("headers", ()))
@@ -306,12 +318,13 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         found = _matched(keys, request.credential())
+        refuse = send_error if request.path not in OLLAMA_ROUTES else send_ollama_error
         if not found:
-            await send_error(send, Unauthorized())
+            await refuse(send, Unauthorized())
             return
         refusal = _admit(keys, found - 1, request)
         if refusal is not None:
-            await send_error(send, refusal)
+            await refuse(send, refusal)
             return
         await self._in_flight(keys.hashes[found - 1], scope, receive, send)
 

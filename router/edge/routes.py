@@ -22,7 +22,7 @@ from .. import dashboard
 from ..config.downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
 from ..config.keyfile import KeyScope
 from ..config.presets import ModelPreset
-from ..core.view import Models
+from ..core.view import Models, ModelView
 from ..errors import (
     BadRequest,
     MalformedBody,
@@ -253,44 +253,57 @@ async def load_model(request: Request) -> Response:
 async def pull_model(request: Request) -> Response:
     """``POST /models {"model": "owner/repo:QUANT"}``: check it on the Hub, then download it
     into the HF cache in the background (progress on /models and /models/sse)."""
-    models = _state(request).models
     name = await _model_from_json(request)
+    model, _ = await pull(_state(request).models, key_scope_of(request.scope), name)
+    return JSONResponse({"success": True, "model": model.id})
+
+
+async def pull(models: Models, key_scope: KeyScope | None, name: str
+               ) -> tuple[ModelView, asyncio.Task[None]]:
+    """Check ``name`` (``owner/repo[:QUANT]``) on the Hub, add it as a model of the HF cache
+    and start its download: the model and the download's task. Also Ollama's pull."""
     try:
         resolution = await asyncio.to_thread(resolve_remote, HfRef.parse(name))
     except ResolveError as exc:
         raise BadRequest(str(exc)) from exc
     except HubUnreachable as exc:
         raise UpstreamError(str(exc)) from exc
-    key_scope = key_scope_of(request.scope)
     if key_scope is not None and not key_scope.allows(resolution.id):
         raise Forbidden(f"model '{resolution.id}' is not allowed for this API key")
     if models.model_id(resolution.id) is not None:
         raise BadRequest(f"model '{resolution.id}' already exists")
     preset = ModelPreset(id=resolution.id, source="cache",
                          args=MappingProxyType({"hf-repo": resolution.id}))
-    models.start_download(models.add_model(preset))
-    return JSONResponse({"success": True, "model": resolution.id})
+    model = models.add_model(preset)
+    return model, models.start_download(model)
 
 
 async def delete_model(request: Request) -> Response:
     """``DELETE /models?model=ID``: remove a Hugging Face cache model and its files."""
-    models = _state(request).models
     name = context(request.scope).model
     if not name:
         raise ModelMissing()
-    runtime = resolve_in_scope(models, key_scope_of(request.scope), name)
+    freed = await remove_cached(_state(request), key_scope_of(request.scope), name)
+    return JSONResponse({"success": True, "freed_bytes": freed})
+
+
+async def remove_cached(state: State, key_scope: KeyScope | None, name: str) -> int:
+    """Remove the Hugging Face cache model ``name`` and its files: the bytes freed. Also
+    Ollama's delete."""
+    models = state.models
+    runtime = resolve_in_scope(models, key_scope, name)
     if runtime.preset.source != "cache":
         raise BadRequest(f"model '{runtime.id}' comes from {runtime.preset.source}, not the "
                          "Hugging Face cache: remove it from its preset or directory instead")
-    default = _state(request).default
+    default = state.default
     if default.name is not None and models.model_id(default.name) == runtime.id:
         raise BadRequest(f"model '{runtime.id}' is the default model (--default-model): "
                          "restart the router with another default before removing it")
     await models.unload(runtime, explicit=False)
     paths = [Path(p) for k in ("model", "mmproj") if (p := runtime.preset.args.get(k))]
-    freed = await asyncio.to_thread(delete_cached, paths)
+    freed: int = await asyncio.to_thread(delete_cached, paths)
     models.remove_model(runtime.id)
-    return JSONResponse({"success": True, "freed_bytes": freed})
+    return freed
 
 
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no", "")

@@ -30,9 +30,18 @@ LOCAL_ROUTES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "/v1/stream": ("GET", "DELETE"), "/v1/streams/lookup": ("POST",),
     "/activity": ("GET",), "/activity/totals": ("GET",), "/usage": ("GET",),
 })
+# Ollama's API on the same port (``edge.ollama``), each path with its methods: answered by
+# the router, which translates a model's request into llama-server's and sends it down the
+# proxied path (``forward.proxy``); the management ones (pull, delete) are role=admin's.
+OLLAMA_ROUTES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "/api/version": ("GET",), "/api/tags": ("GET",), "/api/ps": ("GET",),
+    "/api/show": ("POST",), "/api/chat": ("POST",), "/api/generate": ("POST",),
+    "/api/embed": ("POST",), "/api/embeddings": ("POST",), "/api/pull": ("POST",),
+    "/api/delete": ("DELETE",),
+})
 # Paths the router answers itself; every other path is proxied. /props and /metrics with
 # ?model= are the model's own, and proxied too.
-LOCAL_PATHS = frozenset({*LOCAL_ROUTES, *dashboard.DASHBOARD_PATHS})
+LOCAL_PATHS = frozenset({*LOCAL_ROUTES, *OLLAMA_ROUTES, *dashboard.DASHBOARD_PATHS})
 # llama-server's endpoints the router proxies, by their paths.
 PROXIED_ENDPOINTS = frozenset({
     "/slots", "/lora-adapters", "/v1/chat/completions", "/chat/completions",
@@ -58,7 +67,7 @@ METERED_PATHS = SLOT_PATHS | frozenset({
     "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/rerank", "/v1/reranking",
     "/reranking", "/v1/audio/transcriptions", "/audio/transcriptions", "/v1/systemone"})
 # Endpoint label values for metrics; any other path is counted as "other".
-KNOWN_ENDPOINTS = frozenset(LOCAL_ROUTES) | PROXIED_ENDPOINTS
+KNOWN_ENDPOINTS = frozenset(LOCAL_ROUTES) | frozenset(OLLAMA_ROUTES) | PROXIED_ENDPOINTS
 MODEL_SCOPED_PATHS = frozenset({"/props", "/metrics"})
 # First segments of API paths: those never get the web UI's page as an SPA fallback.
 API_ROOTS = frozenset({p.split("/")[1] for p in KNOWN_ENDPOINTS | LOCAL_PATHS | CHILD_GET_PATHS}
@@ -74,6 +83,9 @@ INFER_PATHS = {
     "/props": _READ, "/models": _READ, "/v1/models": _READ, "/models/sse": _READ,
     "/v1/stream": _READ | {"DELETE"}, "/v1/streams/lookup": frozenset({"POST"}),
     "/tools": _READ | {"POST"}, "/cors-proxy": _READ | {"POST"},
+    # Ollama's API: everything but pulling and deleting models
+    **{path: frozenset(methods) for path, methods in OLLAMA_ROUTES.items()
+       if path not in ("/api/pull", "/api/delete")},
 }
 # The model listings: ?reload= on them re-reads the configuration, which is role=admin's.
 LISTING_PATHS = frozenset({"/models", "/v1/models"})

@@ -290,6 +290,19 @@ class RequestContext:
             self.parsed = parse_json(body)
         return body
 
+    def translated(self, path: str, body: bytes, parsed: dict[str, Any]) -> str:
+        """Make this request, from now on, the proxied request ``path`` with the JSON object
+        ``parsed`` (written as ``body``) that another API's request translates into (Ollama's:
+        ``edge.ollama``): every later decision (route, scope, class, quotas, slot) reads that
+        one request, as for a client that sent it. Returns the path it had, which the caller
+        puts back when it is done (its metrics and activity are the path the client used)."""
+        was, self.path = self.path, path
+        self._raw = path.encode(), self._raw[1]
+        self._target = None
+        self.local = False
+        self.body, self.parsed, self.scanned = body, parsed, None
+        return was
+
     def json_scan(self) -> jsonscan.Scanned | None:
         """The body as ``jsonscan`` reads a JSON object (what a rename of its model writes
         with: ``proxy.with_model``), once; None when it was not read as one."""
