@@ -6,6 +6,7 @@ the load and ``keep_alive: 0`` unload idioms, errors and key scopes in Ollama's 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,10 +144,16 @@ def test_embeddings(router: RouterProcess) -> None:
 
 def test_ps_and_the_unload_idiom(router: RouterProcess) -> None:
     api = client(router)
-    loaded = api.generate("alpha")  # no prompt: load it
+    loaded = api.generate("alpha", keep_alive="1h")  # no prompt: load it, for an hour
     assert loaded.done and loaded.done_reason == "load"
     running = {m.model: m for m in api.ps().models}
     assert "alpha" in running and running["alpha"].expires_at is not None
+    left = running["alpha"].expires_at.timestamp() - time.time()  # type: ignore[union-attr]
+    assert 3500 < left <= 3600, left
+    api.chat("alpha", messages=[{"role": "user", "content": "hi"}], keep_alive=-1,
+             options={"num_predict": 2})
+    forever = {m.model: m for m in api.ps().models}["alpha"].expires_at
+    assert forever is not None and forever.year == 2318  # no idle TTL, as Ollama shows it
     assert running["alpha"].size and running["alpha"].size > 0
     with pytest.raises(ollama.ResponseError) as refused:  # an infer key may not unload
         client(router, INFER_KEY).generate("smol", keep_alive=0)

@@ -27,24 +27,24 @@ def test_a_virtual_model_falls_back_from_a_peers_target_to_its_own(
         f"[alpha]\nmodel = {tiny_models['alpha']}\nctx-size = 256\n"
         "[assistant]\ntargets = beta, alpha\nchoose = fallback\n"))
     with start_router(tmp_path, "--presets", str(node_presets), "--node-name", "node-b",
-                      host=NODE) as node:
-        with start_router(tmp_path, "--presets", str(gateway_presets), "--peer", node.url,
-                          *PEER_OPTIONS) as gateway, gateway.client() as client:
-            assert wait_until(lambda: "beta" in gateway.models(), 30)
-            answer = client.post("/v1/chat/completions", json={"model": "assistant", **ASK})
-            assert answer.status_code == 200, answer.text
-            listed = gateway.models()
-            assert listed["assistant"]["last_target"] == "beta"
-            assert listed["alpha"]["status"]["value"] == "unloaded"  # the node answered
-            assert node.models()["beta"]["status"]["value"] == "loaded"
+                      host=NODE) as node, \
+            start_router(tmp_path, "--presets", str(gateway_presets), "--peer", node.url,
+                         *PEER_OPTIONS) as gateway, gateway.client() as client:
+        assert wait_until(lambda: "beta" in gateway.models(), 30)
+        answer = client.post("/v1/chat/completions", json={"model": "assistant", **ASK})
+        assert answer.status_code == 200, answer.text
+        listed = gateway.models()
+        assert listed["assistant"]["last_target"] == "beta"
+        assert listed["alpha"]["status"]["value"] == "unloaded"  # the node answered
+        assert node.models()["beta"]["status"]["value"] == "loaded"
 
-            node.proc.terminate()
-            node.proc.wait(30)
-            # The node is gone: the virtual model's next target, the gateway's own model.
-            for _ in range(3):
-                answer = client.post("/v1/chat/completions",
-                                     json={"model": "assistant", **ASK})
-                assert answer.status_code == 200, answer.text
-            listed = gateway.models()
-            assert listed["assistant"]["last_target"] == "alpha"
-            assert listed["alpha"]["status"]["value"] == "loaded"
+        node.proc.terminate()
+        node.proc.wait(30)
+        # The node is gone: the virtual model's next target, the gateway's own model.
+        for _ in range(3):
+            answer = client.post("/v1/chat/completions",
+                                 json={"model": "assistant", **ASK})
+            assert answer.status_code == 200, answer.text
+        listed = gateway.models()
+        assert listed["assistant"]["last_target"] == "alpha"
+        assert listed["alpha"]["status"]["value"] == "loaded"

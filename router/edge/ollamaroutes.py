@@ -61,10 +61,10 @@ async def tags(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def _expires_at(state: State, model: ModelView) -> str:
-    """When its idle TTL stops it, if nothing uses it before (``liveness``)."""
-    preset = model.preset
-    ttl = preset.ttl if preset.ttl is not None else state.models.settings.idle_timeout
-    if not ttl or preset.pin:
+    """When its idle TTL stops it, if nothing uses it before (``liveness``): a request's
+    ``keep_alive`` for this load, else its preset's ``ttl``, else ``--idle-timeout``."""
+    ttl = model.idle_ttl
+    if not ttl or model.preset.pin:
         return FOREVER
     left = model.snapshot.last_used + ttl - clock.now()
     stamp = datetime.fromtimestamp(time.time() + max(left, 0.0), UTC)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.durations import keep_alive_seconds
 from ..errors import BadRequest
 
 CHAT = "/v1/chat/completions"
@@ -235,21 +235,15 @@ def _common(body: Mapping[str, Any], context: int | None) -> dict[str, Any]:
 
 
 def _keep_alive(value: Any) -> Any:
-    if value is None or (type(value) in (int, float) and math.isfinite(value)) or (
-            isinstance(value, str) and len(value) <= 32):
-        return value
-    raise BadRequest('"keep_alive" must be a number of seconds or a duration such as "5m"')
-
-
-_ZERO = re.compile(r"\s*[-+]?0*(\.0*)?(ns|us|µs|ms|s|m|h)?\s*")
+    """The value as the client sent it, once read as a duration (``config.durations``: a
+    value that is no duration is refused here, in Ollama's shape); the edge applies it."""
+    keep_alive_seconds(value)
+    return value
 
 
 def unloads(keep_alive: Any) -> bool:
     """Whether ``keep_alive`` is zero (``0``, ``"0"``, ``"0s"``, ...): unload now."""
-    if type(keep_alive) in (int, float):
-        return bool(keep_alive == 0)
-    return isinstance(keep_alive, str) and _ZERO.fullmatch(keep_alive) is not None \
-        and any(c == "0" for c in keep_alive)
+    return keep_alive_seconds(keep_alive) == 0
 
 
 def _stream(body: Mapping[str, Any]) -> bool:
