@@ -23,6 +23,7 @@ from .. import clock
 from ..config.keyfile import KeyScope
 from ..core.view import ModelView
 from ..errors import BadRequest
+from ..events import Subscription
 from ..http.paths import OLLAMA_ROUTES
 from ..http.requests import context
 from ..ollama import details, translate
@@ -35,7 +36,6 @@ from .state import State
 # The Ollama version this API follows (clients such as Open WebUI read it).
 OLLAMA_VERSION = "0.12.0"
 FOREVER = "2318-01-01T00:00:00Z"  # a loaded model that no idle TTL stops, as Ollama shows it
-PULL_POLL_S = 0.5  # a pull's progress line, at most this often
 
 
 def _visible(state: State, key_scope: KeyScope | None) -> list[ModelView]:
@@ -135,31 +135,51 @@ async def pull_api(scope: Scope, receive: Receive, send: Send) -> None:
         return
     name = _pull_name(body)
     stream = body.get("stream", True) is not False
-    model, task = await pull(state.models, request.key_scope, name)
-    request.model_id = model.id
-    if not stream:
-        await task
-        view = state.models.view(model.id)
-        if view is not None and view.failed:
-            raise BadRequest(f"the download of '{model.id}' failed")
-        await send_json(send, {"status": "success"})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [NDJSON]})
-    await _progress(state, model.id, task, send)
+    # Subscribed before the download starts: every progress event it publishes is a line.
+    async with state.events.subscribe(_is_progress) as progress:
+        model, task = await pull(state.models, request.key_scope, name)
+        request.model_id = model.id
+        if not stream:
+            await task
+            view = state.models.view(model.id)
+            if view is not None and view.failed:
+                raise BadRequest(f"the download of '{model.id}' failed")
+            await send_json(send, {"status": "success"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [NDJSON]})
+        await _progress(state, model.id, task, progress, send)
 
 
-async def _progress(state: State, model_id: str, task: asyncio.Task[None], send: Send) -> None:
+def _is_progress(event: dict[str, Any]) -> bool:
+    return event.get("event") == "download_progress"
+
+
+async def _progress(state: State, model_id: str, task: asyncio.Task[None],
+                    progress: Subscription, send: Send) -> None:
+    """The download's progress as Ollama's lines, one a progress event of the model's (its
+    last one included, whatever the download's speed), then ``success`` or the error."""
     async def line(value: dict[str, Any]) -> None:
         await send({"type": "http.response.body", "more_body": True,
                     "body": json.dumps(value).encode() + b"\n"})
 
-    await line({"status": "pulling manifest"})
-    while not task.done():
-        await asyncio.wait({task}, timeout=PULL_POLL_S)
-        view = state.models.view(model_id)
-        for file, counts in ((view.snapshot.download or {}) if view else {}).items():
+    async def lines(event: dict[str, Any]) -> None:
+        if event.get("model") != model_id:
+            return
+        files = (event.get("data") or {}).get("progress") or {}
+        for file, counts in files.items():
             await line({"status": f"pulling {file}", "digest": file,
                         "total": counts.get("total") or 0, "completed": counts.get("done", 0)})
+
+    await line({"status": "pulling manifest"})
+    while not task.done():
+        got = asyncio.ensure_future(progress.get())
+        await asyncio.wait({task, got}, return_when=asyncio.FIRST_COMPLETED)
+        if got.done():
+            await lines(got.result())
+        else:
+            got.cancel()
+    while not progress.queue.empty():  # published before the download's task ended
+        await lines(progress.queue.get_nowait())
     view = state.models.view(model_id)
     failed = task.cancelled() or task.exception() is not None or view is None or view.failed
     last = error_body(f"the download of '{model_id}' failed") if failed else json.dumps(
