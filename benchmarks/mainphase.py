@@ -29,7 +29,14 @@ from .harness.profiling import py_spy, summarize_profile
 from .harness.stats import MB, no_gc, percentile, rotate, summary_ms
 from .harness.table import Row
 from .harness.targets import Bench, Endpoint, router_models, unload_all, write_presets
-from .harness.timing import attempt, chat_body, timed_first_token, timed_request, tokenize_body
+from .harness.timing import (
+    attempt,
+    chat_body,
+    ollama_chat_body,
+    timed_first_token,
+    timed_request,
+    tokenize_body,
+)
 
 MODELS = ("bench-a", "bench-b", "bench-c")  # a: warm latency; b: cold start; c: swap
 LATENCY_METRICS = ("chat", "ttft", "ttft_ka", "tokenize", "models")
@@ -37,6 +44,7 @@ GOALS = {
     "tokenize_added_p50": "added p50 /tokenize latency over direct below llama.cpp router's",
     "tokenize_throughput": "/tokenize throughput at least 1.5x llama.cpp router's",
     "ttft_added_p50": "added streaming TTFT p50 at most 1 ms",
+    "ollama_ttft_added": "Ollama's /api/chat first token p50 within 0.5 ms of the OpenAI path's",
     "ttft_vs_llamacpp": "added streaming TTFT p50 below llama.cpp router's, new connection "
                         "per request",
     "ttft_ka_vs_llamacpp": "added streaming TTFT p50 below llama.cpp router's, keep-alive "
@@ -182,6 +190,24 @@ class MainPhase:
         self.results["latency_ms"] = {name: {c: summary_ms(v) for c, v in per.items()}
                                       for name, per in samples.items()}
 
+    def measure_ollama(self) -> None:
+        """llama-router's streamed first token through Ollama's ``/api/chat`` against its
+        own OpenAI path, interleaved on one keep-alive client (no other target has it)."""
+        model = MODELS[0]
+        paths = {"openai": ("/v1/chat/completions", chat_body(model, stream=True)),
+                 "ollama": ("/api/chat", ollama_chat_body(model))}
+        ep = self.eps[ROUTER]
+        samples: dict[str, list[float]] = {name: [] for name in paths}
+        for rnd in range(self.bench.cfg.rounds):
+            with no_gc():
+                for _ in range(self.bench.cfg.samples):
+                    for name in rotate(list(paths), rnd):
+                        url, body = paths[name]
+                        samples[name].append(attempt(partial(
+                            timed_first_token, ep.stream_client, body, url, keep_alive=True),
+                            ep.tally("ttft_ollama")))
+        self.results["ollama_ttft_ms"] = {n: summary_ms(v) for n, v in samples.items()}
+
     def _ep(self, metric: str, column: str) -> Endpoint:
         return (self.list_eps if metric == "models" else self.eps)[column]
 
@@ -287,6 +313,7 @@ class MainPhase:
         self.warm_up()
         self.measure_memory_idle()
         self.measure_latency()
+        self.measure_ollama()
         self.measure_throughput()
         self.measure_cold()
         self.results["startup_ms"] = self.startup_ms
@@ -373,6 +400,7 @@ def evaluate(res: dict[str, Any], rows: list[Row]) -> dict[str, dict[str, Any]]:
     rps = by["tokenize_rps"]
     ttft = by["ttft_p50_ms"]
     cold = by["cold_vs_healthy_ms"]
+    ollama, openai = (res["ollama_ttft_ms"][n]["p50"] for n in ("ollama", "openai"))
 
     def ahead(metric: str) -> tuple[bool, str]:
         p50, p99 = by[f"{metric}_p50_ms"], by[f"{metric}_p99_ms"]
@@ -392,6 +420,8 @@ def evaluate(res: dict[str, Any], rows: list[Row]) -> dict[str, dict[str, Any]]:
                            f"{ttft[ROUTER] - ttft[DIRECT]:+.3f} ms"),
         "ttft_vs_llamacpp": ahead("ttft"),
         "ttft_ka_vs_llamacpp": ahead("ttft_ka"),
+        "ollama_ttft_added": (ollama - openai <= 0.5, f"{ollama - openai:+.3f} ms "
+                              f"({ollama:.2f} vs {openai:.2f} ms, keep-alive client)"),
         "cold_start_added": (cold[ROUTER] - cold[DIRECT] <= 30.0,
                              f"{cold[ROUTER]:.1f} ms vs child healthy {cold[DIRECT]:.1f} ms "
                              f"= +{cold[ROUTER] - cold[DIRECT]:.1f} ms"),

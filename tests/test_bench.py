@@ -52,8 +52,10 @@ def test_quick_bench_reports_all_targets(tmp_path: Path, llama_server: Path) -> 
                 assert value == 0, (key, value)  # no router in front of a direct server
                 continue
             assert isinstance(value, int | float) and value > 0, (key, column, value)
-    assert len(report["targets"]) == 8
-    assert {"ttft_vs_llamacpp", "ttft_ka_vs_llamacpp"} <= set(report["targets"])
+    assert len(report["targets"]) == 9
+    assert {"ttft_vs_llamacpp", "ttft_ka_vs_llamacpp", "ollama_ttft_added"} <= \
+        set(report["targets"])
+    assert "keep-alive client" in report["targets"]["ollama_ttft_added"]["measured"]
     assert all(isinstance(t["met"], bool) for t in report["targets"].values())
     assert "| metric" in result.stdout
     assert report["config"]["router_log_level"] is None  # llama-router at its default level

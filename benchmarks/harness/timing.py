@@ -38,6 +38,12 @@ def chat_body(model: str, *, stream: bool) -> bytes:
     return _body(body)
 
 
+def ollama_chat_body(model: str) -> bytes:
+    """``chat_body``'s streamed request in Ollama's words (``/api/chat``: NDJSON)."""
+    return _body({"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                  "options": {"num_predict": 4}})
+
+
 def tokenize_body(model: str) -> bytes:
     return _body({"model": model, "content": TOKENIZE_TEXT})
 
@@ -112,6 +118,12 @@ def request_json(client: httpx.Client, method: str, path: str, tally: dict[str, 
 # --------------------------------------------------------------------------- streams
 
 def _has_content(line: bytes) -> bool:
+    if line.startswith(b"{"):  # an NDJSON line (Ollama's stream)
+        try:
+            event = json.loads(line)
+            return bool((event.get("message") or {}).get("content") or event.get("response"))
+        except (ValueError, AttributeError):
+            return False
     if not line.startswith(b"data:"):
         return False
     payload = line[5:].strip()
@@ -126,7 +138,8 @@ def _has_content(line: bytes) -> bool:
 
 def timed_first_token(client: httpx.Client, body: bytes,
                       url: str = "/v1/chat/completions", keep_alive: bool = False) -> float:
-    """Seconds from sending a streaming chat request to its first ``data:`` with content.
+    """Seconds from sending a streaming chat request to its first ``data:`` with content
+    (or, for Ollama's ``/api/chat``, its first NDJSON line with content).
 
     By default every sample opens a new connection (``Connection: close``): llama-server
     closes its side after a stream anyway while a router may keep it, and a connect in one
