@@ -87,6 +87,12 @@ def test_an_ordinary_model_has_a_policy_too_with_the_defaults_under_it(
      "presets.ini:6: [p] params.: 'params.' names no field"),
     ("[p]\nprofile-of = qwen\nalias = q\n", "'q' is already the name or an alias"),
     ("[*]\nprofile-of = qwen\n", "'profile-of' cannot be a default for every model"),
+    ("[p]\nprofile-of = qwen\nparams.temperature = NaN\n",
+     "presets.ini:6: [p] params.temperature: 'NaN': NaN is not a JSON value"),
+    ("[p]\nprofile-of = qwen\nforce.logit_bias = [[1, -Infinity]]\n",
+     "presets.ini:6: [p] force.logit_bias: '[[1, -Infinity]]': -Infinity is not a JSON value"),
+    ("[p]\nprofile-of = qwen\nparams.top_p = 1e999\n",
+     "presets.ini:6: [p] params.top_p: '1e999': 1e999 is past the largest number"),
 ])
 def test_a_bad_profile_is_refused_with_file_line_and_key(
         tmp_path: Path, help_table: FlagTable, text: str, says: str) -> None:

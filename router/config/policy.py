@@ -19,6 +19,7 @@ out, or None when no rule changes anything (the body then goes byte for byte).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -36,12 +37,32 @@ def is_policy_key(key: str) -> bool:
     return key.startswith((PARAMS, FORCE)) or key == STRIP
 
 
+class NotJson(ValueError):
+    """A policy value that Python's JSON reader takes but JSON has not (``NaN``,
+    ``Infinity``, a number too large for a double): llama-server would refuse every body."""
+
+
 def policy_value(raw: str) -> Any:
-    """A policy entry's value: JSON when it reads as JSON, else the string as written."""
+    """A policy entry's value: JSON when it reads as JSON, else the string as written.
+    NotJson for ``NaN``, ``Infinity`` and numbers past a double, anywhere in the value."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+    except NotJson:
+        raise
     except ValueError:
         return raw
+
+
+def _not_json(constant: str) -> Any:
+    raise NotJson(f"{constant} is not a JSON value: llama-server would refuse every request "
+                  "body holding it (quote it to send the string)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotJson(f"{text} is past the largest number JSON readers take")
+    return value
 
 
 @dataclass(frozen=True)

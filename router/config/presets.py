@@ -39,7 +39,16 @@ from urllib.parse import urlsplit
 
 from ..llama.flags import FALSEY, TRUTHY, FlagTable, Resolved
 from .envvars import NO_ENV, ChildEnv, parse_env
-from .policy import FORCE, PARAMS, STRIP, UNSETTABLE, RequestPolicy, is_policy_key, policy_value
+from .policy import (
+    FORCE,
+    PARAMS,
+    STRIP,
+    UNSETTABLE,
+    NotJson,
+    RequestPolicy,
+    is_policy_key,
+    policy_value,
+)
 
 GLOBAL_SECTION = "*"
 PATH_KEYS = frozenset({"model", "mmproj"})
@@ -531,7 +540,10 @@ class _SectionReader:
             self._problem(origin, f"'{name}' cannot be set by a preset: the router decides "
                           "it (the model a request names, whether it streams)", key)
         else:
-            self.policy.setdefault(kind, {})[name] = policy_value(value)
+            try:
+                self.policy.setdefault(kind, {})[name] = policy_value(value)
+            except NotJson as exc:
+                self._problem(origin, f"'{value}': {exc}", key)
 
     def _problem(self, origin: Origin, message: str, key: str) -> None:
         self.problems.append(PresetProblem(origin, message, self.section.name, key))
