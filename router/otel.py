@@ -238,13 +238,13 @@ def extract(headers: Sequence[tuple[bytes, bytes]]) -> Any:
     return _propagator.extract(carrier) if carrier else None
 
 
-def inject(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """``headers`` with the current span's ``traceparent`` (and ``tracestate``) in place of
-    any the client sent; unchanged when off."""
+def inject(headers: list[tuple[bytes, bytes]], of: Any = None) -> list[tuple[bytes, bytes]]:
+    """``headers`` with the ``traceparent`` (and ``tracestate``) of span ``of`` (None: the
+    current one) in place of any the client sent; unchanged when off."""
     if not on:
         return headers
     carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
+    _propagator.inject(carrier, None if of is None else _api.set_span_in_context(of))
     kept = [pair for pair in headers if pair[0].lower() not in TRACE_HEADERS]
     kept += [(name.encode("latin-1"), value.encode("latin-1"))
              for name, value in carrier.items()]

@@ -14,6 +14,11 @@
   ``cache_n`` as ``gen_ai.usage.cache_read.input_tokens``, as the router already read them
   from the end of the answer (``tail.ResponseTail``, read once, which the teams' usage
   charges too).
+* The exchange (``exchange``, ``exchanged``): a CLIENT span, the server span's child, around
+  the request's relay to its child or to a peer (named like the server span, with the
+  upstream's ``server.address``, ``server.port`` and, for a peer, ``llama_router.node``). Its
+  context is what the upstream gets as ``traceparent`` (``otel.inject``): a peer continues the
+  trace, so a gateway and its nodes make one.
 * The histograms (``GenAIMetrics``), always on ``/metrics`` (prometheus-client:
   ``gen_ai_server_request_duration_seconds``, ``gen_ai_server_time_to_first_token_seconds``,
   ``gen_ai_server_time_per_output_token_seconds``) and over OTLP when OpenTelemetry is on,
@@ -28,6 +33,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -201,3 +207,36 @@ def _usage(span: Any, request: RequestContext) -> None:
         span.set_attribute("gen_ai.usage.output_tokens", generated)
     if timings is not None:
         span.set_attribute("gen_ai.usage.cache_read.input_tokens", timings.cache_n)
+
+
+def exchange(request: RequestContext, model: str, url: str, node: str | None = None) -> Any:
+    """The CLIENT span of the request's exchange with its child (or remote upstream) or a
+    peer (``node``) at ``url``, started now; ``exchanged`` ends it."""
+    operation = operation_of(request.path)
+    host, _, port = url.partition("://")[2].partition("/")[0].rpartition(":")
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER,
+        "gen_ai.request.model": model, "server.address": host.strip("[]")}
+    if port.isdigit():
+        attributes["server.port"] = int(port)
+    if node is not None:
+        attributes["llama_router.node"] = node
+    return otel.start(f"{operation} {model}", otel.CLIENT, attributes)
+
+
+async def exchanged(span: Any, request: RequestContext, relay: Awaitable[None]) -> None:
+    """Await the relay of the exchange ``span`` (``exchange``), then end it with the status
+    the client got, or the failure's type."""
+    try:
+        await relay
+    except BaseException as exc:
+        otel.failed(span, exc)
+        raise
+    else:
+        status = request.status
+        if status:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 400:
+                otel.failed(span, str(status))
+    finally:
+        span.end()
