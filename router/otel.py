@@ -105,13 +105,27 @@ def setup(environ: Mapping[str, str] = os.environ) -> bool:
         resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE}))
     tracing = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
     tracing.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    # No exemplars unless asked (OTEL_METRICS_EXEMPLAR_FILTER): offering one per measurement
+    # cost more than the measurement.
+    exemplars = environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "always_off").strip()
     metering = MeterProvider(resource=resource, metric_readers=[
-        PeriodicExportingMetricReader(OTLPMetricExporter())])
+        PeriodicExportingMetricReader(OTLPMetricExporter())],
+        exemplar_filter=_exemplar_filter(exemplars))
     install(tracing, metering)
     log.info("OpenTelemetry on: traces and metrics to %s (service %s)",
              environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the signals' own endpoints",
              resource.attributes.get(SERVICE_NAME), extra={"event": "otel"})
     return True
+
+
+def _exemplar_filter(name: str) -> Any:
+    from opentelemetry.sdk.metrics import (
+        AlwaysOffExemplarFilter,
+        AlwaysOnExemplarFilter,
+        TraceBasedExemplarFilter,
+    )
+    return {"always_on": AlwaysOnExemplarFilter, "trace_based": TraceBasedExemplarFilter
+            }.get(name, AlwaysOffExemplarFilter)()
 
 
 def install(tracing: Any, metering: Any) -> None:

@@ -101,8 +101,8 @@ class GenAIMetrics:
                 meter.create_histogram("gen_ai.server.time_per_output_token", "s",
                                        self.tpot._documentation,
                                        explicit_bucket_boundaries_advisory=TPOT_BUCKETS))
-        # (labels): the labelled children, one dict lookup a request (the hot path)
-        self._children: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
+        # (labels): the labelled children and the OTLP attributes, one dict lookup a request
+        self._children: dict[tuple[str, ...], tuple[Any, Any, Any, dict[str, Any]]] = {}
 
     def observe(self, request: RequestContext, status: int, port: int, total_s: float,
                 ttft_s: float | None) -> None:
@@ -116,10 +116,13 @@ class GenAIMetrics:
                   error)
         children = self._children.get(labels)
         if children is None:
+            attributes: dict[str, Any] = {
+                name: value for name, value in zip(ATTRIBUTES, labels, strict=True) if value}
+            attributes["server.port"] = port
             children = self._children[labels] = (self.duration.labels(*labels),
                                                  self.ttft.labels(*labels),
-                                                 self.tpot.labels(*labels))
-        duration, ttft, tpot = children
+                                                 self.tpot.labels(*labels), attributes)
+        duration, ttft, tpot, attributes = children
         duration.observe(total_s)
         first = per_token = None
         if not error and ttft_s is not None:
@@ -129,9 +132,6 @@ class GenAIMetrics:
             if per_token is not None:
                 tpot.observe(per_token)
         if self._otlp is not None:
-            attributes: dict[str, Any] = {
-                name: value for name, value in zip(ATTRIBUTES, labels, strict=True) if value}
-            attributes["server.port"] = port
             self._otlp[0].record(total_s, attributes)
             if first is not None:
                 self._otlp[1].record(first, attributes)
