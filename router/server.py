@@ -26,6 +26,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
+from . import otel
 from .children import childenv, spawn
 from .config.listen import bind
 from .config.origins import CorsPolicy
@@ -103,6 +104,10 @@ def _check_peers(settings: Settings) -> str | None:
 def prepare(settings: Settings) -> Prepared:
     """Resolve the binary, learn its flags, load and validate every model source."""
     api_keys = settings.all_api_keys()  # first: a bad key setting stops everything
+    try:  # OpenTelemetry when the environment asks (without the otel extra: said now)
+        otel.setup()
+    except otel.Unavailable as exc:
+        raise ConfigurationError(str(exc)) from None
     peer_key = _check_peers(settings)
     binary = find_llama_server(settings.llama_server)
     table = load_flag_table(binary, cache_root() / "flags")
@@ -432,3 +437,4 @@ def serve(settings: Settings) -> None:
         RouterServer(config, app, notifier).run(sockets=listeners.sockets)
     finally:
         listeners.close()
+        otel.shutdown()  # the last spans and metrics out (bounded)

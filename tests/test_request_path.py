@@ -69,7 +69,7 @@ UP = (("keys", "Flight.__call__"),
 RECORDS = frozenset({"requests", "paths", "errors", "view", "runtime", "presets", "clock",
                      "tail", "process", "backend", "affinity", "pace", "metrics", "activity",
                      "keyfile", "sources", "connstate", "members", "fairshare", "quotas",
-                     "usage"})
+                     "usage", "genai", "otel"})
 ROOTS = frozenset({"http11", "middleware", "upstream"})  # where the request's chains begin
 
 

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-from .. import clock
+from .. import clock, otel
 from ..changes import Changes
 from ..children.backend import Backend
 from ..children.process import ChildError, ChildExited
@@ -116,6 +116,8 @@ class Loads(Protocol):
     async def load(self, runtime: ModelRuntime) -> None: ...
 
     async def fetch_files(self, runtime: ModelRuntime, cancel: threading.Event) -> None: ...
+
+    def span_of(self, model_id: str) -> object | None: ...
 
 
 class Executor:
@@ -296,7 +298,11 @@ class Executor:
             held = [SlotHolder(r.child, tuple(r.prefixes.recent(PREFIX_KEYS))
                                if runtime.preset.prefix_routing else (), r.book)
                     for r in replicas]
-            warm.keep_soon(runtime.preset, await warm.write(runtime.preset, held))
+            with otel.span("warm save", attributes={"llama_router.model": runtime.id}) as span:
+                written = await warm.write(runtime.preset, held)
+                if span is not None:
+                    span.set_attribute("llama_router.warm.states", len(written))
+            warm.keep_soon(runtime.preset, written)
         codes = await asyncio.gather(*(r.child.stop(seconds) for r in replicas))
         runtime.stop_task = None
         self.apply(runtime, Stopped(clean=all(code == 0 for code in codes)))

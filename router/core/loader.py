@@ -17,7 +17,7 @@ import threading
 from dataclasses import replace
 from types import MappingProxyType
 
-from .. import clock
+from .. import clock, otel
 from ..changes import Changes
 from ..children.backend import Backend
 from ..config.downloads import DownloadCancelled, HfRef, download, resolve_remote
@@ -59,19 +59,35 @@ class Loader:
         self.admission = admission  # the queue each load waits its turn in
         self._accounting = accounting
         self._changes = changes
+        self._spans: dict[str, object | None] = {}  # model: its load's span (``span_of``)
 
     async def load(self, runtime: ModelRuntime) -> None:
         """Load the model; raises LoadFailed (the reason is also the state's ``failure``).
         Cancelled by an unload (``CancelLoad(UNLOADED)``), it ends with LoadFailed saying so,
         which is what the requests waiting for it answer; cancelled for any other reason (a
-        reconfiguration, the shutdown, nobody waiting) it ends cancelled."""
-        try:
-            await self._load(runtime)
-        except asyncio.CancelledError as exc:
-            if exc.args and exc.args[0] == UNLOADED:
-                raise LoadFailed(f"model '{runtime.id}' was unloaded while this request "
-                                 "waited for it") from None
-            raise
+        reconfiguration, the shutdown, nobody waiting) it ends cancelled.
+
+        With OpenTelemetry on, the whole load is a span (``load {model}``: its files, its
+        turn in admission, the spawn), a child of the span current where its task was made:
+        the wait of the request that started it (``wait``), none for a load nobody waits
+        for. A load is shared: every request that waits for it links its span
+        (``span_of``)."""
+        with otel.span(f"load {runtime.id}", attributes={"llama_router.model": runtime.id}):
+            self._spans[runtime.id] = otel.current()
+            try:
+                await self._load(runtime)
+            except asyncio.CancelledError as exc:
+                if exc.args and exc.args[0] == UNLOADED:
+                    raise LoadFailed(f"model '{runtime.id}' was unloaded while this request "
+                                     "waited for it") from None
+                raise
+            finally:
+                self._spans.pop(runtime.id, None)
+
+    def span_of(self, model_id: str) -> object | None:
+        """The span context of the model's load under way (None: none, or OpenTelemetry
+        off), for its waits to link."""
+        return self._spans.get(model_id)
 
     async def _load(self, runtime: ModelRuntime) -> None:
         remote = runtime.preset.upstream is not None  # served elsewhere (``remote``)
@@ -124,18 +140,25 @@ class Loader:
             if self._warm is not None else None
         reports = SpawnReports(self._executor.apply)  # this load's
         try:
-            results = await asyncio.gather(
-                *(self._spawner.spawn_ready(runtime, children, timeout, started, share, reports)
-                  for share in self._spawner.cpu_shares(runtime, preset.replicas)),
-                return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
+            with otel.span("spawn", attributes={"llama_router.model": runtime.id,
+                                                "llama_router.replicas": preset.replicas}):
+                results = await asyncio.gather(  # spawn → healthy
+                    *(self._spawner.spawn_ready(runtime, children, timeout, started, share,
+                                                reports)
+                      for share in self._spawner.cpu_shares(runtime, preset.replicas)),
+                    return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    raise errors[0]
             own_info = await self._spawner.model_info(children[0])
             restored = None
             if self._warm is not None and restorable is not None:  # bounded; a refused
-                restored = await self._warm.restore(  # one is dropped
-                    preset, [SlotHolder(child) for child in children], restorable)
+                with otel.span("warm restore", attributes={"llama_router.model": runtime.id}
+                               ) as span:  # one is dropped
+                    restored = await self._warm.restore(
+                        preset, [SlotHolder(child) for child in children], restorable)
+                    if span is not None:
+                        span.set_attribute("llama_router.warm.states", restored.count)
             replicas = tuple(
                 new_replica(child, restored.learned[i] if restored else (),
                             book_of(runtime.preset, self._warm,

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import clock
+from .. import clock, otel
 from ..config.settings import Settings
 from ..errors import (
     BadRequest,
@@ -127,6 +127,7 @@ class ModelWait:
                 lease = self.lease_now(runtime, prefix, turn)
                 if lease is not None:
                     return lease
+                otel.note("llama_router.wait.slot", True)  # (the wait span: ``forward``)
                 if await self._slots.wait_turn(runtime, turn, deadline, watchers):
                     return self._leases.take(runtime, prefix=prefix, turn=turn)
                 raise_if_ended(watchers, ends)
@@ -144,7 +145,12 @@ class ModelWait:
         while not runtime.serving:
             if runtime.removed:
                 raise ModelNotFound(runtime.id, [])
+            # The load task, made in this wait's context: its span's parent is the wait that
+            # started it; every wait for it links it (``Loader.load``).
             task = self.load_task(runtime, on_demand=True)
+            if otel.on:
+                otel.note("llama_router.wait.load", True)
+                otel.link(self._executor.loads.span_of(runtime.id))
             remaining = deadline - clock.now()
             if remaining <= 0:
                 raise self._budget_exceeded(runtime, seconds)

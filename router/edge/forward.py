@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.datastructures import QueryParams
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .. import otel
 from ..config.presets import CHOOSE_FALLBACK
 from ..core.wait import Ends
 from ..errors import (
@@ -60,6 +61,7 @@ from ..http.requests import (
     parse_json,
 )
 from ..llama.webui import StaticUI
+from ..observe import genai
 from ..serving.affinity import NO_PREFIX, Prefix, request_prefix
 from ..teams.fairshare import Turn
 from .keepalive import FIELD as KEEP_ALIVE
@@ -355,14 +357,26 @@ async def _wait_for_lease(state: State, receive: Receive, request: RequestContex
     shutdown = state.shutdown
     waited = time.perf_counter()
     try:
-        lease = await models.acquire(model, autoload=autoload, budget=budget, prefix=prefix,
-                                     ends=Ends(lambda: wait_disconnect(receive),
-                                               shutdown.over, shutdown.error), turn=turn)
+        with otel.span(f"wait {model.id}", attributes=_waiting(request, model)):
+            lease = await models.acquire(model, autoload=autoload, budget=budget,
+                                         prefix=prefix, ends=Ends(
+                                             lambda: wait_disconnect(receive), shutdown.over,
+                                             shutdown.error), turn=turn)
     finally:  # for the activity record, also when the wait failed
         queued = time.perf_counter() - waited
         request.queue_s = (request.queue_s or 0.0) + queued  # each wait, when preempted
     state.metrics.queue_seconds.labels(model.preset.id).observe(queued)
     return lease
+
+
+def _waiting(request: RequestContext, model: ModelView) -> dict[str, str] | None:
+    """The wait span's attributes (OpenTelemetry on): the model, the request's team and class
+    (what the core waits for, a load or a slot, it notes itself: ``wait``)."""
+    if not otel.on:
+        return None
+    member = request.member
+    return {"llama_router.model": model.id, "llama_router.team": member.name,
+            "llama_router.class": member.priority}
 
 
 def _prefix(state: State, request: RequestContext, model: ModelView) -> Prefix | None:
@@ -438,9 +452,14 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
     target = request.target()
     if preset.upstream is not None:  # a remote upstream: its key, maybe its model name
         headers, body, target = _for_remote(request, preset, headers, body, target)
-    return relay(lease.child.connections, request.method, target, headers, body,
-                 receive=receive, send=send, shutdown=state.shutdown,
-                 direct=direct_body(scope), preemption=preemption, fail_over=fail_over)
+    # OpenTelemetry on: the exchange's CLIENT span, whose traceparent the child gets.
+    span = genai.exchange(request, preset.id, lease.child.base_url) if otel.on else None
+    if span is not None:
+        headers = otel.inject(headers, span)
+    relayed = relay(lease.child.connections, request.method, target, headers, body,
+                    receive=receive, send=send, shutdown=state.shutdown,
+                    direct=direct_body(scope), preemption=preemption, fail_over=fail_over)
+    return relayed if span is None else genai.exchanged(span, request, relayed)
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .. import otel
 from ..errors import (
     InternalError,
     RouterError,
@@ -26,6 +27,7 @@ from ..errors import (
 )
 from ..http.paths import KNOWN_ENDPOINTS, READ_METHODS
 from ..http.requests import BODY_TIMED_OUT, CONTEXT, RequestContext
+from ..observe import genai
 from ..observe.activity import Activity
 from ..observe.metrics import RouterMetrics
 
@@ -60,6 +62,9 @@ class RequestMetricsMiddleware:
             return
         request = scope[CONTEXT] = RequestContext(scope)
         started = time.perf_counter()
+        # A proxied request's server span (OpenTelemetry on: ``genai``), current inside.
+        span = genai.begin(request, scope["headers"], _port(scope)) \
+            if otel.on and not request.local else None
         status = 0  # until the response starts
         # The body chunks are recorded in the context (``RequestContext.sent``): those sent
         # here, and those a relay writes to the client directly (``proxy.DirectBody``).
@@ -107,9 +112,12 @@ class RequestMetricsMiddleware:
                 status = 408
             ended = time.perf_counter()
             first = request.first_sent
-            self._observe(request, status, ended - started, first - started if first else None)
+            self._observe(scope, request, status, ended - started,
+                          first - started if first else None)
+            if span is not None:
+                genai.end(span, request, status)
 
-    def _observe(self, request: RequestContext, status: int, total_s: float,
+    def _observe(self, scope: Scope, request: RequestContext, status: int, total_s: float,
                  ttft_s: float | None) -> None:
         model = request.model_id
         proxied = not request.local
@@ -120,12 +128,20 @@ class RequestMetricsMiddleware:
             metrics.observe_request(model, path if path in KNOWN_ENDPOINTS else "other", status,
                                     total_s, ttft_s if proxied and model else None,
                                     tokens if proxied and model else None)
+            if proxied and model:
+                metrics.genai.observe(request, status, _port(scope), total_s, ttft_s)
         if self.activity is not None and (model or request.method not in READ_METHODS):
             self.activity.add(
                 model=model, method=request.method, path=request.path, status=status,
                 started=time.time() - total_s, total_s=total_s, ttft_s=ttft_s, tokens=tokens,
                 queue_s=(request.queue_s or 0.0) if proxied and model else None,
                 proxied=proxied)
+
+
+def _port(scope: Scope) -> int:
+    """The router's port the request came to (``server.port``)."""
+    server = scope.get("server")
+    return int(server[1]) if server and server[1] is not None else 0
 
 
 def _grace_over(scope: Scope) -> Shutdown | None:

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
+from .. import otel
 from ..errors import UpstreamError
 from ..http.paths import RESPONSES_PATHS
 from ..http.proxy import FailOver, with_model
 from ..http.requests import BODY_METHODS, RequestContext
+from ..observe import genai
 from ..peers import hop
 from ..peers.peer import Peer
 from ..peers.placement import by_prefix, by_saved_state, candidates
@@ -95,9 +97,12 @@ async def _relay_to_peer(state: State, peer: Peer, scope: Scope, request: Reques
     request.node = peer.node
     if route.conversation is not None:  # resumed through the peer that has it
         route.conversation.served_by(peer)
+    # OpenTelemetry on: the exchange's CLIENT span, whose traceparent the peer continues.
+    span = genai.exchange(request, peer_model, peer.url, peer.node) if otel.on else None
     with peer.sending(model):
-        await hop.relay(peer, scope, request, receive, send, scope["method"], target, body,
-                        shutdown=state.shutdown, fail_over=fail_over)
+        relayed = hop.relay(peer, scope, request, receive, send, scope["method"], target, body,
+                            shutdown=state.shutdown, fail_over=fail_over, span=span)
+        await (relayed if span is None else genai.exchanged(span, request, relayed))
 
 
 def _renamed(body: bytes, request: RequestContext, target: bytes, model: str

@@ -99,14 +99,16 @@ def prompt_tokens(tail: bytes, timings: Timings | None) -> int | None:
 
 class ResponseTail:
     """The end of one response (its last two chunks, ``TAIL_BYTES`` of each), read lazily:
-    each of ``timings`` and ``tokens`` is parsed at most once, when first asked."""
+    each of ``timings``, ``tokens`` and ``prompt_tokens`` is parsed at most once, when first
+    asked (the teams' usage, the metrics and the server span read the same)."""
 
-    __slots__ = ("_timings", "_tokens", "bytes")
+    __slots__ = ("_prompt", "_timings", "_tokens", "bytes")
 
     def __init__(self, before: bytes, last: bytes) -> None:
         self.bytes = before[-TAIL_BYTES:] + last[-TAIL_BYTES:] if last else b""
         self._timings: Timings | object | None = _UNREAD
         self._tokens: int | object | None = _UNREAD
+        self._prompt: int | object | None = _UNREAD
 
     @property
     def timings(self) -> Timings | None:
@@ -116,7 +118,9 @@ class ResponseTail:
 
     @property
     def prompt_tokens(self) -> int | None:
-        return prompt_tokens(self.bytes, self.timings) if self.bytes else None
+        if self._prompt is _UNREAD:
+            self._prompt = prompt_tokens(self.bytes, self.timings) if self.bytes else None
+        return self._prompt  # type: ignore[return-value]
 
     @property
     def tokens(self) -> int | None:

@@ -32,6 +32,7 @@ from prometheus_client.samples import Sample
 from ..core.scheduler import Status
 from ..events import Event
 from ..teams.usage import Usage
+from .genai import GenAIMetrics
 
 if TYPE_CHECKING:
     from ..core.view import Models
@@ -94,6 +95,9 @@ class RouterMetrics:
             "llamarouter_virtual_choices", "Requests to a virtual model, by the target chosen "
             "and why: conversation (its earlier turns' target), warm, first, spillover, "
             "least_loaded, fallback", ["model", "target", "reason"], registry=r)
+
+        # The GenAI conventions' gen_ai_server_* histograms (also over OTLP when it is on).
+        self.genai = GenAIMetrics(r)
 
         # Labelled children per (model, endpoint, status): a request is counted with one dict
         # lookup instead of a labels() call per family (the hot path; none are ever removed).

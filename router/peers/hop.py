@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
+from .. import otel
 from ..errors import RouterError, UpstreamError, envelope
 from ..http.proxy import direct_body, upstream_headers
 from ..http.proxy import relay as relay_response
@@ -187,11 +188,15 @@ async def ask(peer: Peer, method: str, target: bytes, body: bytes = b"", *,
 
 async def relay(peer: Peer, scope: Scope, request: RequestContext, receive: Receive,
                 send: Send, method: str, target: bytes, body: bytes, *,
-                shutdown: Shutdown | None, fail_over: frozenset[int] = frozenset()) -> None:
+                shutdown: Shutdown | None, fail_over: frozenset[int] = frozenset(),
+                span: Any = None) -> None:
     """A client's request to ``peer``, relayed both ways (``proxy.relay``) with the client's
-    end-to-end headers, the peer key and the via chain; the peer is marked down at once when
-    it cannot be reached."""
+    end-to-end headers, the peer key and the via chain, and the ``traceparent`` of ``span``
+    (the exchange's, OpenTelemetry on: the peer continues the trace) in place of the
+    client's; the peer is marked down at once when it cannot be reached."""
     headers = upstream_headers(scope["headers"], request)  # without the client's via header: ours
+    if span is not None:
+        headers = otel.inject(headers, span)
     try:
         await relay_response(peer.connections, method, target, _headers(peer, request, headers),
                              body, receive=receive, send=send, shutdown=shutdown,

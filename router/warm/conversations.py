@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from .. import otel
 from ..children.backend import Backend
 from ..config.presets import ModelPreset
 from .choice import Io, covers, labelled, worth_saving
@@ -189,7 +190,10 @@ class Conversations:
                      extra={"event": "state_displacing", "model": preset.id})
             began = time.perf_counter()
             try:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(TimeoutError), otel.span(
+                        "warm save", attributes={"llama_router.model": preset.id,
+                                                 "llama_router.warm.displaced": True,
+                                                 "llama_router.slot": slot}):
                     async with asyncio.timeout(bound):
                         written = await self.swaps.write_slot(
                             preset, slot_use.book.fingerprint, child, slot, number + slot,
@@ -216,10 +220,16 @@ class Conversations:
             await asyncio.wait([slot_use.keeping], timeout=RESTORE_BOUND_S)
             state, _ = self.stored(preset, slot_use.book.fingerprint, slot_use.keys,
                                    slot_use.owner)
-        if state is not None and await self._bounded(
-                self._restore(preset, child, slot, state), RESTORE_BOUND_S):
-            slot_use.restored = state.n_saved
-            slot_use.book.restored(slot, state.n_saved)
+        if state is None:
+            return
+        with otel.span("warm restore", attributes={"llama_router.model": preset.id,
+                                                   "llama_router.warm.on_demand": True,
+                                                   "llama_router.slot": slot}) as span:
+            if await self._bounded(self._restore(preset, child, slot, state), RESTORE_BOUND_S):
+                slot_use.restored = state.n_saved
+                slot_use.book.restored(slot, state.n_saved)
+            if span is not None:
+                span.set_attribute("llama_router.warm.states", 1 if slot_use.restored else 0)
 
     def _keep(self, preset: ModelPreset, written: Written) -> None:
         """Commit a state saved on displacement in the background; it is known as under way
