@@ -88,10 +88,15 @@ def test_chat_streamed_and_whole(router: RouterProcess) -> None:
     # Recorded as the Ollama request it was, with the tokens the child generated (its tail).
     with httpx.Client(base_url=router.url, headers={"Authorization": f"Bearer {ADMIN}"}) as raw:
         records = raw.get("/activity").json()["requests"]
+        metrics = raw.get("/metrics").text
     chats = [r for r in records if r["endpoint"] == "/api/chat" and r["model"] == "smol"]
     assert len(chats) >= 2 and all(r["status"] == 200 for r in chats[:2])
     assert {r["tokens"] for r in chats[:2]} == {whole.eval_count}
     assert all(r["ttft_s"] is not None for r in chats[:2])
+    # The GenAI histograms count it as the chat it was (``gen_ai.operation.name``).
+    assert any(line.startswith("gen_ai_server_request_duration_seconds_count{")
+               and 'gen_ai_operation_name="chat"' in line and 'model="smol"' in line
+               for line in metrics.splitlines()), metrics[-3000:]
 
 
 def test_generate_and_raw(router: RouterProcess) -> None:

@@ -62,9 +62,10 @@ class RequestMetricsMiddleware:
             return
         request = scope[CONTEXT] = RequestContext(scope)
         started = time.perf_counter()
-        # A proxied request's server span (OpenTelemetry on: ``genai``), current inside.
+        # A proxied request's server span (OpenTelemetry on: ``genai``), current inside;
+        # also an Ollama request's, which the router answers on the proxy's path.
         span = genai.begin(request, scope["headers"], _port(scope)) \
-            if otel.on and not request.local else None
+            if otel.on and (not request.local or request.path in genai.OPERATIONS) else None
         status = 0  # until the response starts
         # The body chunks are recorded in the context (``RequestContext.sent``): those sent
         # here, and those a relay writes to the client directly (``proxy.DirectBody``).

@@ -54,6 +54,9 @@ OPERATIONS: dict[str, str] = {
     "/v1/rerank": "rerank", "/rerank": "rerank", "/v1/reranking": "rerank",
     "/reranking": "rerank",
     "/v1/audio/transcriptions": "transcription", "/audio/transcriptions": "transcription",
+    # Ollama's, answered by the router on the proxy's path (``edge.ollamachat``).
+    "/api/chat": _CHAT, "/api/generate": _TEXT, "/api/embed": "embeddings",
+    "/api/embeddings": "embeddings",
 }
 # The conventions' advised bucket boundaries, in seconds.
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
