@@ -63,7 +63,7 @@ DEFAULT_FILES = (
     "test_embedding.py", "test_infill.py", "test_ctx_shift.py", "test_security.py",
     "test_slot_save.py", "test_metrics.py", "test_stream.py", "test_ignore_eos.py",
     "test_template.py", "test_compat_oai_responses.py", "test_compat_anthropic.py",
-    "test_kv_keep_only_active.py",
+    "test_kv_keep_only_active.py", "test_sleep.py", "test_compat_gcp.py",
 )
 SKIPPED = {
     "test_router.py": "llama.cpp's own router mode (--models-dir/--models-preset), not a "
@@ -76,9 +76,6 @@ SKIPPED = {
     "test_speculative.py": "needs a draft model pair from Hugging Face",
     "test_lora.py": "needs a LoRA adapter made for its base model",
     "test_rerank.py": "needs a reranking model (jina-reranker) with its classifier head",
-    "test_compat_gcp.py": "Vertex AI's AIP_* environment, which llama-router removes from "
-                          "children on purpose (docs/deployment.md)",
-    "test_sleep.py": "--sleep-idle-seconds: the router unloads idle models itself (ttl)",
     "test_systemone.py": "needs a real instruct model from Hugging Face",
 }
 

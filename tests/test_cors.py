@@ -109,6 +109,14 @@ def refused(response: httpx.Response) -> bool:
             and not any(k.lower().startswith("access-control-") for k in response.headers))
 
 
+def preflight_refused(response: httpx.Response) -> bool:
+    """A refused preflight as llama-server answers it: 200, empty, no CORS header at all, so
+    the browser sends nothing more (the request itself would get the 403 of ``refused``)."""
+    return (response.status_code == 200 and response.content == b""
+            and not any(k.lower().startswith("access-control-") for k in response.headers)
+            and "vary" not in response.headers)
+
+
 # ------------------------------------------------------------------------- pure decisions
 
 @pytest.mark.parametrize(("origin", "host", "same"), [
@@ -223,7 +231,10 @@ async def test_a_preflight_for_a_sensitive_route_is_refused(
     async with router_app(tmp_path, help_table) as (client, recorded):
         answer = await client.options(target, headers={
             "Origin": EVIL, "Access-Control-Request-Method": method})
-        assert refused(answer), answer.text
+        assert preflight_refused(answer), answer.text
+        sent = await client.request(method, target, headers={"Origin": EVIL},
+                                    json={"model": "alpha"} if method == "POST" else None)
+        assert refused(sent), (target, sent.text)  # if a page sends it anyway
         assert not recorded.anything
 
 
@@ -345,7 +356,7 @@ async def test_a_narrower_policy_refuses_other_pages_even_for_inference(
             "Origin": origin, "Content-Type": "text/plain"},
             content=b'{"model": "alpha", "messages": []}')
         if granted is None:
-            assert refused(preflight) and refused(chat)
+            assert preflight_refused(preflight) and refused(chat)
             assert not recorded.anything
         else:
             assert preflight.status_code == 200
@@ -355,6 +366,54 @@ async def test_a_narrower_policy_refuses_other_pages_even_for_inference(
             assert recorded.acquired == ["alpha"]
         own = await client.get("/v1/models", headers={"Origin": OWN})
         assert own.status_code == 200  # the router's own pages, whatever the policy
+
+
+@pytest.mark.parametrize("origin", [
+    "http://localhost", "http://localhost:8080", "http://127.0.0.1", "http://127.0.0.1:3000",
+    "http://[::1]", "http://[::1]:3000", "https://localhost:5173"])
+async def test_localhost_pages_are_reflected_in_llama_servers_spelling(
+        tmp_path: Path, help_table: FlagTable, origin: str) -> None:
+    """``--cors-origins localhost``, as b11434's tests ask it: the origin reflected, the
+    header named as llama-server writes it (a client's case-sensitive ``dict`` finds it)."""
+    async with router_app(tmp_path, help_table, cors="localhost") as (client, recorded):
+        answer = await client.options("/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization"})
+        assert answer.status_code == 200 and answer.content == b""
+        names = {bytes(name): value for name, value in answer.headers.raw}  # as on the wire
+        assert names[b"Access-Control-Allow-Origin"] == origin.encode()
+        assert names[b"Access-Control-Allow-Methods"] == b"GET, POST, DELETE, OPTIONS"
+        assert names[b"Vary"] == b"Origin"
+        assert not recorded.anything
+
+
+# Origins that look local and are not, or that no browser sends for a local page: each is
+# refused (its preflight gets no CORS header, its request the 403), however it is spelled.
+FORGED_LOCAL = [
+    "http://localhost.evil.com", "http://127.0.0.1.nip.io", "http://localhost.", "null",
+    "http://LOCALHOST", "HTTP://localhost", "http://LocalHost:3000", "http://127.0.0.1.:80",
+    "http://[::1].evil.com", "http://[0:0:0:0:0:0:0:1]", "http://[::ffff:127.0.0.1]",
+    "http://127.1", "http://0.0.0.0", "http://localhost:3000/", "http://localhost:3000/x",
+    "http://user@localhost", "http://evil.com@localhost", "http://localhost@evil.com",
+    "http://localhost:3000, http://evil.com", "http://localhost\t", "localhost",
+    "http://evil.com#http://localhost", "file://localhost", "http://notlocalhost",
+    "http://web.mydomain.fr", "http://evil.com", "",
+]
+
+
+@pytest.mark.parametrize("origin", FORGED_LOCAL)
+async def test_forged_local_origins_are_refused(
+        tmp_path: Path, help_table: FlagTable, origin: str) -> None:
+    async with router_app(tmp_path, help_table, cors="localhost") as (client, recorded):
+        preflight = await client.options("/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization"})
+        assert preflight_refused(preflight), (origin, preflight.headers)
+        chat = await client.post("/v1/chat/completions", headers={
+            "Origin": origin, "Content-Type": "text/plain"},
+            content=b'{"model": "alpha", "messages": []}')
+        assert refused(chat), (origin, chat.status_code, chat.text)
+        assert not recorded.anything
 
 
 # ----------------------------------------------------------------------- real llama-server
@@ -437,7 +496,7 @@ def test_every_inference_route_answers_a_preflight_as_llama_server_does(
                     routed = client.options(target, headers=headers)
                     if method == "POST" and path in ("/v1/props", "/lora-adapters"):
                         assert direct.status_code == 200  # a write that changes the model
-                        assert refused(routed), target  # for everyone: never cross-site
+                        assert preflight_refused(routed), target  # never cross-site
                         continue
                     assert routed.status_code == direct.status_code == 200, target
                     assert routed.headers["access-control-allow-methods"] == \

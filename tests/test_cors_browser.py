@@ -135,8 +135,8 @@ def test_a_page_of_another_site_changes_nothing_and_reads_no_chat(
                               "jsonLoad": "blocked", "formPost": "sent"}, (origin, result)
             assert page.evaluate(CHAT, router.url) == "blocked"
             assert statuses(router) == {"alpha": "loaded", "beta": "unloaded"}
-        # Every forgery reached the router and got its 403 (the preflights too, unrecorded).
-        # Every forgery reached the router and got its 403 (preflights are not recorded).
+        # Every forgery reached the router and got its 403; the JSON load's preflight got
+        # llama-server's refusal (200, no CORS header: unrecorded), so the load was never sent.
         assert refusals(router) == sorted(2 * FORGERIES), router.log()
 
         page.goto(f"http://localhost:{good}/")  # the page --cors-origins names

@@ -305,3 +305,48 @@ def test_an_unknown_default_model_stops_the_start(
     assert done.returncode == 2
     assert "--default-model 'alhpa' is not a model of this configuration (its models: " \
            "alpha)" in done.stderr
+
+
+@pytest.mark.real
+def test_props_answers_the_default_models_own_fields_as_a_single_llama_server(
+        tmp_path: Path, llama_server: Path, tiny_models: dict[str, Path]) -> None:
+    """``GET /props`` on a router with a default model: the child's own fields (``model_path``,
+    ``total_slots``, the generation settings, ``is_sleeping``) under the router's (``role``,
+    ``llama_router``), for a key that may use that model; the placeholders of llama.cpp's
+    router, and ``is_sleeping`` true, while it is not loaded (nothing is loaded for it)."""
+    presets = write_presets(tmp_path / "models.ini", "version = 1\n[*]\nctx-size = 1024\n"
+                            f"[alpha]\nmodel = {tiny_models['alpha']}\nparallel = 2\n"
+                            "sleep-idle-seconds = 1\n"
+                            f"[beta]\nmodel = {tiny_models['beta']}\n")
+    keys = tmp_path / "keys"
+    keys.write_text("sk-admin\nsk-beta models=beta role=infer\n")
+    with start_router(tmp_path, "--presets", str(presets), "--llama-server", str(llama_server),
+                      "--default-model", "alpha", "--api-key-file", str(keys)) as router, \
+            router.client(headers={"Authorization": "Bearer sk-admin"}) as admin, \
+            router.client(headers={"Authorization": "Bearer sk-beta"}) as scoped:
+        cold = admin.get("/props").json()
+        assert cold["role"] == "router" and cold["is_sleeping"] is True
+        assert cold["model_path"] == "none" and cold["llama_router"]["default_model"] == "alpha"
+        assert {m["id"]: m["status"]["value"] for m in admin.get("/models").json()["data"]} \
+            == {"alpha": "unloaded", "beta": "unloaded"}  # /props loaded nothing
+        assert admin.post("/completion", json={"prompt": "Hi", "n_predict": 2}
+                          ).status_code == 200
+        port = {m["id"]: m for m in admin.get("/models").json()["data"]}["alpha"]["status"][
+            "port"]
+        own = httpx.get(f"http://127.0.0.1:{port}/props").json()
+        props = admin.get("/props").json()
+        assert props["role"] == "router" and props["llama_router"]["default_model"] == "alpha"
+        assert props["model_path"] == own["model_path"] == str(tiny_models["alpha"])
+        assert props["total_slots"] == own["total_slots"] == 2
+        assert props["default_generation_settings"] == own["default_generation_settings"]
+        assert props["default_generation_settings"]["n_ctx"] == 512
+        assert props["cors_proxy_enabled"] is False and props["ui_settings"] == {}
+        # The child sleeps (--sleep-idle-seconds) and says so; /props does not wake it.
+        assert wait_until(lambda: admin.get("/props").json()["is_sleeping"] is True, 20)
+        assert admin.get("/props").json()["is_sleeping"] is True
+        assert admin.post("/tokenize", json={"content": "hi"}).status_code == 200
+        assert admin.get("/props").json()["is_sleeping"] is False
+        # A key that may not use alpha learns nothing of it.
+        other = scoped.get("/props").json()
+        assert other["model_path"] == "none" and "is_sleeping" not in other
+        assert other["llama_router"]["default_model"] is None

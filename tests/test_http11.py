@@ -531,6 +531,39 @@ async def test_every_refusal_is_counted_by_reason() -> None:
                                       "unparsable": 1, "target_too_long": 1}
 
 
+async def test_a_keepcase_header_name_goes_out_in_its_own_case() -> None:
+    """``KeepCase``: ``Access-Control-Allow-Origin`` on the wire as llama-server writes it
+    (its clients look it up in a case-sensitive dict), the other names in uvicorn's lower
+    case, the framing unchanged; and the name still equals its lower-case spelling, hashed
+    alike, for whoever compares it in process."""
+    name = http11.KeepCase(b"Access-Control-Allow-Origin")
+    assert name == b"access-control-allow-origin" and name == b"ACCESS-control-allow-ORIGIN"
+    assert b"access-control-allow-origin" == name  # noqa: SIM300 (the reflected comparison)
+    assert not name != b"access-control-allow-origin"  # noqa: SIM202 (its own __ne__)
+    assert name.lower() is name and {b"access-control-allow-origin": 1}[name] == 1
+    assert name != "access-control-allow-origin" and name != b"access-control-allow"
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-length", b"2"), (name, b"http://localhost:3000"),
+            (http11.KeepCase(b"Vary"), b"Origin"), (b"X-Other", b"1")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serving(app) as served:
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        raw = await read_all(reader)
+        writer.close()
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    lines = head_part.split(b"\r\n")[1:]
+    assert b"Access-Control-Allow-Origin: http://localhost:3000" in lines
+    assert b"Vary: Origin" in lines and b"x-other: 1" in lines and b"content-length: 2" in lines
+    assert body == b"ok"
+
+
 def test_uvicorns_private_names_that_the_adapter_uses_exist() -> None:
     """The contract with uvicorn's private protocol (``router/http/http11.py`` is its one reader):
     each name it reads or overrides, on the installed version. A uvicorn release that

@@ -15,12 +15,13 @@ DEFAULT = ANY  # llama-server's default --cors-origins
 ORIGIN, HOST, FETCH_SITE = b"origin", b"host", b"sec-fetch-site"
 REQUEST_METHOD = b"access-control-request-method"
 OTHER_SITES = frozenset({b"cross-site", b"same-site"})  # Sec-Fetch-Site values: not this origin
-# A preflight's answer: llama-server's methods; its "*" headers, plus Authorization, which a
-# wildcard does not cover (Fetch standard), so that a page can send its API key.
-PREFLIGHT_HEADERS = ((b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-                     (b"access-control-allow-headers", b"Authorization, *"))
-ALLOW_ORIGIN = b"access-control-allow-origin"
-VARY_ORIGIN = (b"vary", b"Origin")
+# The answer's CORS headers, their names as llama-server writes them (``cors`` keeps the case
+# on the wire). A preflight's: llama-server's methods; its "*" headers, plus Authorization,
+# which a wildcard does not cover (Fetch standard), so that a page can send its API key.
+PREFLIGHT_HEADERS = ((b"Access-Control-Allow-Methods", b"GET, POST, DELETE, OPTIONS"),
+                     (b"Access-Control-Allow-Headers", b"Authorization, *"))
+ALLOW_ORIGIN = b"Access-Control-Allow-Origin"
+VARY_ORIGIN = (b"Vary", b"Origin")
 
 _HOSTNAME = rb"([a-z0-9_.-]+|\[[0-9a-f:.]+\])(?::([0-9]{1,5}))?"
 # An origin as browsers serialise it: lower case, no path, no user info.
@@ -28,6 +29,7 @@ _ORIGIN = re.compile(rb"([a-z][a-z0-9+.-]*)://" + _HOSTNAME)
 _HOST = re.compile(_HOSTNAME)
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
 _LOCAL_HOSTS = frozenset({b"localhost", b"127.0.0.1", b"[::1]"})
+_WEB_SCHEMES = frozenset({b"http", b"https"})
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,10 @@ def _origin(entry: str) -> bytes:
 
 
 def is_localhost(origin: bytes) -> bool:
+    """A page of this machine's web servers: ``http`` or ``https`` on ``localhost``,
+    ``127.0.0.1`` or ``[::1]``, as browsers serialise it (``file:`` pages send ``null``)."""
     match = _ORIGIN.fullmatch(origin)
-    return match is not None and match[2] in _LOCAL_HOSTS
+    return match is not None and match[1] in _WEB_SCHEMES and match[2] in _LOCAL_HOSTS
 
 
 def same_origin(origin: bytes, host: bytes | None) -> bool:

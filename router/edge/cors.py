@@ -30,7 +30,9 @@ preflight never reaches):
   ``*`` grant, else the origin, with ``Vary: Origin``); the children's own ``Access-Control-*``
   headers never reach the client (``proxy.RESPONSE_DROP``), nor its Origin the child;
 * not allowed: a 403 envelope, whatever its content type (a form post included), before
-  anything reads its body, resolves its model or checks its key;
+  anything reads its body, resolves its model or checks its key; a preflight not allowed is
+  answered as llama-server answers it, 200 without any ``Access-Control-*`` header, which
+  stops the browser as surely (the request itself, if sent anyway, gets the 403);
 * without an Origin (a link, an image: the page cannot read the answer), only a sensitive
   route is refused.
 
@@ -39,6 +41,10 @@ preflight never reaches):
 Every ``OPTIONS`` is answered here, with 200 and an empty body as llama-server does (a
 preflight is decided for the method it asks with ``Access-Control-Request-Method``): it
 never reaches the key check, routing or a model.
+
+The CORS headers' names go out in llama-server's case (``Access-Control-Allow-Origin``, not
+uvicorn's lower case: ``http11.KeepCase``): its clients, llama.cpp's own tests among them,
+look them up in a case-sensitive ``dict``.
 """
 
 from __future__ import annotations
@@ -63,9 +69,16 @@ from ..config.origins import (
     same_origin,
 )
 from ..errors import RouterError, send_error
+from ..http.http11 import KeepCase
 from ..http.paths import PUBLIC_PATHS
 from ..http.requests import RequestContext, context
 from .keys import needed_role
+
+# The names as llama-server writes them, kept on the wire (see the module docstring).
+_ALLOW_ORIGIN = KeepCase(ALLOW_ORIGIN)
+_VARY_ORIGIN = (KeepCase(VARY_ORIGIN[0]), VARY_ORIGIN[1])
+_PREFLIGHT_HEADERS = tuple((KeepCase(name), value) for name, value in PREFLIGHT_HEADERS)
+_EMPTY = (b"content-length", b"0")
 
 
 class CrossOriginRefused(RouterError):
@@ -114,23 +127,30 @@ class CorsMiddleware:
         if cross_origin(request):
             asked = _as_asked(request) if preflight else request
             found = self.policy.grant(headers.get(ORIGIN), sensitive(asked))
+            if found is None and preflight:  # llama-server's refusal: no CORS header
+                await _empty_200(send, [])
+                return
             if found is None:
                 await send_error(send, _refusal(asked, headers.get(ORIGIN)))
                 return
             allow = found
         extra: list[tuple[bytes, bytes]] = []
         if allow:
-            extra.append((ALLOW_ORIGIN, allow))
+            extra.append((_ALLOW_ORIGIN, allow))
             if allow != b"*":
-                extra.append(VARY_ORIGIN)
+                extra.append(_VARY_ORIGIN)
         if preflight:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [*extra, *PREFLIGHT_HEADERS, (b"content-length", b"0")]})
-            await send({"type": "http.response.body", "body": b""})
+            await _empty_200(send, [*extra, *_PREFLIGHT_HEADERS])
         elif extra:
             await self.app(scope, receive, _adding(send, extra))
         else:
             await self.app(scope, receive, send)
+
+
+async def _empty_200(send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    """A preflight's answer: 200, ``headers``, an empty body."""
+    await send({"type": "http.response.start", "status": 200, "headers": [*headers, _EMPTY]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _as_asked(request: RequestContext) -> RequestContext:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -22,6 +23,7 @@ from .. import dashboard
 from ..config.downloads import HfRef, HubUnreachable, ResolveError, delete_cached, resolve_remote
 from ..config.keyfile import KeyScope
 from ..config.presets import ModelPreset
+from ..core.lifecycle import Status
 from ..core.view import Models, ModelView
 from ..errors import (
     BadRequest,
@@ -53,19 +55,30 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+# How long ``/props`` waits for the default model's own ``/props`` (answered without the model,
+# even while the child sleeps); past it, the router's fields alone.
+CHILD_PROPS_TIMEOUT_S = 2.0
+# The fields llama.cpp's router fills with placeholders "so the UI doesn't break": a default
+# model's own answer replaces them.
+PLACEHOLDERS = {"model_alias": "llama-router", "model_path": "none",
+                "default_generation_settings": {"params": None, "n_ctx": 0}}
+
+
 async def props(request: Request) -> Response:
     """The router's ``/props``; the configuration's errors (file paths) and the peers (their
     addresses) only for a key with full access (admin for every model); the default model
-    only for a key that may use it."""
+    only for a key that may use it, and then, as a single llama-server answers, its own
+    ``/props`` fields under the router's (``_default_props``)."""
     state = _state(request)
     settings = state.models.settings
     key_scope = key_scope_of(request.scope)
     full = key_scope is None
     default_id, default_from = _default_model(state, key_scope)
+    single = await _default_props(state, default_id) if default_id is not None else {}
     return JSONResponse({
+        **PLACEHOLDERS, **single,
         "role": "router", "max_instances": settings.models_max,
-        "models_autoload": settings.models_autoload, "model_alias": "llama-router",
-        "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
+        "models_autoload": settings.models_autoload,
         "ui_settings": {}, "build_info": state.build_info, "cors_proxy_enabled": False,
         "config_error": state.reloader.error if full else None,
         "llama_router": {**state.models.budgets(), "node": state.node,
@@ -74,6 +87,29 @@ async def props(request: Request) -> Response:
                          **({"peers": state.peers.describe()} if full and state.peers
                             is not None and state.peers.configured else {})},
     })
+
+
+async def _default_props(state: State, model_id: str) -> dict[str, Any]:
+    """What a llama-server serving the default model alone answers in ``/props``: its child's
+    own fields while it is loaded (``model_path``, ``total_slots``, the generation settings,
+    ``is_sleeping``: llama-server answers ``/props`` without waking), else ``is_sleeping``
+    true (the next request loads it, as a sleeping llama-server wakes). Nothing is loaded
+    for it; a child that does not answer in ``CHILD_PROPS_TIMEOUT_S`` adds nothing."""
+    view = state.models.view(model_id)
+    if view is None or view.status is not Status.LOADED:
+        return {"is_sleeping": True}
+    for replica in view.replicas():
+        if replica.missed_checks:
+            continue
+        try:
+            answer = await state.client.get(replica.base_url + "/props",
+                                            timeout=CHILD_PROPS_TIMEOUT_S)
+            found = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            continue
+        if isinstance(found, dict):
+            return {k: v for k, v in found.items() if isinstance(k, str)}
+    return {}
 
 
 def _default_model(state: State, key_scope: KeyScope | None) -> tuple[str | None, str | None]:

@@ -57,6 +57,10 @@ uses ``send``, which waits for the client as before. The response's start and en
 through ``send``. ``BodyWriter.one_write`` makes a small response's head and body, sent one
 after the other, go out in one write (one system call, not two).
 
+A response header's name goes out in lower case: uvicorn lowers every name as it writes the
+head. ``KeepCase`` is a name that keeps its case on the wire (the CORS headers, which
+llama-server's clients look up in a case-sensitive ``dict``: ``cors``).
+
 This module is the one adapter to uvicorn's private protocol: nothing else in the router reads
 a private attribute of it. Tested against uvicorn's ``httptools_impl`` in the versions
 ``pyproject.toml`` allows, with a contract test of every private name used here
@@ -107,6 +111,31 @@ HEAD_TOO_LARGE = (f"the request's start line and headers are longer than {MAX_HE
                   "bytes; the connection is closed")
 UPGRADE_REFUSED = ("the router does not switch protocols (Upgrade, CONNECT): it serves "
                    "HTTP/1.1 only, no WebSocket; the connection is closed")
+
+
+class KeepCase(bytes):
+    """A response header name as HTTP defines names: equal to its spelling in any case (and
+    hashed as its lower-case one, the ASGI form), written on the wire in its own. uvicorn
+    writes each name as ``name.lower()`` (``RequestResponseCycle.send``); this name's
+    ``lower()`` is itself, so the head carries ``Access-Control-Allow-Origin`` as llama-server
+    writes it, while whoever compares it with ``b"access-control-allow-origin"`` (an ASGI
+    client, a middleware) still finds it. Only for names the router itself writes, never the
+    framing ones uvicorn acts on (``content-length``, ``transfer-encoding``, ``connection``)."""
+
+    __slots__ = ()
+
+    def lower(self) -> bytes:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, bytes) and bytes.lower(self) == bytes.lower(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(bytes.lower(self))
+
 
 # Why the edge refused a connection or request: the label of llamarouter_edge_refusals_total.
 REFUSAL_REASONS = ("unparsable", "target_too_long", "header_too_large", "too_many_headers",
