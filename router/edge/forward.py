@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from ..config.policy import RequestPolicy
     from ..config.presets import ModelPreset
     from ..core.view import ModelView
+    from ..llama.unstreamed import Assembly
     from ..serving.leases import Lease
 
 log = logging.getLogger("router.forward")
@@ -247,13 +248,16 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
     if route.conversation is not None:  # a resumable stream: the child that keeps it
         route.conversation.served_by(lease.child)
     preemption = metered.preemption() if metered is not None else None
+    whole = None
     if metered is not None:
         body = metered.shaped(request, body)
+        if local.preset.upstream is None:  # llama-server's answers, assembled whole
+            body, whole = metered.asked_whole(request, body)
     try:
         if prefix is not None:
             body = await _in_its_slot(state, request, lease, prefix, body)
         await _relay(state, scope, receive, send, request, local, lease, body, preemption,
-                     FALLBACK_STATUSES if _falls_back(route) else NO_FAIL_OVER)
+                     FALLBACK_STATUSES if _falls_back(route) else NO_FAIL_OVER, whole)
     except Preempted:
         return False
     finally:
@@ -428,8 +432,8 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,
            request: RequestContext, model: ModelView, lease: Lease, body: bytes,
-           preemption: Preemption | None = None, fail_over: frozenset[int] = NO_FAIL_OVER
-           ) -> Coroutine[Any, Any, None]:
+           preemption: Preemption | None = None, fail_over: frozenset[int] = NO_FAIL_OVER,
+           whole: Assembly | None = None) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it; an answer with a
     status in ``fail_over`` raises ``FailOver`` instead (nothing sent)."""
@@ -440,7 +444,8 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
         headers, body, target = _for_remote(request, preset, headers, body, target)
     return relay(lease.child.connections, request.method, target, headers, body,
                  receive=receive, send=send, shutdown=state.shutdown,
-                 direct=direct_body(scope), preemption=preemption, fail_over=fail_over)
+                 direct=direct_body(scope), preemption=preemption, fail_over=fail_over,
+                 whole=whole)
 
 
 def _for_remote(request: RequestContext, preset: ModelPreset,
