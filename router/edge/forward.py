@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from ..config.policy import RequestPolicy
     from ..config.presets import ModelPreset
     from ..core.view import ModelView
+    from ..llama.unstreamed import Assembly
     from ..serving.leases import Lease
 
 log = logging.getLogger("router.forward")
@@ -249,13 +250,16 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
     if route.conversation is not None:  # a resumable stream: the child that keeps it
         route.conversation.served_by(lease.child)
     preemption = metered.preemption() if metered is not None else None
+    whole = None
     if metered is not None:
         body = metered.shaped(request, body)
+        if local.preset.upstream is None:  # llama-server's answers, assembled whole
+            body, whole = metered.asked_whole(request, body)
     try:
         if prefix is not None:
             body = await _in_its_slot(state, request, lease, prefix, body)
         await _relay(state, scope, receive, send, request, local, lease, body, preemption,
-                     FALLBACK_STATUSES if _falls_back(route) else NO_FAIL_OVER)
+                     FALLBACK_STATUSES if _falls_back(route) else NO_FAIL_OVER, whole)
     except Preempted:
         return False
     finally:
@@ -442,8 +446,8 @@ async def _in_its_slot(state: State, request: RequestContext, lease: Lease, pref
 
 def _relay(state: State, scope: Scope, receive: Receive, send: Send,
            request: RequestContext, model: ModelView, lease: Lease, body: bytes,
-           preemption: Preemption | None = None, fail_over: frozenset[int] = NO_FAIL_OVER
-           ) -> Coroutine[Any, Any, None]:
+           preemption: Preemption | None = None, fail_over: frozenset[int] = NO_FAIL_OVER,
+           whole: Assembly | None = None) -> Coroutine[Any, Any, None]:
     """Send the request to the leased replica's child (a remote upstream gets its key and
     maybe its own model name) and its answer back as the child writes it; an answer with a
     status in ``fail_over`` raises ``FailOver`` instead (nothing sent)."""
@@ -458,7 +462,8 @@ def _relay(state: State, scope: Scope, receive: Receive, send: Send,
         headers = otel.inject(headers, span)
     relayed = relay(lease.child.connections, request.method, target, headers, body,
                     receive=receive, send=send, shutdown=state.shutdown,
-                    direct=direct_body(scope), preemption=preemption, fail_over=fail_over)
+                    direct=direct_body(scope), preemption=preemption, fail_over=fail_over,
+                    whole=whole)
     return relayed if span is None else genai.exchanged(span, request, relayed)
 
 

@@ -7,9 +7,11 @@ over a quota it raises ``QuotaExceeded`` (429 with ``Retry-After``) and counts t
 and the request never reaches a child. Else the request carries its ``Metered``: its quota
 hold and its turn for a slot (``fairshare.Turn``, with its expected prompt tokens: the body's
 bytes over ``BYTES_PER_TOKEN``); a request of a class below ``interactive`` whose answer is not
-streamed may have its slot taken back before it answers (``preemption``). What it streams and
-the limit it sets are read from the request's one reading (``RequestContext.fields``), for
-every body shape.
+streamed may have its slot taken back before it answers (``preemption``); a batch request's,
+where its answer can be assembled whole (``llama.unstreamed``), is asked of the child as a
+stream (``asked_whole``), so that a take-back stops the child within a token, not a second.
+What it streams and the limit it sets are read from the request's one reading
+(``RequestContext.fields``), for every body shape.
 
 The client cannot shape what it is charged. Its answer is the child's whole answer: a
 ``response_fields`` that would hide the counts is overridden (``shaped``: an empty list
@@ -35,11 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..config.keyfile import PRIORITIES
 from ..errors import BadRequest, QuotaExceeded, Unavailable
 from ..http.jsonscan import COMPOUND
 from ..http.paths import METERED_PATHS, SLOT_PATHS, UNPINNED_SLOT_PATHS
 from ..http.proxy import Preemption
 from ..http.requests import RequestContext
+from ..llama.unstreamed import CHAT_PATHS, INCLUDE_USAGE, STREAM, Assembly, assembly, wholeable
 from ..teams.fairshare import GENERATED_WEIGHT, Turn
 from ..teams.quotas import Hold, OverQuota, Quotas
 from ..teams.usage import Usage
@@ -47,6 +51,7 @@ from ..teams.usage import Usage
 if TYPE_CHECKING:
     from ..serving.leases import Lease
 
+BATCH_RANK = PRIORITIES.index("batch")  # the lowest class: its answers may be assembled whole
 MAX_LIMIT = 1 << 31  # a limit past this is read as this (no request generates more)
 BYTES_PER_TOKEN = 4  # a prompt's expected tokens, from its body's size, until the child counts
 # The generation limit's names, in the order llama-server reads them (``n_predict`` and its
@@ -57,10 +62,12 @@ _LIMITS = ("n_predict", "max_completion_tokens", "max_tokens", "max_output_token
 class Metered:
     """One metered request: its ``turn`` for a slot, its quota ``hold``."""
 
-    __slots__ = ("_ended", "_hold", "_meter", "cap", "limit", "model", "preemptible", "turn")
+    __slots__ = ("_ended", "_hold", "_meter", "cap", "limit", "model", "preemptible", "turn",
+                 "whole")
 
     def __init__(self, meter: Meter, model: str, turn: Turn, hold: Hold | None,
-                 preemptible: bool = False, limit: int = 0, cap: int = 0) -> None:
+                 preemptible: bool = False, limit: int = 0, cap: int = 0,
+                 whole: bool = False) -> None:
         self._meter = meter
         self.model = model
         self.turn = turn
@@ -68,6 +75,8 @@ class Metered:
         self.preemptible = preemptible  # its slot may be taken back before it answers
         self.limit = limit  # the tokens it may generate (0: it set none)
         self.cap = cap  # the limit the router sets it (its team's quotas allow; 0: none)
+        # asked of the child as a stream, its answer assembled whole (``llama.unstreamed``)
+        self.whole = whole
         self._ended = False
 
     def shaped(self, request: RequestContext, body: bytes) -> bytes:
@@ -84,6 +93,22 @@ class Metered:
             name = "max_tokens" if request.path in UNPINNED_SLOT_PATHS else "n_predict"
             body = request.with_field(body, name, str(self.cap).encode()) or body
         return body
+
+    def asked_whole(self, request: RequestContext, body: bytes
+                    ) -> tuple[bytes, Assembly | None]:
+        """For a request whose answer is assembled (``whole``), the body that asks llama-server
+        for a stream (and for a chat completion, the usage at its end), and a new assembly of
+        its answer; else the body as it is, and None."""
+        if not self.whole:
+            return body, None
+        streamed = request.with_field(body, "stream", STREAM)
+        if streamed is None:
+            return body, None
+        if request.path in CHAT_PATHS:
+            streamed = request.with_field(streamed, "stream_options", INCLUDE_USAGE)
+            if streamed is None:
+                return body, None
+        return streamed, assembly(request.path)
 
     def preemption(self) -> Preemption | None:
         """What takes this request's slot back while its answer has not begun, set on its
@@ -162,8 +187,13 @@ class Meter:
             raise QuotaExceeded(str(exc), headers={"Retry-After": str(exc.retry_after)}
                                 ) from None
         preemptible = member.rank > 0 and fields.get("stream") is not True
+        # The batch class only: every router has a class above it (default), whereas a
+        # default-class request is taken back only where interactive keys exist, and asking
+        # every unstreamed request of a router without keys as a stream would tax its hot path.
+        whole = preemptible and member.rank == BATCH_RANK \
+            and wholeable(request.path, fields, request.parsed is not None)
         return Metered(self, model, Turn(member.flow, member.rank, expected), hold, preemptible,
-                       limit, cap)
+                       limit, cap, whole)
 
 
 def _limit(fields: Mapping[str, Any]) -> int:

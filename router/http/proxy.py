@@ -51,8 +51,10 @@ from .requests import (
     with_multipart_model,
 )
 from .upstream import Cancel, ChildConnections, UpstreamResponse
+from .wholeanswer import relay_whole
 
 if TYPE_CHECKING:
+    from ..llama.unstreamed import Assembly
     from .jsonscan import Scanned
     from .shutdown import Shutdown
 
@@ -246,14 +248,16 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
                 send: Send, shutdown: Shutdown | None = None,
                 fail_over: frozenset[int] = frozenset(),
                 direct: DirectBody | None = None,
-                preemption: Preemption | None = None) -> None:
+                preemption: Preemption | None = None, whole: Assembly | None = None) -> None:
     """Send the request to the child and relay its response to the client; a streamed
     body through ``direct`` while the client keeps up, when given (``direct_body``).
 
     A response whose status is in ``fail_over`` is not relayed: ``FailOver`` is raised
     instead (its connection is closed), so that the caller can try another node. A request
     whose ``preemption`` was asked for before its response's head arrived raises
-    ``Preempted`` (its exchange aborted, nothing sent).
+    ``Preempted`` (its exchange aborted, nothing sent). With ``whole``, it was asked as a
+    stream for a client that asked for none: the events make the one whole answer
+    (``wholeanswer``), and its slot may be taken back until that answer is sent.
 
     Raises ``RouterError`` (``UpstreamError``, or ``InvalidHeader`` for a header that cannot
     be forwarded; ``ShuttingDown`` when ``shutdown``'s grace period ends first) only while
@@ -275,23 +279,23 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             if preemption is not None and preemption.asked:
                 raise Preempted
             response = await connections.send(method, target, headers, body, cancel=cancel)
-        except UpstreamError:
-            if cancel.cancelled:
-                if shutdown is not None and shutdown.over.is_set():
-                    raise shutdown.error() from None
-                if preemption is not None and preemption.asked and not watch.gone:
-                    raise Preempted from None
-                return
-            if connections.ended is not None:  # ended on purpose (an unload)
-                raise connections.ended from None
-            raise
+        except UpstreamError as exc:
+            _broken(exc, cancel, shutdown, connections, preemption, watch)
+            return
         if response.status in fail_over:
             response.abort()
             response.release()
             raise FailOver(response.status)
-        if preemption is not None:
-            _answered(preemption, response)
         try:
+            if whole is not None and response.status == 200 and response.event_stream:
+                def broken(exc: UpstreamError) -> None:
+                    _broken(exc, cancel, shutdown, connections, preemption, watch)
+                await relay_whole(response, whole, send,
+                                  strip_hop_by_hop(response.headers, RESPONSE_DROP),
+                                  direct.writer if direct is not None else None,
+                                  lambda: _answered(preemption, response), broken)
+                return
+            _answered(preemption, response)
             await _relay_response(response, send, cancel, shutdown, connections, direct)
         finally:
             response.release()
@@ -301,13 +305,32 @@ async def relay(connections: ChildConnections, method: str, target: bytes,
             shutdown.relays.discard(cancel)
 
 
-def _answered(preemption: Preemption, response: UpstreamResponse) -> None:
-    """The response's head arrived: its slot can no longer be taken back, unless that was
-    asked in the same instant (nothing was sent yet: ``Preempted``)."""
+def _broken(exc: UpstreamError, cancel: Cancel, shutdown: Shutdown | None,
+            connections: ChildConnections, preemption: Preemption | None,
+            watch: DisconnectWatch) -> None:
+    """What the exchange failing before anything was sent means: the shutdown's end, a
+    take-back (``Preempted``), the unload that ended it, the child's failure (each raised), or
+    the client gone (returns)."""
+    if cancel.cancelled:
+        if shutdown is not None and shutdown.over.is_set():
+            raise shutdown.error() from None
+        if preemption is not None and preemption.asked and not watch.gone:
+            raise Preempted from None
+        return
+    if connections.ended is not None:  # ended on purpose (an unload)
+        raise connections.ended from None
+    raise exc
+
+
+def _answered(preemption: Preemption | None, response: UpstreamResponse) -> None:
+    """The answer is about to go out (its head arrived; for an assembled answer, it is
+    whole): its slot can no longer be taken back, unless that was asked in the same instant
+    (nothing was sent yet: ``Preempted``)."""
+    if preemption is None:
+        return
     preemption.answered = True
     if preemption.asked:
-        response.abort()
-        response.release()
+        response.abort()  # (the caller releases it)
         raise Preempted
 
 
