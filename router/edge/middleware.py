@@ -62,8 +62,7 @@ class RequestMetricsMiddleware:
             return
         request = scope[CONTEXT] = RequestContext(scope)
         started = time.perf_counter()
-        # A proxied request's server span (OpenTelemetry on: ``genai``), current inside;
-        # also an Ollama request's, which the router answers on the proxy's path.
+        # A proxied (or Ollama's) request's server span (OpenTelemetry on: ``genai``).
         span = genai.begin(request, scope["headers"], _port(scope)) \
             if otel.on and (not request.local or request.path in genai.OPERATIONS) else None
         status = 0  # until the response starts
