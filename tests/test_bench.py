@@ -252,5 +252,8 @@ def test_fairness_phase_reports_every_target(tmp_path: Path, llama_server: Path)
     for name in ("router", "direct"):
         assert targets[name]["flood"]["per_s"] > 0 and targets[name]["alone"]["per_s"] > 0
     assert {"flood_jain", "flood_throughput", "late_no_burst", "interactive_ttft",
-            "interactive_kept", "alone"} == set(report["fairness"]["targets"])
+            "batch_flood_throughput", "interactive_kept", "alone"} == \
+        set(report["fairness"]["targets"])
+    assert all(row["priority"]["mixed_per_s"] > 0 for name, row in targets.items()
+               if name in ("router", "direct"))
     assert "Teams sharing one slot" in result.stdout
