@@ -231,3 +231,26 @@ def test_exposition_scrapes_the_loaded_children() -> None:
     assert {name: got[name] for name in expected} == expected
     assert 'llamarouter_child_scrape_errors_total{model="d"} 1.0' in text
     assert 'model="c"' not in text
+
+
+def test_a_scoped_key_sees_no_genai_series_of_another_model() -> None:
+    """The GenAI histograms name their models in labels of their own: a key limited to some
+    models sees neither another model's series nor one whose model label is empty."""
+    from router.observe.metrics import only_models
+    body = (
+        b"# HELP gen_ai_server_request_duration_seconds d\n"
+        b"# TYPE gen_ai_server_request_duration_seconds histogram\n"
+        b'gen_ai_server_request_duration_seconds_count{gen_ai_request_model="alpha",'
+        b'gen_ai_response_model="alpha"} 1.0\n'
+        b'gen_ai_server_request_duration_seconds_count{gen_ai_request_model="beta",'
+        b'gen_ai_response_model="beta"} 1.0\n'
+        b'gen_ai_server_request_duration_seconds_count{gen_ai_request_model="a",'
+        b'gen_ai_response_model="beta"} 1.0\n'
+        b'gen_ai_server_request_duration_seconds_count{gen_ai_request_model="alpha",'
+        b'gen_ai_response_model=""} 1.0\n'
+        b"# HELP llamarouter_cpu_turns t\n# TYPE llamarouter_cpu_turns gauge\n"
+        b"llamarouter_cpu_turns 2.0\n")
+    text = only_models(body, lambda model: model in ("alpha", "a")).decode()
+    assert text.count("gen_ai_server_request_duration_seconds_count{") == 1
+    assert 'gen_ai_response_model="alpha"' in text and "beta" not in text
+    assert "llamarouter_cpu_turns 2.0" in text

@@ -490,17 +490,22 @@ def render_merged(families: dict[str, Metric]) -> Iterator[str]:
     yield exposition_of(families.values()).decode()
 
 
+# The labels that name a model, each checked against a scoped key's models (``only_models``).
+MODEL_LABELS = ("model", "gen_ai_request_model", "gen_ai_response_model")
+
+
 def only_models(body: bytes, allows: Callable[[str], bool]) -> bytes:
     """The exposition ``body`` with only the series of the models ``allows`` (a key limited to
-    some models): a series with a ``model`` label of another model, or an empty one (requests
-    that named none), is left out, and so is a family left without series; series without a
-    ``model`` label (the router's own, per CPU turn, …) stay."""
+    some models): a series with a model label (``MODEL_LABELS``: the router's ``model``, the
+    GenAI conventions' requested and answering model) naming another model, or empty
+    (requests that named none), is left out, and so is a family left without series; series
+    without one (the router's own, per CPU turn, …) stay."""
     families = merge_child_metrics([({}, body.decode())])
     kept: list[Metric] = []
     for family in families.values():
         samples = [s for s in family.samples
-                   if "model" not in s.labels or (s.labels["model"]
-                                                  and allows(s.labels["model"]))]
+                   if all(s.labels[label] and allows(s.labels[label])
+                          for label in MODEL_LABELS if label in s.labels)]
         if samples:
             family.samples = samples
             kept.append(family)
