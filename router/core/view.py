@@ -195,11 +195,10 @@ class ModelView:
             entry["pin"] = True
         if preset.min_resident:  # seconds, as the preset wrote them (30, not 30.0)
             seconds = preset.min_resident
-            entry["min_resident"] = int(seconds) if seconds.is_integer() else seconds
+            entry["min_resident"] = _as_written(seconds)
         if model.keep_alive is not None:  # a request's, for this load: -1 for none, as sent
             kept = model.keep_alive
-            entry["keep_alive"] = -1 if kept == math.inf else int(kept) if kept.is_integer() \
-                else kept
+            entry["keep_alive"] = -1 if kept == math.inf else _as_written(kept)
         if model.info and model.status is not Status.UNLOADED:
             for key, value in model.info.items():
                 entry.setdefault(key, value)
@@ -318,6 +317,11 @@ class ModelView:
         if model.crash_loop:
             fields["crash_loop"] = True
         return fields
+
+
+def _as_written(seconds: float) -> float | int:
+    """Seconds as a preset or a request wrote them: 30, not 30.0."""
+    return int(seconds) if seconds.is_integer() else seconds
 
 
 class Models(Protocol):

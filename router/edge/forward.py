@@ -65,7 +65,7 @@ from ..observe import genai
 from ..serving.affinity import NO_PREFIX, Prefix, request_prefix
 from ..teams.fairshare import Turn
 from .keepalive import FIELD as KEEP_ALIVE
-from .keepalive import keep_alive_seconds, may_keep_alive
+from .keepalive import kept_alive
 from .keys import Forbidden
 from .metering import Metered
 from .nodes import serve_across_nodes
@@ -197,7 +197,7 @@ async def _forward_route(state: State, scope: Scope, receive: Receive, send: Sen
     if route.policy and body:
         body = await _with_policy(request, route.policy, body)
     fields = request.fields
-    kept = _kept_alive(request, fields[KEEP_ALIVE]) if KEEP_ALIVE in fields else None
+    kept = kept_alive(request.key_scope, fields[KEEP_ALIVE]) if KEEP_ALIVE in fields else None
     metered = state.meter.begin(request, route.model_id)  # 429 over a quota
     lease: Lease | None = None
     error: BaseException | None = None
@@ -266,13 +266,6 @@ async def _serve(state: State, scope: Scope, receive: Receive, send: Send,
         if metered is not None:
             metered.turn.preempt = None
     return True
-
-
-def _kept_alive(request: RequestContext, value: object) -> float | None:
-    """The idle TTL the request's ``keep_alive`` sets (``keepalive``): checked whatever the
-    key (BadRequest), None when the key may not load and unload models."""
-    seconds = keep_alive_seconds(value)
-    return seconds if may_keep_alive(request.key_scope) else None
 
 
 async def _with_policy(request: RequestContext, policy: RequestPolicy, body: bytes) -> bytes:

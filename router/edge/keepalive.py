@@ -25,7 +25,14 @@ from __future__ import annotations
 from ..config.durations import FIELD, keep_alive_seconds
 from ..config.keyfile import ADMIN, KeyScope
 
-__all__ = ["FIELD", "keep_alive_seconds", "may_keep_alive"]
+__all__ = ["FIELD", "keep_alive_seconds", "kept_alive", "may_keep_alive"]
+
+
+def kept_alive(key_scope: KeyScope | None, value: object) -> float | None:
+    """The idle TTL a request's ``keep_alive`` sets: checked whatever the key (BadRequest),
+    None for ``null`` or when the key may not load and unload models."""
+    seconds = keep_alive_seconds(value)
+    return seconds if may_keep_alive(key_scope) else None
 
 def may_keep_alive(key_scope: KeyScope | None) -> bool:
     """Whether a request of a key with this scope may set a model's TTL: one that may load and

@@ -35,7 +35,7 @@ from ..ollama import details, translate
 from ..ollama.answers import Answer, error_body, error_message, now_iso
 from .forward import proxy
 from .keepalive import FIELD as KEEP_ALIVE
-from .keepalive import keep_alive_seconds, may_keep_alive
+from .keepalive import kept_alive
 from .keys import Forbidden, send_ollama_error
 from .route import local_model
 from .state import State
@@ -228,8 +228,8 @@ async def _idiom(state: State, request: RequestContext, local: Any, ask: transla
             with contextlib.suppress(BadRequest):  # stopped meanwhile: unloaded either way
                 await state.models.unload(local)
     else:
-        kept = keep_alive_seconds(ask.body.get(KEEP_ALIVE))  # as the proxy applies it
-        if kept is not None and may_keep_alive(request.key_scope):
+        kept = kept_alive(request.key_scope, ask.body.get(KEEP_ALIVE))  # as the proxy does
+        if kept is not None:
             state.models.keep_alive(local, kept)
         lease = await state.models.acquire(local)
         lease.release()

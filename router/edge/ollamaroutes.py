@@ -60,7 +60,7 @@ async def tags(scope: Scope, receive: Receive, send: Send) -> None:
     await send_json(send, {"models": entries})
 
 
-def _expires_at(state: State, model: ModelView) -> str:
+def _expires_at(model: ModelView) -> str:
     """When its idle TTL stops it, if nothing uses it before (``liveness``): a request's
     ``keep_alive`` for this load, else its preset's ``ttl``, else ``--idle-timeout``."""
     ttl = model.idle_ttl
@@ -81,7 +81,7 @@ async def ps(scope: Scope, receive: Receive, send: Send) -> None:
             model.snapshot.estimate_devices.values())
         size = model.measured() or model.snapshot.estimate or entry["size"]
         entry.update(size=max(size, vram), size_vram=vram,
-                     expires_at=_expires_at(state, model),
+                     expires_at=_expires_at(model),
                      context_length=details.context_of(
                          model.preset.args, details.facts(model.preset.model_path)) or 0)
         entries.append(entry)
