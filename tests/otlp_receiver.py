@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+from support import http_server
 
 
 def value_of(value: AnyValue) -> Any:
@@ -135,13 +136,6 @@ class _Handler(BaseHTTPRequestHandler):
 def serve() -> Iterator[tuple[str, Received]]:
     """A receiver on a free port of 127.0.0.1: its endpoint URL and what it received."""
     received = Received()
-    handler = type("Handler", (_Handler,), {"received": received})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(type("Handler", (_Handler,), {"received": received})) as url:
+        yield url, received
 

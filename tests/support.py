@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -93,6 +94,21 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@contextlib.contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler], join_s: float = 60.0) -> Iterator[str]:
+    """``handler`` served on a free port of 127.0.0.1 by a thread: its base URL; shut down,
+    and its thread joined (within ``join_s``), on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(join_s)
 
 
 @contextlib.contextmanager

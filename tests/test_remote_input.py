@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import start_router, write_presets
+from support import http_server, start_router, write_presets
 
 from router.config.presets import PresetsInvalid
 from router.config.sources import build_catalogue
@@ -119,16 +119,8 @@ class Recorder(BaseHTTPRequestHandler):
 @contextmanager
 def recorder() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     seen: list[dict[str, Any]] = []
-    handler = type("Handler", (Recorder,), {"seen": seen})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(GUARD_S)
+    with http_server(type("Handler", (Recorder,), {"seen": seen}), GUARD_S) as url:
+        yield url, seen
 
 
 @pytest.mark.process
